@@ -1,0 +1,138 @@
+"""The packed weight format: one place that defines how quantized weights are laid out.
+
+A linear weight ``W`` of shape (N out-features, K in-features) is stored as
+
+* ``qweight``: uint8. 4-bit: shape (K/2, N); row r holds k=2r in the low nibble and k=2r+1 in
+  the high nibble. 8-bit: shape (K, N). Either way a kernel walking K reads contiguous rows of N.
+* ``scales``, ``zeros``: compute dtype, contiguous. ``axis=1`` (groups along K): (K/group_size, N).
+  ``axis=0`` (groups along N): (K, N/group_size).
+
+and dequantizes as ``W[n, k] = (q[n, k] - zero) * scale``. docs/format.md is the written spec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAYOUT_VERSION = 1
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_AXES = (0, 1)
+MIN_GROUP_SIZE = 16
+MAX_GROUP_SIZE = 1024
+
+
+@dataclass
+class PackedWeight:
+    """A quantized linear weight in quantpack's packed layout (see module docstring)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+    axis: int
+    shape: tuple[int, int]  # (N, K) of the original weight
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    def to(self, device=None) -> "PackedWeight":
+        return PackedWeight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device),
+                            self.bits, self.group_size, self.axis, self.shape)
+
+    def validate(self) -> None:
+        """Raise ValueError if tensors do not match the declared bits/group size/axis/shape."""
+        check_layout_args(self.shape, self.bits, self.group_size, self.axis)
+        want = packed_shapes(self.shape, self.bits, self.group_size, self.axis)
+        for name, t in (("qweight", self.qweight), ("scales", self.scales), ("zeros", self.zeros)):
+            if tuple(t.shape) != want[name]:
+                raise ValueError(f"{name}: shape {tuple(t.shape)} does not match {want[name]} expected for "
+                                 f"shape={self.shape} bits={self.bits} group_size={self.group_size} axis={self.axis}")
+        if self.qweight.dtype != torch.uint8:
+            raise ValueError(f"qweight: dtype {self.qweight.dtype}, expected torch.uint8")
+        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
+            if not t.is_floating_point():
+                raise ValueError(f"{name}: dtype {t.dtype}, expected a floating-point dtype")
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and (v & (v - 1)) == 0
+
+
+def check_layout_args(shape, bits: int, group_size: int, axis: int) -> None:
+    """Validate (N, K), bits, group size and axis; raise ValueError naming the bad argument.
+
+    ``group_size`` equal to the full length of the grouped axis means per-channel (one group per
+    row for axis=1) and need not be a power of two.
+    """
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; use one of {SUPPORTED_BITS}")
+    if axis not in SUPPORTED_AXES:
+        raise ValueError(f"axis={axis!r} is not supported; use 1 (groups along in-features) or 0 (along out-features)")
+    if len(shape) != 2:
+        raise ValueError(f"weight: expected a 2-D (out_features, in_features) tensor, got shape {tuple(shape)}")
+    n, k = shape
+    if n < 1 or k < 1:
+        raise ValueError(f"weight: empty shape {tuple(shape)}")
+    if bits == 4 and k % 2:
+        raise ValueError(f"weight: in_features K={k} is odd; 4-bit packing stores two values of K per byte, so K must be even")
+    length = k if axis == 1 else n
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise ValueError(f"group_size={group_size!r} must be an integer")
+    if group_size != length:
+        if not (_is_pow2(group_size) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE):
+            raise ValueError(f"group_size={group_size} must be a power of two in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}] "
+                             f"(or None for per-channel)")
+        if length % group_size:
+            dim = "in_features K" if axis == 1 else "out_features N"
+            raise ValueError(f"group_size={group_size} does not divide {dim}={length}; pick a group size that divides it")
+
+
+def packed_shapes(shape, bits: int, group_size: int, axis: int) -> dict[str, tuple[int, int]]:
+    """Shapes of qweight, scales and zeros for a (N, K) weight."""
+    n, k = shape
+    q = (k // 2, n) if bits == 4 else (k, n)
+    meta = (k // group_size, n) if axis == 1 else (k, n // group_size)
+    return {"qweight": q, "scales": meta, "zeros": meta}
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned integer values ``q`` of shape (N, K) into ``qweight``.
+
+    4-bit: (K/2, N), even k in the low nibble. 8-bit: (K, N).
+    """
+    if q.dim() != 2:
+        raise ValueError(f"q: expected a 2-D (N, K) tensor, got shape {tuple(q.shape)}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; use one of {SUPPORTED_BITS}")
+    if q.dtype not in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"q: dtype {q.dtype}; expected an unsigned-range integer tensor")
+    qmax = (1 << bits) - 1
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > qmax):
+        raise ValueError(f"q: values must lie in [0, {qmax}] for bits={bits}")
+    qt = q.t().to(torch.uint8)
+    if bits == 8:
+        return qt.contiguous()
+    if qt.shape[0] % 2:
+        raise ValueError(f"q: K={qt.shape[0]} is odd; 4-bit packing needs an even K")
+    return (qt[0::2] | (qt[1::2] << 4)).contiguous()
+
+
+def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: return uint8 values of shape (N, K). Never sign-extends."""
+    if qweight.dtype != torch.uint8:
+        raise ValueError(f"qweight: dtype {qweight.dtype}, expected torch.uint8")
+    if bits == 8:
+        return qweight.t().contiguous()
+    if bits != 4:
+        raise ValueError(f"bits={bits!r} is not supported; use one of {SUPPORTED_BITS}")
+    low = qweight & 0x0F
+    high = qweight >> 4  # uint8 shift is logical: no sign extension
+    kq, n = qweight.shape
+    return torch.stack((low, high), dim=1).reshape(2 * kq, n).t().contiguous()

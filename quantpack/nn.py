@@ -1,0 +1,66 @@
+"""``QuantLinear``: a drop-in ``nn.Linear`` replacement holding a packed quantized weight."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .format import PackedWeight, packed_shapes, check_layout_args
+from .quantize import quantize, resolve_group_size
+from . import reference
+
+
+class QuantLinear(nn.Module):
+    """Linear layer over a frozen packed weight (buffers ``qweight``, ``scales``, ``zeros``, ``bias``).
+
+    The state-dict keys are exactly the tensor names of a packed checkpoint
+    (``<module>.qweight``, ``<module>.scales``, ``<module>.zeros``, ``<module>.bias``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bits: int = 4, group_size: int | None = 128,
+                 axis: int = 1, bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        shape = (out_features, in_features)
+        group_size = resolve_group_size(group_size, shape, axis)
+        check_layout_args(shape, bits, group_size, axis)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.axis = bits, group_size, axis
+        shapes = packed_shapes(shape, bits, group_size, axis)
+        self.register_buffer("qweight", torch.empty(shapes["qweight"], dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(shapes["scales"], dtype=dtype, device=device))
+        self.register_buffer("zeros", torch.empty(shapes["zeros"], dtype=dtype, device=device))
+        if bias:
+            self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    @classmethod
+    def from_packed(cls, pw: PackedWeight, bias: torch.Tensor | None = None) -> "QuantLinear":
+        pw.validate()
+        n, k = pw.shape
+        m = cls(k, n, bits=pw.bits, group_size=pw.group_size, axis=pw.axis, bias=bias is not None,
+                dtype=pw.scales.dtype, device="meta")
+        m.qweight, m.scales, m.zeros = pw.qweight, pw.scales, pw.zeros
+        if bias is not None:
+            m.bias = bias.detach().to(pw.scales.dtype)
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, bits: int = 4, group_size: int | None = 128, axis: int = 1,
+                    method: str = "hqq", dtype: torch.dtype | None = None) -> "QuantLinear":
+        pw = quantize(linear.weight.detach(), bits=bits, group_size=group_size, axis=axis, method=method, dtype=dtype)
+        return cls.from_packed(pw, linear.bias)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.axis,
+                            (self.out_features, self.in_features))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return reference.dequantize(self.packed, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reference.matmul(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, axis={self.axis}, bias={self.bias is not None}")
