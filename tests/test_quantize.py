@@ -1,0 +1,122 @@
+"""Group-wise quantization: reconstruction quality (against the hqq library itself), layout, bad input."""
+import pytest
+import torch
+
+from quantpack import quantize, dequantize, unpack
+
+
+def _weight(n, k, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    # LLM-like outliers so min/max is a poor fit and HQQ has something to optimize
+    w[torch.rand(n, k, generator=g) < 0.002] *= 12
+    return w.to(dtype)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _hqq_library_error(w, bits, group_size, dtype):
+    from hqq.core.quantize import Quantizer
+
+    wq, meta = Quantizer.quantize(w, nbits=bits, group_size=group_size, axis=1, optimize=True, bitpack=False,
+                                  compute_dtype=dtype, device="cpu")
+    # HQQLinear stores scale and zero in the compute dtype, as a quantpack checkpoint does
+    meta.update(scale=meta["scale"].to(dtype), zero=meta["zero"].to(dtype), compute_dtype=torch.float32)
+    return _rel(Quantizer.dequantize(wq.float(), meta).reshape(w.shape).float(), w)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hqq_matches_hqq_library_and_beats_rtn(bits, group_size, dtype):
+    w = _weight(96, 512, seed=bits * group_size)
+    ours = _rel(dequantize(quantize(w, bits=bits, group_size=group_size, method="hqq", dtype=dtype)).float(), w)
+    lib = _hqq_library_error(w, bits, group_size, dtype)
+    rtn = _rel(dequantize(quantize(w, bits=bits, group_size=group_size, method="rtn", dtype=dtype)).float(), w)
+    assert ours <= lib * 1.01, (ours, lib)
+    assert ours <= rtn, (ours, rtn)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_hqq_never_worse_than_rtn_both_axes(axis, bits):
+    w = _weight(128, 256, seed=7)
+    errs = {m: _rel(dequantize(quantize(w, bits=bits, group_size=64, axis=axis, method=m)).float(), w)
+            for m in ("hqq", "rtn")}
+    assert errs["hqq"] <= errs["rtn"]
+    assert errs["rtn"] < (0.12 if bits == 4 else 0.008)
+
+
+@pytest.mark.parametrize("method", ["hqq", "rtn"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_reconstruction_is_exact_on_the_grid(method, axis):
+    """A weight that already lies on a per-group 4-bit grid is reproduced to the dtype's precision."""
+    g = torch.Generator().manual_seed(3)
+    n, k, gs = 32, 64, 16
+    q = torch.randint(0, 16, (n, k), generator=g).float()
+    q[:, 0::gs], q[:, 1::gs] = 0, 15  # every group along K spans the full range...
+    q[0::gs, :], q[1::gs, :] = 0, 15  # ...and every group along N too
+    w = (q - 7.5) * 0.01
+    pw = quantize(w, bits=4, group_size=gs, axis=axis, method=method, dtype=torch.float32)
+    assert _rel(dequantize(pw), w) < 1e-5
+
+
+def test_layout_matches_format():
+    w = _weight(48, 256)
+    pw = quantize(w, bits=4, group_size=64, axis=1, dtype=torch.bfloat16)
+    assert pw.qweight.shape == (128, 48) and pw.qweight.dtype == torch.uint8
+    assert pw.scales.shape == (4, 48) and pw.scales.dtype == torch.bfloat16 and pw.scales.is_contiguous()
+    assert pw.zeros.shape == (4, 48) and pw.zeros.dtype == torch.bfloat16
+    pw0 = quantize(w, bits=8, group_size=16, axis=0, dtype=torch.float16)
+    assert pw0.qweight.shape == (256, 48) and pw0.scales.shape == (256, 3) and pw0.zeros.dtype == torch.float16
+    q = unpack(pw0.qweight, 8)
+    assert int(q.max()) <= 255 and q.shape == (48, 256)
+
+
+def test_default_dtype_follows_weight():
+    assert quantize(_weight(16, 64, dtype=torch.float16), group_size=32).scales.dtype == torch.float16
+    assert quantize(_weight(16, 64, dtype=torch.bfloat16), group_size=32).scales.dtype == torch.bfloat16
+    assert quantize(_weight(16, 64), group_size=32).scales.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 50), 1), ((5, 2), 1), ((7, 64), 0)])
+def test_per_channel_odd_shapes(shape, axis):
+    w = _weight(*shape)
+    pw = quantize(w, bits=4, group_size=None, axis=axis, dtype=torch.float32)
+    assert pw.group_size == (shape[1] if axis == 1 else shape[0])
+    assert _rel(dequantize(pw), w) < 0.2
+
+
+def test_constant_group_is_reproduced():
+    w = torch.full((4, 32), 0.5)
+    for method in ("hqq", "rtn"):
+        assert torch.allclose(dequantize(quantize(w, group_size=16, method=method, dtype=torch.float32)), w, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"group_size": 48}, "group_size"),
+    ({"group_size": 100}, "group_size"),
+    ({"bits": 3}, "bits"),
+    ({"method": "gptq"}, "method"),
+    ({"axis": 3}, "axis"),
+    ({"dtype": torch.int8}, "dtype"),
+])
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(_weight(16, 64), **kwargs)
+
+
+def test_invalid_weights():
+    with pytest.raises(ValueError, match="weight: dtype"):
+        quantize(torch.ones(8, 64, dtype=torch.int32), group_size=32)
+    with pytest.raises(ValueError, match="K=63 is odd"):
+        quantize(_weight(8, 63), group_size=None)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = _weight(8, 64)
+        w[3, 5] = bad
+        with pytest.raises(ValueError, match="weight: contains NaN or inf"):
+            quantize(w, group_size=32)
+    with pytest.raises(ValueError, match="weight: expected a 2-D"):
+        quantize(torch.randn(4, 8, 16), group_size=16)
