@@ -1,0 +1,183 @@
+"""Tiny but *real* Hugging Face checkpoints, built offline in a second: for tests, demos and docs.
+
+Each builder writes what ``save_pretrained`` writes for a real model (sharded safetensors with an
+index, ``config.json``, ``generation_config.json``) plus a real tokenizer trained on a built-in
+passage with the ``tokenizers`` library, a chat template (Llama), a LICENSE and a README, so code
+that converts or loads a checkpoint sees every kind of file a hub repository has.
+
+    from quantpack.tiny import make_tiny_llama
+    make_tiny_llama("tiny-llama")            # 2 layers, hidden 128, 2 shards, float32
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+# A passage to train the tokenizers on: plain English with digits and punctuation.
+PASSAGE = """\
+Quantization stores each weight of a neural network in a few bits instead of sixteen.
+A group of one hundred and twenty-eight weights shares a scale and a zero point, so the
+model keeps most of its accuracy while its memory shrinks by a factor of about four.
+The quick brown fox jumps over the lazy dog; the lazy dog sleeps in the sun until noon.
+Packed weights are read by a fused kernel that unpacks, rescales and multiplies in one pass.
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 128 4096 appear in configs, logs and benchmarks.
+Hello, world! How are you today? I am fine, thank you. Let us convert a checkpoint.
+"""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '</s>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+LICENSE_TEXT = "Tiny test checkpoint made by quantpack.tiny; random weights, no rights reserved.\n"
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' progress bars and info logs while saving."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _bpe_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (Llama-style special tokens) trained on :data:`PASSAGE`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(PASSAGE.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _wordpiece_tokenizer(vocab_size: int):
+    """A BERT-style WordPiece tokenizer trained on :data:`PASSAGE`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(PASSAGE.splitlines(), trainer=trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]")
+
+
+def _save_sharded(model, path: Path, num_shards: int) -> None:
+    """``save_pretrained`` into ``path`` with a ``max_shard_size`` that yields exactly ``num_shards``
+    files (a single ``model.safetensors`` when ``num_shards == 1``)."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if num_shards == 1:
+        with _quiet_transformers():
+            model.save_pretrained(path, max_shard_size=2 * total + (1 << 20))
+        return
+    # save_pretrained splits greedily; search a shard size that gives the requested count.
+    lo, hi = 1, total
+    for _ in range(40):
+        size = (lo + hi) // 2
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp, _quiet_transformers():
+            model.save_pretrained(tmp, max_shard_size=size)
+            count = sum(1 for f in os.listdir(tmp) if f.endswith(".safetensors"))
+            if count == num_shards:
+                for f in os.listdir(tmp):
+                    shutil.move(os.path.join(tmp, f), path / f)
+                return
+        if count > num_shards:
+            lo = size + 1
+        else:
+            hi = size - 1
+        if lo > hi:
+            break
+    raise ValueError(f"num_shards={num_shards}: cannot split this model into that many shards; use fewer shards")
+
+
+def _write_extras(path: Path, title: str) -> None:
+    (path / "LICENSE").write_text(LICENSE_TEXT)
+    (path / "README.md").write_text(f"# {title}\n\nA tiny checkpoint with random weights, made by `quantpack.tiny`.\n")
+
+
+def make_tiny_llama(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32,
+                    tie_word_embeddings: bool = False, seed: int = 0, hidden_size: int = 128,
+                    intermediate_size: int = 256, num_hidden_layers: int = 2, num_attention_heads: int = 4,
+                    num_key_value_heads: int = 2, vocab_size: int = 320, **config_overrides) -> Path:
+    """Write a tiny ``LlamaForCausalLM`` checkpoint (random weights, real tokenizer) to ``path``.
+
+    ``num_shards`` > 1 writes ``model-0000i-of-0000n.safetensors`` plus the index; 1 writes a single
+    ``model.safetensors``. Extra keyword arguments go to ``LlamaConfig`` (e.g. ``attention_bias=True``).
+    Returns ``path``.
+    """
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _bpe_tokenizer(vocab_size)
+    config = LlamaConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
+                         max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    _save_sharded(model, path, num_shards)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, do_sample=False,
+                     max_new_tokens=16).save_pretrained(path)
+    _write_extras(path, "tiny-llama")
+    return path
+
+
+def make_tiny_encoder(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
+                      hidden_size: int = 128, intermediate_size: int = 256, num_hidden_layers: int = 2,
+                      num_attention_heads: int = 4, vocab_size: int = 256, **config_overrides) -> Path:
+    """Write a tiny ``BertModel`` checkpoint (random weights, WordPiece tokenizer) to ``path``.
+
+    Its linear layers have biases and it has a pooler, unlike the Llama builder. Returns ``path``.
+    """
+    from transformers import BertConfig, BertModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _wordpiece_tokenizer(vocab_size)
+    config = BertConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                        vocab_size=vocab_size, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+                        **config_overrides)
+    torch.manual_seed(seed)
+    model = BertModel(config).to(dtype).eval()
+    _save_sharded(model, path, num_shards)
+    tokenizer.save_pretrained(path)
+    _write_extras(path, "tiny-encoder")
+    return path
+

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny real checkpoints (built once per session) and an offline Hugging Face cache.
+
+The session-scoped checkpoint directories are shared by every test: treat them as read-only, and
+copy them (``shutil.copytree(tiny_llama_dir, tmp_path / "src")``) before changing anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantpack.tiny import make_tiny_encoder, make_tiny_llama
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Tiny LlamaForCausalLM, float32, 2 safetensors shards + index, untied lm_head, real tokenizer."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tmp_path_factory) -> Path:
+    """Tiny Llama with tied embeddings, bfloat16, a single ``model.safetensors``."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tied") / "tiny-llama-tied", num_shards=1,
+                           tie_word_embeddings=True, dtype=torch.bfloat16, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder_dir(tmp_path_factory) -> Path:
+    """Tiny BertModel (linear layers with biases, a pooler), float32, 2 shards + index, WordPiece tokenizer."""
+    return make_tiny_encoder(tmp_path_factory.mktemp("tiny-encoder") / "tiny-encoder")
+
+
+@dataclass
+class HubCache:
+    """A Hugging Face hub cache holding ``repo_id`` at ``commit`` (ref ``main``), used offline."""
+
+    cache_dir: Path
+    repo_id: str
+    commit: str
+    env: dict = field(default_factory=dict)  # environment for a subprocess that should see this cache
+
+
+def fill_hub_cache(cache_dir: Path, repo_id: str, source_dir: Path, *, ref: str = "main") -> str:
+    """Lay out ``source_dir`` in ``cache_dir`` exactly as huggingface_hub's cache does (blobs named by
+    content hash, snapshot symlinks, ``refs/<ref>``). Returns the fake commit hash."""
+    files = sorted(p for p in Path(source_dir).iterdir() if p.is_file())
+    commit = hashlib.sha1("".join(p.name for p in files).encode() + repo_id.encode()).hexdigest()
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for p in files:
+        blob_name = hashlib.sha256(p.read_bytes()).hexdigest()
+        shutil.copyfile(p, repo / "blobs" / blob_name)
+        (snapshot / p.name).symlink_to(os.path.relpath(repo / "blobs" / blob_name, snapshot))
+    (repo / "refs" / ref).write_text(commit)
+    return commit
+
+
+@pytest.fixture
+def hub_cache(tiny_llama_dir, tmp_path, monkeypatch) -> HubCache:
+    """``quantpack-tests/tiny-llama`` in a fresh hub cache, with ``HF_HUB_OFFLINE=1`` in this process
+    (environment and huggingface_hub's already-read constants) and in ``.env`` for subprocesses."""
+    from huggingface_hub import constants
+
+    cache_dir = tmp_path / "hf-cache"
+    repo_id = "quantpack-tests/tiny-llama"
+    commit = fill_hub_cache(cache_dir, repo_id, tiny_llama_dir)
+    env = {"HF_HUB_CACHE": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache_dir))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return HubCache(cache_dir=cache_dir, repo_id=repo_id, commit=commit, env={**os.environ, **env})
