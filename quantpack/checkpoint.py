@@ -1,0 +1,574 @@
+"""Checkpoint file I/O: the one place that reads source checkpoints and reads/writes packed ones.
+
+* Reading: :class:`SourceCheckpoint` opens a directory holding safetensors (one file, or shards
+  with ``model.safetensors.index.json``) or, only when asked, PyTorch ``.bin`` files; it validates
+  every header up front (truncation, LFS pointers, missing shards) and then reads one tensor at a
+  time with plain positioned reads, so memory holds only the tensor asked for (no mmap pages of
+  whole shards count against the process).
+* Writing: :func:`write_safetensors` streams tensors to disk, hashing as it writes, under a
+  temporary name that is renamed when the file is complete.
+* Packed checkpoints: ``quantization_config`` (:func:`make_quantization_config`,
+  :func:`read_quantization_config`), the manifest ``quantpack.json``, index validation
+  (:func:`check_index`) and :class:`PackedCheckpoint` to get a layer back as a
+  :class:`~quantpack.format.PackedWeight`.
+
+docs/format.md is the written spec of everything here.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .format import LAYOUT_VERSION, SUPPORTED_AXES, SUPPORTED_BITS, PackedWeight, check_layout_args
+
+CONFIG_NAME = "config.json"
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+SAFE_SINGLE_NAME = "model.safetensors"
+BIN_INDEX_NAME = "pytorch_model.bin.index.json"
+BIN_SINGLE_NAME = "pytorch_model.bin"
+MANIFEST_NAME = "quantpack.json"
+QUANT_METHOD = "quantpack"
+MANIFEST_VERSION = 1
+SHARD_METADATA = {"format": "pt", "quantpack_layout_version": str(LAYOUT_VERSION)}
+# Files that hold weights: never copied as "other files" of a source checkpoint.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
+LFS_POINTER_PREFIX = b"version https://git-lfs.github.com/spec/v1"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+for _code, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        SAFETENSORS_DTYPES[_code] = getattr(torch, _attr)
+DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (source or packed) that cannot be used; the message is one line saying what to do."""
+
+
+def shard_name(index: int, count: int) -> str:
+    """``model-00001-of-00003.safetensors`` (``index`` counts from 1), as transformers names shards."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_size(size) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"512MiB"`` -> 536_870_912; ints pass through (bytes)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
+        if not m:
+            raise ValueError(f"max_shard_size={size!r} is not a size; use e.g. 5GB, 500MB or 2GiB")
+        unit = (m.group(2) or "B").upper()
+        base = 1024 if "I" in unit else 1000
+        value = int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
+    if value < 1:
+        raise ValueError(f"max_shard_size={size!r} must be positive")
+    return value
+
+
+def sha256_file(path, chunk_size: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk_size)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def is_lfs_pointer(path) -> bool:
+    """True for a git-LFS pointer file (what a clone without ``git lfs pull`` leaves in place of weights)."""
+    path = Path(path)
+    if path.stat().st_size > 1024:
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX
+
+
+def is_disk_full(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading safetensors
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives and what it is, from a file header (nothing read yet)."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header: returns ({name: TensorInfo}, ``__metadata__``).
+
+    Raises :class:`CheckpointError` for an LFS pointer, a truncated or corrupt file, or an
+    unknown dtype, naming the file.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if is_lfs_pointer(path):
+        raise CheckpointError(f"{path}: is a git-LFS pointer, not the weights; run `git lfs pull` in that "
+                              f"repository or download it with huggingface_hub")
+    if size < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes); download it again")
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise CheckpointError(f"{path}: corrupt or truncated safetensors header; download the file again")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON); download the file again") from None
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    infos, end = {}, 0
+    for name, entry in header.items():
+        try:
+            code, shape, (begin, stop) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}; download the file again") from None
+        dtype = SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {code}, which quantpack cannot read")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if stop - begin != numel * dtype.itemsize or begin < 0:
+            raise CheckpointError(f"{path}: tensor {name!r} has inconsistent offsets; the file is corrupt")
+        infos[name] = TensorInfo(name, path, dtype, shape, data_start + begin, stop - begin)
+        end = max(end, stop)
+    if data_start + end != size:
+        what = "truncated" if data_start + end > size else "has trailing bytes"
+        raise CheckpointError(f"{path}: safetensors file is {what} ({size} bytes, header says "
+                              f"{data_start + end}); download the file again")
+    return infos, metadata
+
+
+def read_tensor(info: TensorInfo, handle=None) -> torch.Tensor:
+    """Read one tensor from its file into a fresh CPU tensor (positioned read, no mmap)."""
+    out = torch.empty(info.nbytes, dtype=torch.uint8)
+    view = memoryview(out.numpy()) if info.nbytes else memoryview(b"")
+    f = handle or open(info.file, "rb", buffering=0)
+    try:
+        f.seek(info.offset)
+        got = 0
+        while got < info.nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{info.file}: ended early while reading {info.name!r}; the file is truncated")
+            got += n
+    finally:
+        if handle is None:
+            f.close()
+    return out.view(info.dtype).reshape(info.shape)
+
+
+class SourceCheckpoint:
+    """The weights of a Hugging Face checkpoint directory, validated on open, read tensor by tensor.
+
+    ``weight_files`` are the files holding weights (relative names); ``index_file`` the index if
+    any; ``tensors`` maps tensor name -> :class:`TensorInfo` (safetensors) in file order.
+    """
+
+    def __init__(self, path, *, allow_pickle: bool = False):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"source: {self.path} is not a directory")
+        self.allow_pickle = allow_pickle
+        self.index_file: str | None = None
+        self._bin_state: dict | None = None
+        self._handles: dict[Path, object] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self.format = self._find_weights()
+
+    # -- discovery
+    def _find_weights(self) -> str:
+        p = self.path
+        if (p / SAFE_INDEX_NAME).exists():
+            self.index_file = SAFE_INDEX_NAME
+            self.weight_files = self._files_from_index(SAFE_INDEX_NAME)
+            fmt = "safetensors"
+        elif (p / SAFE_SINGLE_NAME).exists():
+            self.weight_files = [SAFE_SINGLE_NAME]
+            fmt = "safetensors"
+        elif (p / BIN_INDEX_NAME).exists() or (p / BIN_SINGLE_NAME).exists():
+            if not self.allow_pickle:
+                raise CheckpointError(f"source: {p} has only PyTorch .bin weights, which load through pickle; pass "
+                                      f"--allow-pickle (allow_pickle=True) if you trust it, or use a safetensors checkpoint")
+            if (p / BIN_INDEX_NAME).exists():
+                self.index_file = BIN_INDEX_NAME
+                self.weight_files = self._files_from_index(BIN_INDEX_NAME)
+            else:
+                self.weight_files = [BIN_SINGLE_NAME]
+            fmt = "bin"
+        else:
+            found = sorted(f.name for f in p.glob("*.safetensors"))
+            hint = f" (found {', '.join(found[:3])} but no {SAFE_INDEX_NAME})" if found else ""
+            raise CheckpointError(f"source: {p} is not a checkpoint: no {SAFE_SINGLE_NAME}, {SAFE_INDEX_NAME} "
+                                  f"or {BIN_SINGLE_NAME}{hint}")
+        if not (p / CONFIG_NAME).exists():
+            raise CheckpointError(f"source: {p} has weights but no {CONFIG_NAME}; quantpack needs the model config")
+        for name in self.weight_files:
+            f = p / name
+            if is_lfs_pointer(f):
+                raise CheckpointError(f"{f}: is a git-LFS pointer, not the weights; run `git lfs pull` in that "
+                                      f"repository or download it with huggingface_hub")
+        if fmt == "safetensors":
+            for name in self.weight_files:
+                infos, _ = read_safetensors_header(p / name)
+                for tname, info in sorted(infos.items(), key=lambda kv: kv[1].offset):
+                    if tname in self.tensors:
+                        raise CheckpointError(f"source: tensor {tname!r} appears in both {self.tensors[tname].file.name} "
+                                              f"and {name}; the checkpoint is inconsistent")
+                    self.tensors[tname] = info
+            if self.index_file:
+                self._check_index_matches()
+        else:
+            self._load_bin()
+        return fmt
+
+    def _files_from_index(self, index_name: str) -> list[str]:
+        index_path = self.path / index_name
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(f"{index_path}: not a valid index (needs a \"weight_map\" object)") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (self.path / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index_path}: names shard {missing[0]} which is missing from {self.path}; "
+                                  f"download it again" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        self._index_map = weight_map
+        return files
+
+    def _check_index_matches(self) -> None:
+        for tname, fname in self._index_map.items():
+            info = self.tensors.get(tname)
+            if info is None or info.file.name != Path(fname).name:
+                raise CheckpointError(f"{self.path / self.index_file}: says {tname!r} is in {fname}, but it is not; "
+                                      f"the index does not match the shards")
+
+    def _load_bin(self) -> None:
+        # weights_only=True refuses arbitrary pickled objects; mmap keeps the tensors on disk until read.
+        state = {}
+        for name in self.weight_files:
+            try:
+                part = torch.load(self.path / name, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # torch raises many types for a bad pickle
+                raise CheckpointError(f"{self.path / name}: cannot be loaded with weights_only=True "
+                                      f"({type(e).__name__}); use a safetensors checkpoint") from None
+            if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+                raise CheckpointError(f"{self.path / name}: is not a state dict of tensors")
+            for tname, t in part.items():
+                state[tname] = t
+                self.tensors[tname] = TensorInfo(tname, self.path / name, t.dtype, tuple(t.shape), 0,
+                                                 t.numel() * t.element_size())
+        self._bin_state = state
+
+    # -- access
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a fresh CPU tensor."""
+        if self._bin_state is not None:
+            return self._bin_state[name].clone()
+        info = self.tensors[name]
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = self._handles[info.file] = open(info.file, "rb", buffering=0)
+        return read_tensor(info, handle)
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.close()
+        self._handles.clear()
+        self._bin_state = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self.tensors.values())
+
+    def config(self) -> dict:
+        try:
+            return json.loads((self.path / CONFIG_NAME).read_text())
+        except ValueError:
+            raise CheckpointError(f"{self.path / CONFIG_NAME}: not valid JSON") from None
+
+    def other_files(self) -> list[str]:
+        """Relative paths of every file to copy as-is to a converted checkpoint: everything but the
+        weights, their index, config.json, weight-like files and hidden files."""
+        skip = set(self.weight_files) | {CONFIG_NAME, SAFE_INDEX_NAME, BIN_INDEX_NAME, MANIFEST_NAME}
+        out = []
+        for f in sorted(self.path.rglob("*")):
+            rel = f.relative_to(self.path).as_posix()
+            if not f.is_file() or rel in skip or any(part.startswith(".") for part in Path(rel).parts):
+                continue
+            if f.name.endswith(WEIGHT_SUFFIXES) or f.name.endswith(".index.json"):
+                continue
+            out.append(rel)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing safetensors
+
+
+def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      *, fsync: bool = True) -> tuple[str, int]:
+    """Write ``tensors`` as a safetensors file at ``path``, atomically (``<path>.tmp`` then rename).
+
+    Tensors go largest-itemsize first (so every tensor's data is aligned to its element size) and by
+    name, streaming each tensor's bytes straight from memory and hashing as they are written.
+    Returns (sha256 hex digest, file size). The output is a pure function of the arguments.
+    """
+    path = Path(path)
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header, offset = {}, 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in DTYPE_CODES:
+            raise ValueError(f"{name}: dtype {t.dtype} cannot be stored in safetensors")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header = {"__metadata__": dict(metadata), **header}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            f.write(chunk)
+            h.update(chunk)
+        for name in order:
+            t = tensors[name].detach().to("cpu").contiguous()
+            if t.numel():
+                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                f.write(data)
+                h.update(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return h.hexdigest(), 8 + len(raw) + offset
+
+
+def safetensors_size(shapes_dtypes: dict[str, tuple[tuple[int, ...], torch.dtype]], metadata=None) -> int:
+    """Exact size of the file :func:`write_safetensors` would write for these names/shapes/dtypes."""
+    header, offset = {}, 0
+    for name in sorted(shapes_dtypes, key=lambda n: (-shapes_dtypes[n][1].itemsize, n)):
+        shape, dtype = shapes_dtypes[name]
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header = {"__metadata__": dict(metadata), **header}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return 8 + len(raw) + (-len(raw) % 8) + offset
+
+
+def write_json(path, obj) -> None:
+    """Deterministic, human-readable JSON written atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def make_index(weight_map: dict[str, str], total_size: int) -> dict:
+    return {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+# ----------------------------------------------------------------------------------------------
+# quantization_config
+
+
+def make_quantization_config(*, bits: int, group_size: int | None, axis: int, method: str,
+                             modules_not_converted, bits_overrides: dict[str, int], version: str) -> dict:
+    """The ``config.json["quantization_config"]`` of a packed checkpoint (see docs/format.md)."""
+    return {
+        "quant_method": QUANT_METHOD,
+        "layout_version": LAYOUT_VERSION,
+        "bits": bits,
+        "group_size": group_size,
+        "axis": axis,
+        "method": method,
+        "modules_not_converted": sorted(modules_not_converted),
+        "bits_overrides": dict(sorted(bits_overrides.items())),
+        "quantpack_version": version,
+    }
+
+
+def read_quantization_config(config: dict) -> dict:
+    """Validate ``config["quantization_config"]`` of a packed checkpoint and return it with defaults
+    filled in (``scheme``: ``w<bits>a16``). Raises :class:`CheckpointError` naming the bad field."""
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise CheckpointError("config.json: no quantization_config; this is not a quantpack checkpoint "
+                              "(convert it with `quantpack convert`)")
+    if qc.get("quant_method") != QUANT_METHOD:
+        raise CheckpointError(f"config.json: quantization_config.quant_method is {qc.get('quant_method')!r}, "
+                              f"not {QUANT_METHOD!r}; quantpack reads only its own checkpoints")
+    version = qc.get("layout_version")
+    if version != LAYOUT_VERSION:
+        raise CheckpointError(f"config.json: quantization_config.layout_version={version!r}; this quantpack reads "
+                              f"layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert")
+    if qc.get("bits") not in SUPPORTED_BITS:
+        raise CheckpointError(f"config.json: quantization_config.bits={qc.get('bits')!r}; expected one of {SUPPORTED_BITS}")
+    if qc.get("axis") not in SUPPORTED_AXES:
+        raise CheckpointError(f"config.json: quantization_config.axis={qc.get('axis')!r}; expected 0 or 1")
+    gs = qc.get("group_size")
+    if gs is not None and (not isinstance(gs, int) or isinstance(gs, bool) or gs < 1):
+        raise CheckpointError(f"config.json: quantization_config.group_size={gs!r}; expected a positive integer or null")
+    overrides = qc.get("bits_overrides") or {}
+    if not isinstance(overrides, dict) or any(b not in SUPPORTED_BITS for b in overrides.values()):
+        raise CheckpointError("config.json: quantization_config.bits_overrides must map module names to 4 or 8")
+    out = dict(qc)
+    out["bits_overrides"] = dict(overrides)
+    out["modules_not_converted"] = list(qc.get("modules_not_converted") or [])
+    out.setdefault("scheme", f"w{qc['bits']}a16")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed checkpoints
+
+
+def check_index(path) -> dict[str, TensorInfo]:
+    """Validate a packed (or any safetensors) checkpoint's index against its shards: every shard
+    exists and parses, every indexed tensor is in the shard the index names, no shard has tensors
+    the index lacks, and each shard's ``__metadata__`` says ``format: pt``. Returns name -> info."""
+    path = Path(path)
+    src = SourceCheckpoint(path)  # validates headers, missing shards and index-vs-shard agreement
+    src.close()
+    if src.index_file:
+        indexed = set(src._index_map)
+        extra = sorted(set(src.tensors) - indexed)
+        if extra:
+            raise CheckpointError(f"{path / src.index_file}: shard tensor {extra[0]!r} is missing from the index")
+    for name in src.weight_files:
+        _, meta = read_safetensors_header(path / name)
+        if meta.get("format") != "pt":
+            raise CheckpointError(f"{path / name}: __metadata__ lacks format=pt")
+    return src.tensors
+
+
+class PackedCheckpoint:
+    """A packed checkpoint directory: config, quantization_config, and lazy access to its tensors.
+
+    ``layer(name)`` returns the :class:`~quantpack.format.PackedWeight` (and bias) of a quantized
+    linear module, validated against the declared bits / group size / axis.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.source = SourceCheckpoint(self.path)
+        self.config = self.source.config()
+        self.quantization_config = read_quantization_config(self.config)
+        self.quantized_modules = sorted(n[: -len(".qweight")] for n in self.source.tensors if n.endswith(".qweight"))
+
+    def bits_for(self, module: str) -> int:
+        return self.quantization_config["bits_overrides"].get(module, self.quantization_config["bits"])
+
+    def layer(self, module: str, device=None) -> tuple[PackedWeight, torch.Tensor | None]:
+        qc = self.quantization_config
+        try:
+            qweight = self.source.get(module + ".qweight")
+            scales = self.source.get(module + ".scales")
+            zeros = self.source.get(module + ".zeros")
+        except KeyError as e:
+            raise CheckpointError(f"{self.path}: quantized module {module!r} lacks tensor {e.args[0]!r}") from None
+        bias = self.source.get(module + ".bias") if module + ".bias" in self.source.tensors else None
+        bits, axis = self.bits_for(module), qc["axis"]
+        k = qweight.shape[0] * (2 if bits == 4 else 1)
+        n = qweight.shape[1]
+        group_size = qc["group_size"] or (k if axis == 1 else n)
+        shape = (n, k)
+        try:
+            check_layout_args(shape, bits, group_size, axis)
+            pw = PackedWeight(qweight, scales, zeros, bits, group_size, axis, shape)
+            pw.validate()
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: module {module!r}: {e}") from None
+        if device is not None:
+            pw = pw.to(device)
+            bias = bias.to(device) if bias is not None else None
+        return pw, bias
+
+    def close(self) -> None:
+        self.source.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_manifest(path) -> dict:
+    p = Path(path) / MANIFEST_NAME
+    if not p.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST_NAME}; not a complete quantpack output (re-run `quantpack convert`)")
+    try:
+        return json.loads(p.read_text())
+    except ValueError:
+        raise CheckpointError(f"{p}: not valid JSON") from None
+
+
+def check_manifest_files(path) -> list[str]:
+    """Re-hash every output file listed in the manifest; return the relative paths that differ or
+    are missing (empty list: all match)."""
+    path = Path(path)
+    bad = []
+    for rel, entry in read_manifest(path)["files"]["outputs"].items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != entry["size"] or sha256_file(f) != entry["sha256"]:
+            bad.append(rel)
+    return bad
