@@ -380,19 +380,23 @@ def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str
     raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
     tmp = path.with_name(path.name + ".tmp")
     h = hashlib.sha256()
-    with open(tmp, "wb") as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            f.write(chunk)
-            h.update(chunk)
-        for name in order:
-            t = tensors[name].detach().to("cpu").contiguous()
-            if t.numel():
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                f.write(data)
-                h.update(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in (struct.pack("<Q", len(raw)), raw):
+                f.write(chunk)
+                h.update(chunk)
+            for name in order:
+                t = tensors[name].detach().to("cpu").contiguous()
+                if t.numel():
+                    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                    f.write(data)
+                    h.update(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a half-written file behind (e.g. disk full)
+        raise
     os.replace(tmp, path)
     return h.hexdigest(), 8 + len(raw) + offset
 

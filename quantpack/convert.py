@@ -1,0 +1,650 @@
+"""``convert()``: turn a Hugging Face checkpoint into a packed quantpack checkpoint, streaming.
+
+The conversion never holds the model: it reads one source tensor at a time, quantizes it (on a GPU
+when there is one), and writes one output shard at a time, so peak memory is about the largest
+tensor plus one output shard. Which tensors are quantized comes from the model's own structure
+(its transformers class built on the meta device: the ``nn.Linear`` modules), not from names.
+
+Crash safety: the output is built in ``<parent>/.<name>.qp-partial`` and renamed when complete; the
+manifest is written last. ``progress.json`` there records each finished shard's sha256, so a re-run
+with the same source and settings re-checks those shards and resumes after them, producing a
+byte-identical result. See docs/format.md for everything written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .checkpoint import (
+    CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, CheckpointError, SourceCheckpoint,
+    dtype_name, is_disk_full, make_index, make_quantization_config, parse_size, safetensors_size, sha256_file,
+    shard_name, write_json, write_safetensors,
+)
+from .format import LAYOUT_VERSION, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes
+from .hub import resolve_source
+from .quantize import METHODS, quantize, resolve_group_size
+from .reference import dequantize
+
+PARTIAL_SUFFIX = ".qp-partial"
+PROGRESS_NAME = "progress.json"
+OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_ROUTER_NAME = re.compile(r"(^|\.)(gate|router)$")
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+# ----------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class LayerResult:
+    """One linear module: quantized (with its reconstruction error) or skipped (with the reason)."""
+
+    name: str
+    shape: tuple[int, int]
+    bits: int | None = None
+    group_size: int | None = None
+    rel_error: float | None = None
+    skipped: str | None = None  # the reason, when not quantized
+
+
+@dataclass
+class ConvertSummary:
+    source: str
+    revision: str | None
+    output: str
+    dry_run: bool
+    settings: dict
+    layers: list[LayerResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    num_tensors: int = 0
+    num_shards: int = 0
+    resumed_shards: int = 0
+    source_bytes: int = 0  # tensor data of the source weights
+    output_bytes: int = 0  # size of the output shards (exact, also for a dry run)
+    disk_free: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def quantized(self) -> list[LayerResult]:
+        return [layer for layer in self.layers if layer.skipped is None]
+
+    @property
+    def skipped(self) -> list[LayerResult]:
+        return [layer for layer in self.layers if layer.skipped is not None]
+
+    @property
+    def ratio(self) -> float:
+        return self.source_bytes / self.output_bytes if self.output_bytes else float("nan")
+
+    @property
+    def mean_error(self) -> float | None:
+        errs = [layer.rel_error for layer in self.quantized if layer.rel_error is not None]
+        return sum(errs) / len(errs) if errs else None
+
+    @property
+    def worst(self) -> LayerResult | None:
+        done = [layer for layer in self.quantized if layer.rel_error is not None]
+        return max(done, key=lambda layer: layer.rel_error) if done else None
+
+    @property
+    def throughput(self) -> float | None:
+        """Source bytes converted per second (None for a dry run)."""
+        return self.source_bytes / self.seconds if self.seconds and not self.dry_run else None
+
+    def to_dict(self) -> dict:
+        worst = self.worst
+        return {
+            "source": self.source, "revision": self.revision, "output": self.output, "dry_run": self.dry_run,
+            "settings": self.settings, "num_tensors": self.num_tensors, "num_shards": self.num_shards,
+            "resumed_shards": self.resumed_shards,
+            "layers_quantized": len(self.quantized), "layers_skipped": len(self.skipped),
+            "source_bytes": self.source_bytes, "output_bytes": self.output_bytes,
+            "compression_ratio": round(self.ratio, 4) if self.output_bytes else None,
+            "mean_rel_error": self.mean_error, "worst_rel_error": worst.rel_error if worst else None,
+            "worst_layer": worst.name if worst else None, "seconds": round(self.seconds, 3),
+            "throughput_bytes_per_s": round(self.throughput) if self.throughput else None,
+            "disk_free": self.disk_free, "warnings": self.warnings,
+            "layers": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(layer).items()}
+                       for layer in self.layers],
+        }
+
+    def format_table(self) -> str:
+        """The human summary printed at the end of ``quantpack convert``."""
+        def size(n):
+            for unit in ("B", "KB", "MB", "GB", "TB"):
+                if abs(n) < 1000 or unit == "TB":
+                    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+                n /= 1000
+
+        rows = [("source", self.source + (f" @ {self.revision[:12]}" if self.revision else "")),
+                ("output", self.output + ("  (dry run: nothing written)" if self.dry_run else "")),
+                ("settings", ", ".join(f"{k}={v}" for k, v in self.settings.items() if k in
+                                       ("bits", "group_size", "axis", "method", "dtype", "device"))),
+                ("layers quantized", str(len(self.quantized)))]
+        reasons: dict[str, int] = {}
+        for layer in self.skipped:
+            reasons[layer.skipped] = reasons.get(layer.skipped, 0) + 1
+        rows.append(("layers skipped", str(len(self.skipped))))
+        for reason, count in sorted(reasons.items()):
+            rows.append(("", f"{count} x {reason}"))
+        rows += [("size before", size(self.source_bytes)),
+                 ("size after", size(self.output_bytes) + (" (estimated)" if self.dry_run else "")),
+                 ("compression", f"{self.ratio:.2f}x" if self.output_bytes else "-"),
+                 ("shards", f"{self.num_shards}" + (f" ({self.resumed_shards} resumed)" if self.resumed_shards else ""))]
+        if self.disk_free is not None:
+            rows.append(("disk free", size(self.disk_free)))
+        if self.mean_error is not None:
+            worst = self.worst
+            rows += [("mean layer error", f"{self.mean_error:.4f}"),
+                     ("worst layer error", f"{worst.rel_error:.4f} ({worst.name})")]
+        if not self.dry_run:
+            rows.append(("time", f"{self.seconds:.1f} s"))
+            if self.throughput:
+                rows.append(("throughput", f"{size(self.throughput)}/s of source weights"))
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        lines += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning
+
+
+@dataclass
+class _Unit:
+    """One step of the conversion: a source tensor copied (cast) or a linear weight quantized."""
+
+    source: str  # source tensor name
+    outputs: dict  # output name -> (shape, dtype)
+    layer: LayerResult | None = None  # set when quantized
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * d.itemsize for s, d in self.outputs.values())
+
+
+def _parse_bits_for(bits_for) -> list[tuple[re.Pattern, int]]:
+    items = bits_for.items() if isinstance(bits_for, dict) else bits_for
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            pattern, sep, bits = item.rpartition("=")
+            if not sep or not pattern:
+                raise ValueError(f"bits_for={item!r}: expected REGEX=BITS, e.g. 'down_proj=8'")
+        else:
+            pattern, bits = item
+        try:
+            bits = int(bits)
+        except ValueError:
+            raise ValueError(f"bits_for={item!r}: bits must be 4 or 8") from None
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits_for={item!r}: bits must be 4 or 8")
+        out.append((_compile(pattern, "bits_for"), bits))
+    return out
+
+
+def _compile(pattern: str, what: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{what}={pattern!r} is not a valid regular expression ({e})") from None
+
+
+def _model_structure(config_dict: dict, path: Path):
+    """Build the model on the meta device from its config; return (model, config)."""
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"source: transformers {transformers.__version__} cannot read {path / CONFIG_NAME} "
+                              f"({first[:200]}); upgrade transformers") from None
+    classes = [getattr(transformers, a, None) for a in (config_dict.get("architectures") or [])]
+    classes = [c for c in classes if c is not None]
+    with torch.device("meta"):
+        for cls in classes:
+            try:
+                return cls(config), config
+            except Exception:  # an architecture transformers knows by name but cannot build from this config
+                continue
+        try:
+            return transformers.AutoModel.from_config(config), config
+        except Exception as e:
+            raise CheckpointError(f"source: cannot build the model structure of {config_dict.get('model_type')!r} "
+                                  f"with transformers {transformers.__version__} ({type(e).__name__}); "
+                                  f"upgrade transformers") from None
+
+
+def _linear_modules(model, config, weight_names: set[str]) -> tuple[dict[str, torch.nn.Linear], set[str], list]:
+    """Map checkpoint module names (``<m>`` of ``<m>.weight``) to the model's nn.Linear modules.
+
+    Returns (linears, output_embedding_names, absent) where absent lists (name, is_output_embeddings)
+    of linear modules with no weight in the checkpoint (e.g. a tied lm_head).
+    """
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears, output_names, absent = {}, set(), []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        candidates = [name]
+        if prefix:
+            candidates += [f"{prefix}.{name}", name[len(prefix) + 1:] if name.startswith(prefix + ".") else None]
+        found = next((c for c in candidates if c and f"{c}.weight" in weight_names), None)
+        if found is None:
+            absent.append((name, module is out_emb))
+            continue
+        linears[found] = module
+        if module is out_emb:
+            output_names.add(found)
+    return linears, output_names, absent
+
+
+def _expert_count(config) -> int | None:
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key in _EXPERT_COUNT_KEYS:
+            value = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(value, int) and value > 1:
+                return value
+    return None
+
+
+def _tied(config) -> bool:
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
+            return True
+    return False
+
+
+def _resolve_dtype(dtype, src: SourceCheckpoint, linear_names) -> torch.dtype:
+    if dtype in (None, "auto"):
+        for name in linear_names:
+            d = src.info(name + ".weight").dtype
+            if d in (torch.float16, torch.bfloat16):
+                return d
+        return torch.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in OUTPUT_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; use bfloat16 or float16")
+        return OUTPUT_DTYPES[dtype]
+    if dtype not in OUTPUT_DTYPES.values():
+        raise ValueError(f"dtype={dtype} is not supported; use torch.bfloat16 or torch.float16")
+    return dtype
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise ValueError(f"device={device!r} is not supported; use auto, cpu or cuda")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA GPU is available; use --device cpu or auto")
+    return torch.device(device)
+
+
+def default_output_name(model_name: str, bits: int, group_size: int | None) -> str:
+    return f"{model_name}-qp{bits}" + (f"g{group_size}" if group_size else "pc")
+
+
+# ----------------------------------------------------------------------------------------------
+# The conversion
+
+
+def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128, axis: int = 1,
+            method: str = "hqq", dtype=None, device: str = "auto", skip=(), bits_for=(),
+            quantize_lm_head: bool = False, max_shard_size="5GB", dry_run: bool = False, overwrite: bool = False,
+            strict: bool = False, revision: str | None = None, token: str | None = None,
+            allow_pickle: bool = False, progress: bool = True) -> ConvertSummary:
+    """Convert ``source`` (hub repo id or local directory) into a packed checkpoint at ``output``.
+
+    ``output`` defaults to ``<model-name>-qp<bits>g<group_size>`` in the current directory.
+    ``skip``: regexes (``re.search`` on module names) of linear modules to leave unquantized;
+    ``bits_for``: ``"REGEX=BITS"`` strings (or (regex, bits) pairs), first match wins.
+    ``dtype`` (bfloat16/float16) is the output dtype of scales, zeros and every unquantized floating
+    tensor; default: the source weights' dtype if half precision, else bfloat16.
+    Raises ``ValueError`` (:class:`~quantpack.checkpoint.CheckpointError` for checkpoint and disk
+    problems) with a one-line message on bad input, before anything is written when it can.
+    """
+    t0 = time.perf_counter()
+    # -- arguments, cheapest checks first
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; use 4 or 8")
+    if axis not in SUPPORTED_AXES:
+        raise ValueError(f"axis={axis!r} is not supported; use 1 (groups along in-features) or 0")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size={group_size!r} must be a positive integer, or None for per-channel")
+    if isinstance(skip, str):
+        skip = (skip,)
+    skip_patterns = [_compile(p, "skip") for p in skip]
+    bits_rules = _parse_bits_for((bits_for,) if isinstance(bits_for, str) else bits_for)
+    shard_limit = parse_size(max_shard_size)
+    dev = _resolve_device(device)
+
+    resolved = resolve_source(source, revision=revision, token=token, allow_pickle=allow_pickle)
+    src = SourceCheckpoint(resolved.path, allow_pickle=allow_pickle)
+    try:
+        config_dict = src.config()
+        if config_dict.get("quantization_config"):
+            qm = config_dict["quantization_config"].get("quant_method", "unknown")
+            raise CheckpointError(f"source: is already quantized (quant_method={qm!r}); convert from the original "
+                                  f"floating-point checkpoint")
+        model, config = _model_structure(config_dict, resolved.path)
+        weight_names = set(src.tensors)
+        linears, output_names, absent = _linear_modules(model, config, weight_names)
+        out_dtype = _resolve_dtype(dtype, src, linears)
+        settings = {"bits": bits, "group_size": group_size, "axis": axis, "method": method,
+                    "dtype": dtype_name(out_dtype), "skip": list(skip),
+                    "bits_for": {p.pattern: b for p, b in bits_rules}, "quantize_lm_head": quantize_lm_head,
+                    "max_shard_size": shard_limit}
+        out_path = Path(output) if output is not None else Path(default_output_name(resolved.name, bits, group_size))
+        out_path = out_path.expanduser().absolute()
+        summary = ConvertSummary(source=resolved.repo, revision=resolved.revision, output=str(out_path),
+                                 dry_run=dry_run, settings={**settings, "device": dev.type})
+
+        # -- decide each linear module
+        tied = _tied(config)
+        for name, is_output in absent:
+            module = model.get_submodule(name)
+            reason = ("tied to the input embeddings (not stored)" if is_output and tied
+                      else "no weight in the checkpoint")
+            summary.layers.append(LayerResult(name, (module.out_features, module.in_features), skipped=reason))
+        experts = _expert_count(config)
+        quant_plan: dict[str, LayerResult] = {}
+        bits_overrides: dict[str, int] = {}
+        for name, module in linears.items():
+            info = src.info(name + ".weight")
+            shape = (module.out_features, module.in_features)
+            layer = LayerResult(name, shape)
+            summary.layers.append(layer)
+            if tuple(info.shape) != shape:
+                raise CheckpointError(f"source: {name}.weight has shape {tuple(info.shape)} but the config says "
+                                      f"{shape}; the checkpoint does not match its config.json")
+            matched = next((p for p in skip_patterns if p.search(name)), None)
+            if name in output_names and not quantize_lm_head:
+                layer.skipped = "output embeddings (pass --quantize-lm-head to quantize)"
+            elif name in output_names and tied:
+                layer.skipped = "output embeddings tied to the input embeddings"
+            elif matched is not None:
+                layer.skipped = f"matches --skip {matched.pattern}"
+            elif _ROUTER_NAME.search(name) or (experts and module.out_features == experts):
+                layer.skipped = "MoE router"
+            if layer.skipped:
+                continue
+            if not info.dtype.is_floating_point or info.dtype.itemsize < 2:
+                raise CheckpointError(f"source: {name}.weight has dtype {dtype_name(info.dtype)}; quantpack converts "
+                                      f"floating-point (fp32/bf16/fp16) weights, not integer or fp8 ones; use the "
+                                      f"original checkpoint")
+            layer_bits = next((b for p, b in bits_rules if p.search(name)), bits)
+            gs = resolve_group_size(group_size, shape, axis)
+            try:
+                check_layout_args(shape, layer_bits, gs, axis)
+            except ValueError as e:
+                message = f"{name}: {e}"
+                if strict:
+                    raise ValueError(f"{message} (--strict); pass --skip for it or choose another group size") from None
+                layer.skipped = "group size does not fit its shape"
+                summary.warnings.append(f"skipped {message}")
+                continue
+            layer.bits, layer.group_size = layer_bits, gs
+            quant_plan[name] = layer
+            if layer_bits != bits:
+                bits_overrides[name] = layer_bits
+        summary.layers.sort(key=lambda layer: layer.name)
+
+        # -- units in source order, then shards
+        units = []
+        for tname, info in src.tensors.items():
+            module = tname[: -len(".weight")] if tname.endswith(".weight") else None
+            if module in quant_plan:
+                layer = quant_plan[module]
+                shapes = packed_shapes(layer.shape, layer.bits, layer.group_size, axis)
+                units.append(_Unit(tname, {f"{module}.qweight": (shapes["qweight"], torch.uint8),
+                                           f"{module}.scales": (shapes["scales"], out_dtype),
+                                           f"{module}.zeros": (shapes["zeros"], out_dtype)}, layer))
+            else:
+                out_t = out_dtype if info.dtype.is_floating_point else info.dtype
+                units.append(_Unit(tname, {tname: (info.shape, out_t)}))
+        shards: list[list[_Unit]] = [[]]
+        running = 0
+        for unit in units:
+            if shards[-1] and running + unit.nbytes > shard_limit:
+                shards.append([])
+                running = 0
+            shards[-1].append(unit)
+            running += unit.nbytes
+        names = [shard_name(i + 1, len(shards)) for i in range(len(shards))]
+        shard_sizes = [safetensors_size({n: sd for u in s for n, sd in u.outputs.items()}, SHARD_METADATA)
+                       for s in shards]
+        summary.num_tensors = sum(len(u.outputs) for u in units)
+        summary.num_shards = len(shards)
+        summary.source_bytes = src.total_bytes
+        summary.output_bytes = sum(shard_sizes)
+        other_files = src.other_files()
+        needed = summary.output_bytes + sum((resolved.path / f).stat().st_size for f in other_files) + (1 << 20)
+
+        # -- output location, disk space
+        partial = out_path.parent / f".{out_path.name}{PARTIAL_SUFFIX}"
+        if out_path.exists() and not overwrite:
+            what = "a finished conversion" if (out_path / MANIFEST_NAME).exists() else "not a quantpack output"
+            raise CheckpointError(f"output: {out_path} already exists ({what}); pass --overwrite to replace it "
+                                  f"or choose another --output")
+        probe = out_path.parent
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise CheckpointError(f"output: cannot create {out_path}: {probe} is not a directory; choose another --output")
+        summary.disk_free = shutil.disk_usage(probe).free
+        already = sum(f.stat().st_size for f in partial.glob("*.safetensors")) if partial.is_dir() else 0
+        if summary.disk_free + already < needed:
+            raise CheckpointError(f"output: needs about {needed / 1e9:.2f} GB free on {probe} but only "
+                                  f"{summary.disk_free / 1e9:.2f} GB is available; free space or choose another --output")
+        if dry_run:
+            summary.seconds = time.perf_counter() - t0
+            return summary
+
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            if not os.access(partial, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise CheckpointError(f"output: cannot create {partial}: {e.strerror or e}; choose a writable --output") from None
+
+        # -- inputs are hashed in the background while converting
+        input_files = sorted(set(src.weight_files) | set(other_files) | {CONFIG_NAME} |
+                             ({src.index_file} if src.index_file else set()))
+        hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="qp-hash")
+        input_hashes = {f: hasher.submit(sha256_file, resolved.path / f) for f in input_files}
+
+        fingerprint = _fingerprint(resolved, src, settings, dev, names)
+        done = _resume_state(partial, fingerprint, names)
+        summary.resumed_shards = len(done)
+        try:
+            _write_shards(src, shards, names, partial, done, fingerprint, axis, method, dev, out_dtype,
+                          progress, summary)
+            # -- the small files, then the manifest last
+            for rel in other_files:
+                target = partial / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(resolved.path / rel, target)
+            quant_config = make_quantization_config(
+                bits=bits, group_size=group_size, axis=axis, method=method,
+                modules_not_converted=[layer.name for layer in summary.skipped if layer.name in linears],
+                bits_overrides=bits_overrides, version=__version__)
+            new_config = {**config_dict, "quantization_config": quant_config}
+            for key in ("dtype", "torch_dtype"):
+                if key in new_config or key == "dtype":
+                    new_config[key] = dtype_name(out_dtype)
+            write_json(partial / CONFIG_NAME, new_config)
+            weight_map = {n: names[i] for i, shard in enumerate(shards) for u in shard for n in u.outputs}
+            data_bytes = sum(u.nbytes for u in units)
+            write_json(partial / SAFE_INDEX_NAME, make_index(weight_map, data_bytes))
+            outputs = {name: done[name] for name in names}
+            for rel in sorted(other_files + [CONFIG_NAME, SAFE_INDEX_NAME]):
+                outputs[rel] = {"sha256": sha256_file(partial / rel), "size": (partial / rel).stat().st_size}
+            inputs = {}
+            for rel, fut in input_hashes.items():
+                inputs[rel] = {"sha256": fut.result(), "size": (resolved.path / rel).stat().st_size}
+            manifest = {
+                "manifest_version": MANIFEST_VERSION, "quantpack_version": __version__,
+                "layout_version": LAYOUT_VERSION,
+                "source": {"repo": resolved.repo, "revision": resolved.revision, "local": resolved.local},
+                "settings": settings,
+                "files": {"inputs": inputs, "outputs": dict(sorted(outputs.items()))},
+                "layers": [{"name": layer.name, "bits": layer.bits, "group_size": layer.group_size,
+                            "shape": list(layer.shape), "rel_error": layer.rel_error} for layer in summary.quantized],
+                "skipped": [{"name": layer.name, "reason": layer.skipped} for layer in summary.skipped],
+                "totals": {"source_bytes": summary.source_bytes, "output_bytes": summary.output_bytes,
+                           "params_quantized": sum(layer.shape[0] * layer.shape[1] for layer in summary.quantized)},
+            }
+            (partial / PROGRESS_NAME).unlink(missing_ok=True)
+            write_json(partial / MANIFEST_NAME, manifest)
+            _fsync_dir(partial)
+            _publish(partial, out_path, overwrite)
+        except OSError as e:
+            if is_disk_full(e):
+                raise CheckpointError(f"output: disk full while writing {partial} ({e.strerror}); free space and "
+                                      f"re-run the same command to resume") from None
+            raise CheckpointError(f"output: cannot write {partial}: {e.strerror or e}") from None
+        finally:
+            hasher.shutdown(wait=True, cancel_futures=True)
+        summary.seconds = time.perf_counter() - t0
+        return summary
+    finally:
+        src.close()
+
+
+def _fingerprint(resolved, src: SourceCheckpoint, settings: dict, dev: torch.device, names: list[str]) -> str:
+    """What a resumed run must share with the interrupted one: quantpack version, settings, device
+    kind, the shard plan, and the source weight files' names, sizes and modification times."""
+    files = []
+    for rel in src.weight_files:
+        st = (resolved.path / rel).stat()
+        files.append([rel, st.st_size, st.st_mtime_ns])
+    blob = json.dumps({"version": __version__, "settings": settings, "device": dev.type, "shards": names,
+                       "files": files, "source": resolved.repo, "revision": resolved.revision}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _resume_state(partial: Path, fingerprint: str, names: list[str]) -> dict:
+    """Finished shards of an interrupted run with the same fingerprint, re-hashed; anything else in
+    the partial directory is discarded."""
+    progress_file = partial / PROGRESS_NAME
+    done = {}
+    try:
+        state = json.loads(progress_file.read_text()) if progress_file.exists() else {}
+    except ValueError:
+        state = {}
+    if state.get("fingerprint") == fingerprint:
+        for name, entry in state.get("shards", {}).items():
+            f = partial / name
+            if name in names and f.is_file() and f.stat().st_size == entry["size"] and sha256_file(f) == entry["sha256"]:
+                done[name] = entry
+    for f in partial.iterdir():
+        if f.name not in done and f.name != PROGRESS_NAME:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    return done
+
+
+def _write_progress(partial: Path, fingerprint: str, done: dict) -> None:
+    write_json(partial / PROGRESS_NAME, {"fingerprint": fingerprint, "shards": done})
+
+
+def _write_shards(src, shards, names, partial, done, fingerprint, axis, method, dev, out_dtype, progress, summary):
+    from tqdm.auto import tqdm
+
+    todo_bytes = sum(src.info(u.source).nbytes for i, s in enumerate(shards) if names[i] not in done for u in s)
+    bar = tqdm(total=todo_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="converting", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    # Finished shards carry their layers' errors, so a resumed manifest equals an uninterrupted one.
+    for name in names:
+        for rec in done.get(name, {}).get("layers", []):
+            layer = next(l for l in summary.layers if l.name == rec["name"])
+            layer.rel_error = rec["rel_error"]
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qp-read")  # read the next tensor meanwhile
+    try:
+        for i, shard in enumerate(shards):
+            if names[i] in done:
+                continue
+            bar.set_postfix_str(f"shard {i + 1}/{len(shards)}")
+            tensors, layers = {}, []
+            pending = reader.submit(src.get, shard[0].source)
+            for j, unit in enumerate(shard):
+                tensor = pending.result()
+                if j + 1 < len(shard):
+                    pending = reader.submit(src.get, shard[j + 1].source)
+                if unit.layer is None:
+                    out_t = unit.outputs[unit.source][1]
+                    tensors[unit.source] = tensor.to(out_t) if tensor.dtype != out_t else tensor
+                else:
+                    layer = unit.layer
+                    tensors.update(_quantize_layer(tensor, layer, axis, method, dev, out_dtype))
+                    layers.append({"name": layer.name, "rel_error": layer.rel_error})
+                bar.update(src.info(unit.source).nbytes)
+                del tensor
+            sha, size = write_safetensors(partial / names[i], tensors, SHARD_METADATA)
+            del tensors
+            done[names[i]] = {"sha256": sha, "size": size, "layers": layers}
+            _write_progress(partial, fingerprint, done)
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    for entry in done.values():
+        entry.pop("layers", None)
+
+
+@torch.no_grad()
+def _quantize_layer(weight, layer: LayerResult, axis, method, dev, out_dtype) -> dict[str, torch.Tensor]:
+    w = weight.to(dev, non_blocking=False)
+    pw = quantize(w, bits=layer.bits, group_size=layer.group_size, axis=axis, method=method, dtype=out_dtype)
+    w32 = w.float()
+    err = torch.linalg.vector_norm(dequantize(pw, torch.float32) - w32) / torch.linalg.vector_norm(w32).clamp_min(1e-30)
+    layer.rel_error = float(f"{float(err):.6g}")
+    module = layer.name
+    return {f"{module}.qweight": pw.qweight.cpu(), f"{module}.scales": pw.scales.cpu(), f"{module}.zeros": pw.zeros.cpu()}
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _publish(partial: Path, out_path: Path, overwrite: bool) -> None:
+    """Rename the finished directory into place (replacing an old output only with ``overwrite``)."""
+    if out_path.exists():
+        if not overwrite:
+            raise CheckpointError(f"output: {out_path} appeared while converting; pass --overwrite to replace it")
+        old = out_path.parent / f".{out_path.name}.qp-old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(out_path, old)
+        os.rename(partial, out_path)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        os.rename(partial, out_path)
+    _fsync_dir(out_path.parent)

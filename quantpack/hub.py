@@ -1,0 +1,88 @@
+"""Resolve a conversion source: a local checkpoint directory or a Hugging Face hub repo id.
+
+Hub sources go through ``huggingface_hub.snapshot_download`` with the normal cache, ``--revision``,
+``--token``/``HF_TOKEN`` and ``HF_HUB_OFFLINE``, downloading only the files a conversion needs
+(safetensors weights and index, JSON configs, tokenizer files, chat template, license, readme).
+Every failure is a one-line :class:`~quantpack.checkpoint.CheckpointError`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import CheckpointError
+
+# What a conversion reads or copies; weights in other formats (.bin unless allowed, .pth, .gguf,
+# onnx, flax) are never downloaded.
+ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py", "*.md",
+                  "LICENSE*", "NOTICE*", "USE_POLICY*"]
+PICKLE_PATTERNS = ["pytorch_model*.bin"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    path: Path  # directory holding the checkpoint files
+    repo: str  # hub repo id, or the absolute local path
+    revision: str | None  # resolved commit for a hub source
+    local: bool
+
+    @property
+    def name(self) -> str:
+        """Model name for the default output directory: the last part of the repo id or path."""
+        return self.repo.rstrip("/").split("/")[-1]
+
+
+def looks_like_path(source: str) -> bool:
+    return source.startswith((".", "/", "~")) or "\\" in source or source.count("/") > 1 or not _REPO_ID.match(source)
+
+
+def resolve_source(source, *, revision: str | None = None, token: str | None = None,
+                   allow_pickle: bool = False) -> ResolvedSource:
+    """Return where the checkpoint files of ``source`` are on disk (downloading from the hub if needed)."""
+    source = str(source)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise CheckpointError(f"source: {source} is a file; pass the checkpoint directory or a hub repo id")
+        if revision is not None:
+            raise CheckpointError(f"revision: --revision applies to hub repos, but {source} is a local directory")
+        return ResolvedSource(path.resolve(), str(path.resolve()), None, True)
+    if looks_like_path(source):
+        raise CheckpointError(f"source: no such directory {source}, and it is not a hub repo id (owner/name)")
+    return _download(source, revision=revision, token=token, allow_pickle=allow_pickle)
+
+
+def _download(repo_id: str, *, revision, token, allow_pickle) -> ResolvedSource:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+    )
+
+    patterns = ALLOW_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    try:
+        folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns)
+    except GatedRepoError:
+        raise CheckpointError(f"source: {repo_id} is gated; accept its license on huggingface.co and pass --token "
+                              f"or set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"source: repository {repo_id} not found on the Hugging Face Hub (if it is private, "
+                              f"pass --token or set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"revision: {revision!r} does not exist in {repo_id}; pass a branch, tag or commit "
+                              f"that exists") from None
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointError(f"source: {repo_id} (revision {revision or 'main'}) is not in the Hugging Face cache "
+                                  f"and HF_HUB_OFFLINE is set; download it once online or unset HF_HUB_OFFLINE") from None
+        raise CheckpointError(f"source: cannot reach the Hugging Face Hub and {repo_id} is not cached; check the "
+                              f"connection or pass a local directory") from None
+    except HfHubHTTPError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"source: Hugging Face Hub error for {repo_id}: {first}") from None
+    except OSError as e:
+        raise CheckpointError(f"source: cannot download {repo_id}: {e.strerror or e}") from None
+    folder = Path(folder)
+    return ResolvedSource(folder, repo_id, folder.name if folder.parent.name == "snapshots" else revision, False)

@@ -1,0 +1,308 @@
+"""convert(): end to end on tiny real checkpoints, layer selection, options, resume, bad input."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import quantpack.convert as convert_mod
+from quantpack.checkpoint import (
+    CheckpointError, PackedCheckpoint, SourceCheckpoint, check_index, check_manifest_files, read_safetensors_header,
+    sha256_file, shard_name, write_safetensors,
+)
+from quantpack.convert import convert
+from quantpack.reference import dequantize
+from quantpack.tiny import make_tiny_llama
+
+LLAMA_LINEARS = {f"model.layers.{i}.{m}" for i in range(2) for m in
+                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+def rel_error(a, b):
+    return float(torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float()))
+
+
+def same_tree(a, b):
+    files_a = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def check_output(src_dir, out, *, dtype=torch.bfloat16, max_error=0.15):
+    """Every output file is consistent and every layer dequantizes back close to the source."""
+    tensors = check_index(out)  # index vs shards, shard metadata format=pt
+    for shard in {info.file for info in tensors.values()}:
+        assert read_safetensors_header(shard)[1]["quantpack_layout_version"] == "1"
+    assert check_manifest_files(out) == []
+    manifest = json.loads((out / "quantpack.json").read_text())
+    src = SourceCheckpoint(src_dir, allow_pickle=True)
+    for rel, entry in manifest["files"]["inputs"].items():
+        assert sha256_file(src_dir / rel) == entry["sha256"]
+    for rel in src.other_files():
+        assert (out / rel).read_bytes() == (src_dir / rel).read_bytes()
+    errors = {layer["name"]: layer["rel_error"] for layer in manifest["layers"]}
+    with PackedCheckpoint(out) as packed:
+        assert sorted(packed.quantized_modules) == sorted(errors)
+        for module in packed.quantized_modules:
+            assert module + ".weight" not in tensors
+            pw, bias = packed.layer(module)
+            assert pw.scales.dtype == dtype and pw.zeros.dtype == dtype
+            w = src.get(module + ".weight")
+            err = rel_error(dequantize(pw, torch.float32), w)
+            assert err == pytest.approx(errors[module], rel=1e-3)
+            assert err < max_error
+            if module + ".bias" in src.tensors:
+                assert torch.equal(bias, src.get(module + ".bias").to(dtype))
+        # Everything else is the source tensor cast to the output dtype.
+        quantized = set(packed.quantized_modules)
+        for name in src.tensors:
+            if name.endswith(".weight") and name[:-7] in quantized:
+                continue
+            t = src.get(name)
+            assert torch.equal(packed.source.get(name), t.to(dtype) if t.is_floating_point() else t), name
+    src.close()
+    return manifest
+
+
+def test_convert_tiny_llama(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    summary = convert(tiny_llama_dir, out, group_size=64, max_shard_size="100KB", progress=False)
+    assert summary.num_shards >= 3 and not summary.dry_run
+    assert {layer.name for layer in summary.quantized} == LLAMA_LINEARS
+    assert [(layer.name, layer.skipped) for layer in summary.skipped] == [
+        ("lm_head", "output embeddings (pass --quantize-lm-head to quantize)")]
+    files = {p.name for p in out.iterdir()}
+    assert {shard_name(i + 1, summary.num_shards) for i in range(summary.num_shards)} <= files
+    assert {"config.json", "model.safetensors.index.json", "quantpack.json", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json", "chat_template.jinja", "LICENSE", "README.md"} <= files
+    assert not list(tmp_path.glob(".*"))  # the partial directory is gone
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "quantpack", "layout_version": 1, "bits": 4, "group_size": 64, "axis": 1, "method": "hqq",
+        "modules_not_converted": ["lm_head"], "bits_overrides": {}, "quantpack_version": convert_mod.__version__}
+    assert config["dtype"] == "bfloat16"
+    manifest = check_output(tiny_llama_dir, out)
+    assert manifest["source"] == {"repo": str(tiny_llama_dir), "revision": None, "local": True}
+    assert manifest["settings"]["group_size"] == 64
+    assert summary.output_bytes == sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert summary.ratio > 2.5
+    assert summary.mean_error == pytest.approx(sum(l["rel_error"] for l in manifest["layers"]) / 14)
+    assert summary.throughput > 0
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(out)("Hello").input_ids == AutoTokenizer.from_pretrained(tiny_llama_dir)(
+        "Hello").input_ids
+
+
+def test_convert_encoder_with_biases(tiny_encoder_dir, tmp_path):
+    summary = convert(tiny_encoder_dir, tmp_path / "enc", method="rtn", dtype="float16", progress=False)
+    names = {layer.name for layer in summary.quantized}
+    assert "pooler.dense" in names and "encoder.layer.1.output.dense" in names and len(names) == 13
+    assert not summary.skipped
+    check_output(tiny_encoder_dir, tmp_path / "enc", dtype=torch.float16)
+
+
+def test_convert_tied_single_file(tiny_llama_tied_dir, tmp_path):
+    summary = convert(tiny_llama_tied_dir, tmp_path / "tied", quantize_lm_head=True, progress=False)
+    assert [(l.name, l.skipped) for l in summary.skipped] == [("lm_head", "tied to the input embeddings (not stored)")]
+    check_output(tiny_llama_tied_dir, tmp_path / "tied")
+    assert "lm_head.weight" not in SourceCheckpoint(tmp_path / "tied").tensors
+
+
+def test_options_skip_bits_for_lm_head_axis0(tiny_llama_dir, tmp_path):
+    out = tmp_path / "o"
+    summary = convert(tiny_llama_dir, out, method="rtn", axis=0, group_size=32, skip=[r"layers\.1\.self_attn"],
+                      bits_for=[r"down_proj=8", "v_proj=8"], quantize_lm_head=True, progress=False)
+    by_name = {l.name: l for l in summary.layers}
+    assert by_name["lm_head"].bits == 4
+    assert by_name["model.layers.0.mlp.down_proj"].bits == 8 and by_name["model.layers.1.self_attn.v_proj"].skipped
+    assert by_name["model.layers.1.self_attn.q_proj"].skipped == r"matches --skip layers\.1\.self_attn"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["axis"] == 0 and qc["bits_overrides"] == {"model.layers.0.mlp.down_proj": 8,
+                                                        "model.layers.0.self_attn.v_proj": 8,
+                                                        "model.layers.1.mlp.down_proj": 8}
+    assert qc["modules_not_converted"] == [f"model.layers.1.self_attn.{p}_proj" for p in "koqv"]
+    manifest = check_output(tiny_llama_dir, out)
+    errors = {l["name"]: l["rel_error"] for l in manifest["layers"]}
+    assert errors["model.layers.0.mlp.down_proj"] < errors["model.layers.0.mlp.up_proj"] / 5  # 8 bits is far better
+
+
+def test_per_channel_8bit(tiny_llama_dir, tmp_path):
+    summary = convert(tiny_llama_dir, tmp_path / "pc", bits=8, group_size=None, method="rtn", progress=False)
+    assert all(l.group_size == l.shape[1] for l in summary.quantized)
+    assert json.loads((tmp_path / "pc" / "config.json").read_text())["quantization_config"]["group_size"] is None
+    check_output(tiny_llama_dir, tmp_path / "pc", max_error=0.02)
+
+
+def test_default_output_name(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    summary = convert(tiny_llama_dir, method="rtn", progress=False)
+    assert summary.output == str(tmp_path / "tiny-llama-qp4g128")
+    assert (tmp_path / "tiny-llama-qp4g128" / "quantpack.json").exists()
+    assert convert(tiny_llama_dir, bits=8, group_size=None, dry_run=True, progress=False).output.endswith(
+        "tiny-llama-qp8pc")
+
+
+def test_group_size_not_dividing_is_skipped_or_strict_error(tmp_path):
+    src = make_tiny_llama(tmp_path / "odd", intermediate_size=192)  # down_proj in-features 192 % 128 != 0
+    summary = convert(src, tmp_path / "out", method="rtn", progress=False)
+    skipped = {l.name: l.skipped for l in summary.skipped}
+    assert skipped["model.layers.0.mlp.down_proj"] == "group size does not fit its shape"
+    assert any("model.layers.1.mlp.down_proj" in w and "192" in w for w in summary.warnings)
+    assert "model.layers.0.mlp.down_proj" in json.loads(
+        (tmp_path / "out" / "config.json").read_text())["quantization_config"]["modules_not_converted"]
+    check_output(src, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: group_size=128 does not divide .*--strict"):
+        convert(src, tmp_path / "strict", method="rtn", strict=True, progress=False)
+    assert not (tmp_path / "strict").exists()
+
+
+def test_dry_run_writes_nothing_and_estimates_exactly(tiny_llama_dir, tmp_path):
+    plan = convert(tiny_llama_dir, tmp_path / "d", max_shard_size="300KB", dry_run=True, progress=False)
+    assert plan.dry_run and plan.disk_free > 0 and plan.num_shards >= 2
+    assert list(tmp_path.iterdir()) == []
+    real = convert(tiny_llama_dir, tmp_path / "d", max_shard_size="300KB", method="rtn", progress=False)
+    assert real.output_bytes == plan.output_bytes and real.num_shards == plan.num_shards
+
+
+def test_dry_run_checks_disk_space(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(convert_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    with pytest.raises(CheckpointError, match=r"output: needs about .* GB free .* but only 0.00 GB"):
+        convert(tiny_llama_dir, tmp_path / "x", dry_run=True, progress=False)
+
+
+def test_existing_output_needs_overwrite(tiny_llama_dir, tmp_path):
+    out = tmp_path / "o"
+    convert(tiny_llama_dir, out, method="rtn", progress=False)
+    before = (out / "quantpack.json").read_bytes()
+    with pytest.raises(CheckpointError, match="already exists .*finished conversion.*--overwrite"):
+        convert(tiny_llama_dir, out, method="rtn", bits=8, progress=False)
+    assert (out / "quantpack.json").read_bytes() == before
+    convert(tiny_llama_dir, out, method="rtn", bits=8, overwrite=True, progress=False)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_interrupted_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, monkeypatch):
+    fresh = tmp_path / "fresh"
+    n = convert(tiny_llama_dir, fresh, max_shard_size="60KB", method="rtn", progress=False).num_shards
+    assert n >= 4
+
+    out = tmp_path / "out"
+    real_write = convert_mod.write_safetensors
+    calls = []
+
+    def crash_on_third_shard(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "write_safetensors", crash_on_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_llama_dir, out, max_shard_size="60KB", method="rtn", progress=False)
+    monkeypatch.undo()
+    assert not out.exists()  # nothing that looks complete
+    partial = tmp_path / ".out.qp-partial"
+    assert sorted(p.name for p in partial.iterdir()) == [shard_name(1, n), shard_name(2, n), "progress.json"]
+    # A corrupted finished shard is detected by its checksum and redone.
+    data = bytearray((partial / shard_name(2, n)).read_bytes())
+    data[-1] ^= 0xFF
+    (partial / shard_name(2, n)).write_bytes(bytes(data))
+    summary = convert(tiny_llama_dir, out, max_shard_size="60KB", method="rtn", progress=False)
+    assert summary.num_shards == n and summary.resumed_shards == 1
+    same_tree(fresh, out)
+    assert not partial.exists()
+
+
+def test_changed_settings_do_not_resume(tiny_llama_dir, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    real_write = convert_mod.write_safetensors
+    calls = []
+
+    def crash_second(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "write_safetensors", crash_second)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False)
+    monkeypatch.undo()
+    summary = convert(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", bits=8, progress=False)
+    assert summary.resumed_shards == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8
+
+
+def test_hub_source_offline_cache(hub_cache, tmp_path, tiny_llama_dir):
+    summary = convert(hub_cache.repo_id, tmp_path / "hub", method="rtn", progress=False)
+    manifest = json.loads((tmp_path / "hub" / "quantpack.json").read_text())
+    assert manifest["source"] == {"repo": hub_cache.repo_id, "revision": hub_cache.commit, "local": False}
+    assert summary.revision == hub_cache.commit
+    # Same bytes as converting the local copy, except for the manifest's source field.
+    local = tmp_path / "local"
+    convert(tiny_llama_dir, local, method="rtn", progress=False)
+    for f in local.glob("*.safetensors"):
+        assert f.read_bytes() == (tmp_path / "hub" / f.name).read_bytes()
+
+
+def test_hub_offline_not_cached(hub_cache, tmp_path):
+    with pytest.raises(CheckpointError, match="not in the Hugging Face cache and HF_HUB_OFFLINE is set"):
+        convert("someone/not-cached", tmp_path / "x", progress=False)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        convert("./no/such/dir", tmp_path / "x", progress=False)
+    assert list(tmp_path.iterdir()) == [hub_cache.cache_dir]
+
+
+def test_bin_source_with_allow_pickle(tiny_llama_dir, tmp_path):
+    src = tmp_path / "bin"
+    src.mkdir()
+    ref = SourceCheckpoint(tiny_llama_dir)
+    torch.save({n: ref.get(n) for n in ref.tensors}, src / "pytorch_model.bin")
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama_dir / f, src / f)
+    with pytest.raises(CheckpointError, match="--allow-pickle"):
+        convert(src, tmp_path / "out", progress=False)
+    convert(src, tmp_path / "out", method="rtn", allow_pickle=True, progress=False)
+    check_output(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_integer_or_fp8_source_weights(tiny_llama_dir, tmp_path, dtype):
+    src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
+    shard = src / shard_name(1, 2)
+    infos, meta = read_safetensors_header(shard)
+    ckpt = SourceCheckpoint(src)
+    tensors = {n: ckpt.get(n) for n in infos}
+    ckpt.close()
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(dtype)
+    write_safetensors(shard, tensors, meta)
+    with pytest.raises(CheckpointError, match="up_proj.weight has dtype .*not integer or fp8"):
+        convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.qp-partial").exists()
+
+
+def test_already_quantized_source(tiny_llama_dir, tmp_path):
+    src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="already quantized"):
+        convert(src, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"bits": 3}, "bits=3"), ({"axis": 2}, "axis=2"), ({"method": "gptq"}, "method='gptq'"),
+    ({"group_size": 0}, "group_size=0"), ({"dtype": "float32"}, "dtype='float32'"),
+    ({"skip": ["(unclosed"]}, "skip='\\(unclosed'"), ({"bits_for": ["down_proj=3"]}, "bits_for='down_proj=3'"),
+    ({"bits_for": ["down_proj"]}, "REGEX=BITS"), ({"max_shard_size": "lots"}, "max_shard_size='lots'"),
+    ({"device": "tpu"}, "device='tpu'"),
+])
+def test_bad_arguments(tiny_llama_dir, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        convert(tiny_llama_dir, tmp_path / "out", progress=False, **kwargs)
+    assert list(tmp_path.iterdir()) == []
