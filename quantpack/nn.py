@@ -6,7 +6,7 @@ from torch import nn
 
 from .format import PackedWeight, packed_shapes, check_layout_args
 from .quantize import quantize, resolve_group_size
-from . import reference
+from . import kernels, reference
 
 
 class QuantLinear(nn.Module):
@@ -14,7 +14,14 @@ class QuantLinear(nn.Module):
 
     The state-dict keys are exactly the tensor names of a packed checkpoint
     (``<module>.qweight``, ``<module>.scales``, ``<module>.zeros``, ``<module>.bias``).
+
+    ``backend`` picks the forward: ``"auto"`` (default) runs the fused Triton kernel on CUDA and
+    the pure-torch reference elsewhere; ``"triton"`` forces the kernel (on CPU it needs
+    TRITON_INTERPRET=1: slow, for tests); ``"reference"`` forces the reference. Set it on the
+    class or on one instance. The backward returns the input gradient only (weights are frozen).
     """
+
+    backend = "auto"
 
     def __init__(self, in_features: int, out_features: int, *, bits: int = 4, group_size: int | None = 128,
                  axis: int = 1, bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None):
@@ -56,9 +63,26 @@ class QuantLinear(nn.Module):
                             (self.out_features, self.in_features))
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.qweight.is_cuda:
+            return kernels.dequantize(self.qweight, self.scales, self.zeros, group_size=self.group_size,
+                                      bits=self.bits, axis=self.axis, out_dtype=dtype)
         return reference.dequantize(self.packed, dtype)
 
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        if self.backend == "reference":
+            return False
+        if self.backend == "triton":
+            return True
+        if self.backend != "auto":
+            raise ValueError(f"backend={self.backend!r}; use 'auto', 'triton' or 'reference'")
+        return x.is_cuda and self.qweight.is_cuda
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features={self.in_features}")
+        if self._use_kernel(x):
+            return kernels.MixedMatmul.apply(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size,
+                                             self.bits, self.axis)
         return reference.matmul(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:

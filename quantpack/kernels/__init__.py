@@ -1,0 +1,10 @@
+"""Fused Triton kernels for quantpack's packed weights (see docs/kernels.md).
+
+* :func:`mixed_mm`: ``x @ W.T`` (or ``x @ W`` with ``transposed=True``) with W dequantized in
+  registers; tuned configs per GPU are read from ``configs/*.json``.
+* :func:`dequantize`: the dense (N, K) weight, bits 4/8, axis 0/1, optional 8-bit zeros.
+"""
+from .dequant import dequantize
+from .mixed_mm import KernelConfig, MixedMatmul, mixed_mm
+
+__all__ = ["mixed_mm", "dequantize", "MixedMatmul", "KernelConfig"]

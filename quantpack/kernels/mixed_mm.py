@@ -1,0 +1,482 @@
+"""Fused dequant-matmul for quantpack's packed 4/8-bit weights (forward and transposed).
+
+``mixed_mm(x, qweight, scales, zeros, group_size=...)`` computes ``x @ W.T`` for the packed (N, K)
+weight W without materializing it; ``transposed=True`` computes ``x @ W`` (the input gradient of
+the forward) from the same buffer. Three kernel shapes, picked per (M bucket, N, K) from a tuned
+config table (``configs/<gpu>.json``) so first use never autotunes:
+
+* ``fma``: small M (decode). Bandwidth-bound GEMV: split-K over the packed rows so every SM
+  streams weights; the group's scale/zero are applied once per tile column
+  (``s * (sum x*q) - z*s * sum x``) so the inner loop is one FMA per weight element.
+* ``dot`` / ``dot_t``: tensor-core tiles; ``dot_t`` computes ``C^T = W x^T`` (dequantized weight
+  as the A operand, the M tile as the narrow N of the MMA), which suits M of 16..64.
+* ``dq``: dequantize into a scratch buffer, then cuBLAS; for large M where a fused kernel loses.
+
+Split-K partial sums go to an fp32 workspace; the last program to finish a tile (an atomic
+counter, which it resets) sums them and writes the output, so one launch does it all.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass, asdict, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
+                      meta_rowwise, triton_usable)
+from .. import reference
+from ..format import PackedWeight
+
+PATHS = ("fma", "dot", "dot_t", "dq")
+
+
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    """Uninitialized output/workspace allocation (tests swap this for a NaN-filled one)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration. ``block_r`` counts pair rows (2 in-features each) per K step
+    (forward) or per output tile (transposed); ``split`` splits the reduction over programs."""
+
+    path: str = "dot"
+    block_m: int = 16
+    block_n: int = 64
+    block_r: int = 32
+    split: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"path={self.path!r}; use one of {PATHS}")
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _finish_tile(acc, m, c, mask, c_mask, out_ptr, stride_om, stride_oc, bias_ptr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
+        acc = acc + b[None, :]
+    tl.store(out_ptr + m[:, None] * stride_om + c[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                M, N, K, G, N_META, stride_xm, stride_xk, stride_om, stride_on,
+                BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                PATH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
+    """out (M, N) = x (M, K) @ W.T. PATH 0: FMA (small M), 1: dot(x, W^T), 2: dot(W, x^T)^T."""
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M row tiles share each weight column tile while it is in L2
+    width = GROUP_M * num_n
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = m < M
+    n_mask = n < N
+    KH = (K + 1) // 2
+    steps = tl.cdiv(KH, BLOCK_R)
+    steps_per_split = tl.cdiv(steps, SPLIT)
+    r_begin = pid_s * steps_per_split * BLOCK_R
+    r_end = tl.minimum(r_begin + steps_per_split * BLOCK_R, KH)
+
+    if PATH == 2:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < KH
+        xm = m_mask[:, None] & r_mask[None, :]
+        x_e = tl.load(x_ptr + m[:, None] * stride_xm + (2 * r)[None, :] * stride_xk, mask=xm, other=0.0)
+        x_o = tl.load(x_ptr + m[:, None] * stride_xm + (2 * r + 1)[None, :] * stride_xk,
+                      mask=xm & ((2 * r + 1) < K)[None, :], other=0.0)
+        if PATH == 0:
+            # GEMV: apply the group's scale/zero once per column: s * sum(x q) - z s * sum(x)
+            x_e = x_e.to(tl.float32)
+            x_o = x_o.to(tl.float32)
+            if META_ROW:
+                qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
+                xq = tl.sum(x_e[:, :, None] * int_to_f32(qlo)[None, :, :]
+                            + x_o[:, :, None] * int_to_f32(qhi)[None, :, :], axis=1)
+                g = (2 * r0) // G
+                s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+                xs = tl.sum(x_e + x_o, axis=1)
+                acc += xq * s[None, :] - xs[:, None] * (z * s)[None, :]
+            else:
+                w_lo, w_hi = dequant_pair_tile(qw_ptr, s_ptr, z_ptr, r, n, r_mask, n_mask, r0, N, K, G, N_META,
+                                               BITS, AXIS, META_ROW)
+                acc += tl.sum(x_e[:, :, None] * w_lo[None, :, :] + x_o[:, :, None] * w_hi[None, :, :], axis=1)
+        else:
+            w_lo, w_hi = dequant_pair_tile(qw_ptr, s_ptr, z_ptr, r, n, r_mask, n_mask, r0, N, K, G, N_META,
+                                           BITS, AXIS, META_ROW)
+            w_lo = w_lo.to(DOT_DTYPE)
+            w_hi = w_hi.to(DOT_DTYPE)
+            x_e = x_e.to(DOT_DTYPE)
+            x_o = x_o.to(DOT_DTYPE)
+            if PATH == 1:
+                acc = tl.dot(x_e, w_lo, acc, input_precision="ieee")
+                acc = tl.dot(x_o, w_hi, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(w_lo), tl.trans(x_e), acc, input_precision="ieee")
+                acc = tl.dot(tl.trans(w_hi), tl.trans(x_o), acc, input_precision="ieee")
+    if PATH == 2:
+        acc = tl.trans(acc)
+
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT == 1:
+        _finish_tile(acc, m, n, mask, n_mask, out_ptr, stride_om, stride_on, bias_ptr, HAS_BIAS)
+    else:
+        # Split-K: publish the partial tile, count arrivals; the last program sums and stores.
+        ws_off = m[:, None] * N + n[None, :]
+        tl.store(ws_ptr + pid_s * M * N + ws_off, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s_i in range(SPLIT):
+                total += tl.load(ws_ptr + s_i * M * N + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish_tile(total, m, n, mask, n_mask, out_ptr, stride_om, stride_on, bias_ptr, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _tr_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
+               M, N, K, G, N_META, stride_xm, stride_xn, stride_om, stride_ok,
+               BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, SWAP: tl.constexpr,
+               DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+               SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
+    """out (M, K) = x (M, N) @ W, from the same packed buffer. The output tile is BLOCK_R pair rows
+    (2*BLOCK_R in-features: even ones from lo, odd from hi); the reduction runs over N."""
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    KH = (K + 1) // 2
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_r = tl.cdiv(KH, BLOCK_R)
+    width = GROUP_M * num_r
+    group_id = pid // width
+    first_m = group_id * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_r = (pid % width) // size_m
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r0 = pid_r * BLOCK_R
+    r = r0 + tl.arange(0, BLOCK_R)
+    m_mask = m < M
+    r_mask = r < KH
+    steps = tl.cdiv(N, BLOCK_N)
+    steps_per_split = tl.cdiv(steps, SPLIT)
+    n_begin = pid_s * steps_per_split * BLOCK_N
+    n_end = tl.minimum(n_begin + steps_per_split * BLOCK_N, N)
+
+    if SWAP:
+        acc_e = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+        acc_o = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_e = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc_o = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < N
+        xt = tl.load(x_ptr + m[:, None] * stride_xm + n[None, :] * stride_xn,
+                     mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(DOT_DTYPE)
+        w_lo, w_hi = dequant_pair_tile(qw_ptr, s_ptr, z_ptr, r, n, r_mask, n_mask, r0, N, K, G, N_META,
+                                       BITS, AXIS, META_ROW)
+        w_lo = w_lo.to(DOT_DTYPE)
+        w_hi = w_hi.to(DOT_DTYPE)
+        if SWAP:
+            acc_e = tl.dot(w_lo, tl.trans(xt), acc_e, input_precision="ieee")
+            acc_o = tl.dot(w_hi, tl.trans(xt), acc_o, input_precision="ieee")
+        else:
+            acc_e = tl.dot(xt, tl.trans(w_lo), acc_e, input_precision="ieee")
+            acc_o = tl.dot(xt, tl.trans(w_hi), acc_o, input_precision="ieee")
+    if SWAP:
+        acc_e = tl.trans(acc_e)
+        acc_o = tl.trans(acc_o)
+
+    # (BM, BR) even and odd columns -> (BM, 2*BR) contiguous in k
+    acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, 2 * BLOCK_R))
+    k = 2 * r0 + tl.arange(0, 2 * BLOCK_R)
+    mask = m_mask[:, None] & (k < K)[None, :]
+    if SPLIT == 1:
+        _finish_tile(acc, m, k, mask, k < K, out_ptr, stride_om, stride_ok, out_ptr, False)
+    else:
+        ws_off = m[:, None] * K + k[None, :]
+        tl.store(ws_ptr + pid_s * M * K + ws_off, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, 2 * BLOCK_R), dtype=tl.float32)
+            for s_i in range(SPLIT):
+                total += tl.load(ws_ptr + s_i * M * K + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish_tile(total, m, k, mask, k < K, out_ptr, stride_om, stride_ok, out_ptr, False)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# split-K arrival counters: zero at rest (the last program of each tile resets its counter), one
+# buffer per (device, stream) so concurrent streams never share a counter.
+
+_COUNTER_SLOTS = 1 << 16
+_counters: dict = {}
+_counters_lock = threading.Lock()
+
+
+def _counter_buffer(device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _counters.get(key)
+    if buf is None:
+        with _counters_lock:
+            buf = _counters.get(key)
+            if buf is None:
+                buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+                _counters[key] = buf
+    return buf
+
+
+def _dot_dtype(dtype: torch.dtype):
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16:
+        return tl.float32 if interpreting() else tl.bfloat16  # the interpreter's bf16 dot is wrong
+    return tl.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# configs: tuned tables shipped per GPU, heuristics otherwise
+
+_CONFIG_DIR = Path(__file__).with_name("configs")
+_tables: dict[str, dict] = {}
+
+
+def m_bucket(m: int) -> int:
+    """Autotune/config key for M: the next power of two, capped at 4096."""
+    return min(4096, 1 << max(0, (m - 1).bit_length()))
+
+
+def device_key(device: torch.device | None = None) -> str:
+    if interpreting() and (device is None or device.type == "cpu"):
+        return "interpreter"
+    name = torch.cuda.get_device_name(device)
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+
+
+def config_key(transposed: bool, bits: int, n: int, k: int, m: int) -> str:
+    return f"{'tr' if transposed else 'fwd'}|b{bits}|n{n}|k{k}|m{m_bucket(m)}"
+
+
+def _table(dev_key: str) -> dict:
+    table = _tables.get(dev_key)
+    if table is None:
+        path = _CONFIG_DIR / f"{dev_key}.json"
+        table = {}
+        if path.is_file():
+            table = {k: KernelConfig(**v) for k, v in json.loads(path.read_text())["configs"].items()}
+        _tables[dev_key] = table
+    return table
+
+
+def _nearest(table: dict, transposed: bool, bits: int, n: int, k: int, m: int) -> KernelConfig | None:
+    """The tuned config of the closest (N, K) (log distance) with the same direction, bits, M bucket."""
+    want = config_key(transposed, bits, n, k, m).split("|")
+    best, best_d = None, math.inf
+    for key, cfg in table.items():
+        parts = key.split("|")
+        if parts[0] != want[0] or parts[1] != want[1] or parts[4] != want[4]:
+            continue
+        d = abs(math.log2(int(parts[2][1:]) / n)) + abs(math.log2(int(parts[3][1:]) / k))
+        if d < best_d:
+            best, best_d = cfg, d
+    return best
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
+    """A reasonable config without tuning: FMA GEMV for tiny M, split tensor-core tiles for
+    small M, large tensor-core tiles beyond."""
+    sms = _num_sms(device)
+    kh = (k + 1) // 2
+    if transposed:
+        bm = 16 if m <= 16 else (64 if m <= 64 else 128)
+        cfg = KernelConfig(path="dot", block_m=bm, block_n=64, block_r=64 if m > 64 else 32,
+                           num_warps=8 if m > 64 else 4, num_stages=3)
+        tiles = triton.cdiv(m, bm) * triton.cdiv(kh, cfg.block_r)
+        reduce_steps = triton.cdiv(n, cfg.block_n)
+    elif m <= 8:
+        cfg = KernelConfig(path="fma", block_m=m_bucket(m), block_n=128, block_r=32, num_warps=4)
+        tiles = triton.cdiv(n, 128)
+        reduce_steps = triton.cdiv(kh, 32)
+    elif m <= 64:
+        cfg = KernelConfig(path="dot_t", block_m=max(16, m_bucket(m)), block_n=64, block_r=32, num_warps=4,
+                           num_stages=3)
+        tiles = triton.cdiv(n, 64)
+        reduce_steps = triton.cdiv(kh, 32)
+    else:
+        cfg = KernelConfig(path="dot", block_m=128, block_n=128, block_r=32, num_warps=8, num_stages=3)
+        tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
+        reduce_steps = triton.cdiv(kh, 32)
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= reduce_steps and split < 32:
+        split *= 2
+    return replace(cfg, split=split)
+
+
+def pick_config(transposed: bool, bits: int, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
+    dev_key = device_key(device)
+    table = _table(dev_key)
+    key = config_key(transposed, bits, n, k, m)
+    cfg = table.get(key)
+    if cfg is None:
+        cfg = _nearest(table, transposed, bits, n, k, m) or heuristic_config(transposed, m, n, k, device)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+
+
+def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_size: int) -> KernelConfig:
+    """Clamp a (possibly nearest-shape) config to what this call can run."""
+    if transposed and cfg.path in ("fma", "dot_t"):
+        cfg = replace(cfg, path="dot")
+    if cfg.path != "fma":
+        cfg = replace(cfg, block_m=max(16, cfg.block_m), block_r=max(16, cfg.block_r))
+    return cfg
+
+
+def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis: int, group_size: int, bits: int,
+            transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig) -> torch.Tensor:
+    m = x2.shape[0]
+    out_cols = k if transposed else n
+    if cfg.path == "dq":
+        w = dequantize(qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis,
+                       out_dtype=x2.dtype if x2.dtype != torch.float32 else scales.dtype)
+        w = w.to(x2.dtype)
+        out = x2 @ w if transposed else F.linear(x2, w, bias.to(x2.dtype) if bias is not None else None)
+        return out.to(out_dtype)
+    out = _alloc((m, out_cols), out_dtype, x2.device)
+    if m == 0:
+        return out
+    kh = (k + 1) // 2
+    meta_row = meta_rowwise(axis, group_size, cfg.block_r)
+    n_meta = scales.shape[1]
+    dd = _dot_dtype(x2.dtype)
+    if transposed:
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
+    else:
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split
+    if split > 1 and tiles > _COUNTER_SLOTS:
+        split = 1
+    if split > 1:
+        ws = _alloc((split, m, out_cols), torch.float32, x2.device)
+        cnt = _counter_buffer(x2.device)
+    else:
+        ws = cnt = out  # never touched
+    grid = (tiles, split)
+    if transposed:
+        _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
+                         x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+                         BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT=split,
+                         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        path = {"fma": 0, "dot": 1, "dot_t": 2}[cfg.path]
+        _fwd_kernel[grid](x2, qweight, scales, zeros, bias if bias is not None else out, out, ws, cnt,
+                          m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+                          BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
+                          DOT_DTYPE=dd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                          SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _check_x(x: torch.Tensor, width: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError("x: expected a floating-point tensor (float16, bfloat16 or float32)")
+    if x.dim() < 1 or x.shape[-1] != width:
+        raise ValueError(f"x: last dimension {tuple(x.shape)[-1:] or '()'} does not match {what}={width}")
+
+
+def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
+             bits: int = 4, transposed: bool = False, out_dtype: torch.dtype | None = None, axis: int | None = None,
+             bias: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """``x @ W.T`` (``transposed=False``: x (..., K) -> (..., N)) or ``x @ W`` (``transposed=True``:
+    x (..., N) -> (..., K)) for the packed (N, K) weight W, dequantized in registers, accumulated
+    in float32. ``axis`` is read off the scales' shape when not given; ``bias`` (N,) is added in
+    the forward epilogue; ``config`` forces a launch configuration (tests, tuning).
+    Runs Triton on CUDA (and on CPU under TRITON_INTERPRET=1), the reference otherwise."""
+    n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, axis)
+    _check_x(x, k if not transposed else n, "in_features K" if not transposed else "out_features N")
+    if x.device != qweight.device:
+        raise ValueError(f"x: on {x.device} but qweight on {qweight.device}; move them to one device")
+    if bias is not None and (transposed or tuple(bias.shape) != (n,)):
+        raise ValueError(f"bias: expected shape ({n},) and transposed=False")
+    out_dtype = out_dtype or x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not triton_usable(x2):
+        pw = PackedWeight(qweight, scales, zeros, bits, group_size, axis, (n, k))
+        w = reference.dequantize(pw, torch.float32)
+        out = x2.float() @ (w if transposed else w.t())
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype).reshape(*lead, -1)
+    qweight = qweight.contiguous()
+    scales = scales.contiguous()
+    zeros = zeros.contiguous()
+    if config is None:
+        config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
+    config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
+    out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config)
+    return out.reshape(*lead, out.shape[-1])
+
+
+class MixedMatmul(torch.autograd.Function):
+    """``x @ W.T + bias`` over a frozen packed weight; backward is the transposed kernel."""
+
+    @staticmethod
+    def forward(ctx, x, qweight, scales, zeros, bias, group_size, bits, axis):
+        ctx.save_for_backward(qweight, scales, zeros)
+        ctx.meta = (group_size, bits, axis)
+        return mixed_mm(x, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis, bias=bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qweight, scales, zeros = ctx.saved_tensors
+        group_size, bits, axis = ctx.meta
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = mixed_mm(grad_out, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis,
+                              transposed=True)
+        return grad_x, None, None, None, None, None, None, None

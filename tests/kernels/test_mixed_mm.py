@@ -1,0 +1,199 @@
+"""mixed_mm against the fp32 reference under the Triton interpreter: every kernel path (FMA GEMV,
+tensor-core tiles both ways, split-K with the last-arriver reduction, dequant+matmul), forward and
+transposed, awkward shapes, outputs poisoned with NaN so unwritten elements fail."""
+import importlib
+import os
+
+import pytest
+import torch
+
+from quantpack import reference
+from quantpack.kernels import KernelConfig, mixed_mm
+mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
+dq_mod = importlib.import_module("quantpack.kernels.dequant")
+from quantpack.quantize import quantize
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a GPU")
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Every output and workspace the kernels allocate starts as NaN (or 0x7F bytes)."""
+    def alloc(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(127)
+    monkeypatch.setattr(mm_mod, "_alloc", alloc)
+    monkeypatch.setattr(dq_mod, "_alloc", alloc)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+_packed_cache = {}
+
+
+def packed(n, k, bits, group_size, axis=1, dtype=torch.float16, seed=0):
+    key = (n, k, bits, group_size, axis, dtype, seed)
+    if key not in _packed_cache:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(n, k, generator=g)
+        pw = quantize(w, bits=bits, group_size=group_size, axis=axis, method="rtn", dtype=dtype).to(DEV)
+        _packed_cache[key] = (pw, reference.dequantize(pw, torch.float32))
+    return _packed_cache[key]
+
+
+def run(x, pw, cfg, transposed=False, **kw):
+    return mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=pw.group_size, bits=pw.bits,
+                    transposed=transposed, config=cfg, **kw)
+
+
+# Forced configs: each kernel variant, tile sizes that do not divide the test shapes, split-K.
+FWD_CONFIGS = {
+    "fma_split": lambda m: KernelConfig("fma", block_m=min(8, 1 << max(0, (m - 1).bit_length())), block_n=32,
+                                        block_r=16, split=3),
+    "dot_split": lambda m: KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=2),
+    "dot_t": lambda m: KernelConfig("dot_t", block_m=16 if m <= 16 else 32, block_n=64, block_r=32, split=1),
+    "dot_big": lambda m: KernelConfig("dot", block_m=32, block_n=64, block_r=64, split=1),
+}
+TR_CONFIGS = {
+    "dot_split": lambda m: KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=2),
+    "swap": lambda m: KernelConfig("dot_t", block_m=32, block_n=64, block_r=32, split=1),
+}
+# (N, K, group size): N and K not multiples of the tiles above
+SHAPES = [(72, 160, 32), (100, 192, 64), (88, 384, 128)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,gs", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64])
+def test_forward_matches_reference(m, n, k, gs, bits):
+    pw, w = packed(n, k, bits, gs)
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=g, dtype=torch.float16).to(DEV)
+    ref = x.float() @ w.t()
+    names = ["dot_split", "dot_t"] + (["fma_split"] if m <= 17 else ["dot_big"])
+    for name in names:
+        out = run(x, pw, FWD_CONFIGS[name](m))
+        assert out.shape == (m, n) and out.dtype == torch.float16
+        assert rel_err(out, ref) <= 1e-3, name
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,gs", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64])
+def test_transposed_matches_reference(m, n, k, gs, bits):
+    pw, w = packed(n, k, bits, gs)
+    g = torch.Generator().manual_seed(m * 7 + k)
+    x = torch.randn(m, n, generator=g, dtype=torch.float16).to(DEV)
+    ref = x.float() @ w
+    for name, cfg in TR_CONFIGS.items():
+        out = run(x, pw, cfg(m), transposed=True)
+        assert out.shape == (m, k) and out.dtype == torch.float16
+        assert rel_err(out, ref) <= 1e-3, name
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_axis0_and_per_channel(bits):
+    for (n, k, gs, axis) in [(96, 80, 32, 0), (72, 200, None, 1), (64, 96, None, 0)]:
+        pw, w = packed(n, k, bits, gs, axis=axis)
+        x = torch.randn(5, k, dtype=torch.float16).to(DEV)
+        xt = torch.randn(5, n, dtype=torch.float16).to(DEV)
+        for cfg in (FWD_CONFIGS["fma_split"](5), FWD_CONFIGS["dot_split"](5), FWD_CONFIGS["dot_t"](5)):
+            assert rel_err(run(x, pw, cfg), x.float() @ w.t()) <= 1e-3
+        assert rel_err(run(xt, pw, TR_CONFIGS["swap"](5), transposed=True), xt.float() @ w) <= 1e-3
+
+
+def test_odd_k_8bit():
+    pw, w = packed(40, 33, 8, None)  # per-channel group of 33: 8-bit allows odd K
+    x = torch.randn(3, 33, dtype=torch.float16).to(DEV)
+    xt = torch.randn(3, 40, dtype=torch.float16).to(DEV)
+    for cfg in (FWD_CONFIGS["fma_split"](3), FWD_CONFIGS["dot_split"](3)):
+        assert rel_err(run(x, pw, cfg), x.float() @ w.t()) <= 1e-3
+    assert rel_err(run(xt, pw, TR_CONFIGS["dot_split"](3), transposed=True), xt.float() @ w) <= 1e-3
+
+
+def test_bf16_fp32_inputs_bias_and_out_dtype():
+    pw, w = packed(72, 160, 4, 32, dtype=torch.bfloat16)
+    bias = torch.randn(72).to(torch.bfloat16).to(DEV)
+    x = torch.randn(3, 160).to(DEV)
+    ref = x @ w.t() + bias.float()
+    for cfg in (FWD_CONFIGS["fma_split"](3), FWD_CONFIGS["dot_split"](3)):
+        out32 = run(x, pw, cfg, bias=bias)  # fp32 activations: fp32 ("ieee") dot, fp32 out
+        assert out32.dtype == torch.float32 and rel_err(out32, ref) <= 1e-5
+        outb = run(x.to(torch.bfloat16), pw, cfg, bias=bias, out_dtype=torch.float32)
+        assert outb.dtype == torch.float32
+        assert rel_err(outb, x.to(torch.bfloat16).float() @ w.t() + bias.float()) <= 1e-2
+
+
+def test_leading_dims_and_noncontiguous_x():
+    pw, w = packed(72, 160, 4, 32)
+    base = torch.randn(2, 3, 320, dtype=torch.float16).to(DEV)
+    x = base[..., ::2]  # (2, 3, 160), stride 2 along K
+    assert not x.is_contiguous()
+    for cfg in (FWD_CONFIGS["fma_split"](6), FWD_CONFIGS["dot_t"](6)):
+        out = run(x, pw, cfg)
+        assert out.shape == (2, 3, 72)
+        assert rel_err(out, x.float() @ w.t()) <= 1e-3
+    xt = torch.randn(4, 72, 2, dtype=torch.float16).to(DEV).transpose(1, 2)  # (4, 2, 72) non-contiguous
+    out = run(xt, pw, TR_CONFIGS["swap"](8), transposed=True)
+    assert out.shape == (4, 2, 160) and rel_err(out, xt.float() @ w) <= 1e-3
+
+
+def test_dequant_then_matmul_path():
+    pw, w = packed(100, 192, 4, 64)
+    x = torch.randn(17, 192, dtype=torch.float16).to(DEV)
+    dq = KernelConfig("dq")
+    assert rel_err(run(x, pw, dq), x.float() @ w.t()) <= 1e-3
+    xt = torch.randn(17, 100, dtype=torch.float16).to(DEV)
+    assert rel_err(run(xt, pw, dq, transposed=True), xt.float() @ w) <= 1e-3
+
+
+def test_split_counters_reset_and_repeatable():
+    pw, w = packed(72, 384, 4, 128)
+    x = torch.randn(3, 384, dtype=torch.float16).to(DEV)
+    cfg = KernelConfig("fma", block_m=4, block_n=32, block_r=16, split=4)
+    first = run(x, pw, cfg)
+    second = run(x, pw, cfg)
+    assert torch.equal(first, second)
+    assert int(mm_mod._counter_buffer(x.device).abs().sum()) == 0
+
+
+def test_default_config_dispatch():
+    """No forced config: the heuristic/tuned table picks a path for each M and it is right."""
+    pw, w = packed(72, 160, 4, 32)
+    for m in (1, 17):
+        x = torch.randn(m, 160, dtype=torch.float16).to(DEV)
+        assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32), x.float() @ w.t()) <= 1e-3
+
+
+def test_bad_input_is_refused():
+    pw, _ = packed(72, 160, 4, 32)
+    x = torch.randn(2, 160, dtype=torch.float16).to(DEV)
+    with pytest.raises(ValueError, match="x: last dimension"):
+        mixed_mm(x[:, :100], pw.qweight, pw.scales, pw.zeros, group_size=32)
+    with pytest.raises(ValueError, match="x: last dimension"):
+        mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32, transposed=True)
+    with pytest.raises(ValueError, match="scales: shape"):
+        mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=16)
+    with pytest.raises(ValueError, match="qweight"):
+        mixed_mm(x, pw.qweight.to(torch.int32), pw.scales, pw.zeros, group_size=32)
+    with pytest.raises(ValueError, match="bits"):
+        mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32, bits=3)
+    with pytest.raises(ValueError, match="x: expected a floating-point"):
+        mixed_mm(x.to(torch.int32), pw.qweight, pw.scales, pw.zeros, group_size=32)
+
+
+def test_reference_fallback_without_triton(monkeypatch):
+    """Where Triton cannot run, mixed_mm computes the same function through the reference."""
+    pw, w = packed(72, 160, 4, 32)
+    x = torch.randn(3, 160, dtype=torch.float16).to(DEV)
+    monkeypatch.setattr(mm_mod, "triton_usable", lambda t: False)
+    out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32)
+    assert rel_err(out, x.float() @ w.t()) <= 1e-3
+    outt = mixed_mm(torch.randn(3, 72, dtype=torch.float16).to(DEV), pw.qweight, pw.scales, pw.zeros, group_size=32,
+                    transposed=True)
+    assert outt.shape == (3, 160)
