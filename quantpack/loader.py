@@ -1,0 +1,379 @@
+"""Load a packed checkpoint as a ready-to-run transformers model: ``quantpack.load(path_or_repo_id)``.
+
+The model is built on the meta device, every converted linear layer is swapped for a
+:class:`~quantpack.nn.QuantLinear` (still on meta), then each tensor is read from its shard and
+put on the device it belongs to, one tensor at a time. Full-precision linear weights never exist.
+
+Before any tensor data is read, the files are checked against ``config.json``, the shard index and
+the manifest ``quantpack.json``: a tensor with the wrong shape or dtype, a missing or unexpected
+tensor, a file whose checksum differs, or an unsupported layout version raises
+:class:`~quantpack.checkpoint.CheckpointError` (a ``ValueError``) naming the tensor or file.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import checkpoint
+from .checkpoint import CheckpointError, TensorInfo
+from .format import LAYOUT_VERSION
+from .nn import QuantLinear
+
+QUANT_METHOD = checkpoint.QUANT_METHOD
+
+
+def _fail(message: str) -> CheckpointError:
+    return CheckpointError(" ".join(str(message).split()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Module construction by scheme: the one place that decides what replaces an nn.Linear.
+# --------------------------------------------------------------------------------------------------
+
+# A builder gets (module name, the nn.Linear being replaced (on meta), the validated
+# quantization_config, the compute dtype) and returns the replacement module on the meta device.
+# Its state-dict keys are the tensor names the checkpoint stores for that module.
+ModuleBuilder = Callable[[str, nn.Linear, dict, torch.dtype], nn.Module]
+
+
+def build_weight_only(name: str, linear: nn.Linear, qc: dict, dtype: torch.dtype) -> nn.Module:
+    """``w4a16`` / ``w8a16``: a :class:`QuantLinear` (packed weight; scales, zeros and bias in ``dtype``)."""
+    return QuantLinear(linear.in_features, linear.out_features, bits=qc["bits_overrides"].get(name, qc["bits"]),
+                       group_size=qc["group_size"], axis=qc["axis"], bias=linear.bias is not None, dtype=dtype,
+                       device="meta")
+
+
+SCHEMES: dict[str, ModuleBuilder] = {"w4a16": build_weight_only, "w8a16": build_weight_only}
+
+
+def register_scheme(scheme: str, builder: ModuleBuilder) -> None:
+    """Teach the loader (and the transformers integration) the ``quantization_config.scheme`` ``scheme``."""
+    SCHEMES[scheme] = builder
+
+
+def read_quantization_config(config: dict) -> dict:
+    """``checkpoint.read_quantization_config`` plus: the scheme must be one this quantpack can build."""
+    qc = checkpoint.read_quantization_config(config)
+    if qc["scheme"] not in SCHEMES:
+        raise _fail(f"config.json: quantization_config.scheme={qc['scheme']!r} is not supported by this quantpack "
+                    f"(known: {', '.join(sorted(SCHEMES))}); upgrade quantpack")
+    return qc
+
+
+def linear_modules_to_convert(model: nn.Module, qc: dict) -> list[str]:
+    """Names of the ``nn.Linear`` modules a packed checkpoint stores quantized: all but those in
+    ``modules_not_converted`` and those whose weight is tied to another (a tied ``lm_head`` is never
+    quantized, nor stored)."""
+    skip = set(qc["modules_not_converted"]) | {n.removesuffix(".weight") for n in _tied_targets(model)}
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+
+
+def _tied_targets(model) -> set[str]:
+    """Parameters that ``tie_weights`` points at another parameter (e.g. ``lm_head.weight``)."""
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if keys is None and hasattr(model, "get_expanded_tied_weights_keys"):
+        keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+    return set(keys or {})
+
+
+def replace_linear_layers(model: nn.Module, qc: dict, names: list[str],
+                          dtype_for: Callable[[str], torch.dtype]) -> None:
+    """Swap each ``nn.Linear`` in ``names`` for the module of ``qc``'s scheme, built on meta.
+    ``dtype_for(name)`` is that module's compute dtype (its scales/zeros/bias)."""
+    builder = SCHEMES[qc["scheme"]]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, builder(name, getattr(parent, child), qc, dtype_for(name)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------------
+
+def resolve_checkpoint(path_or_repo_id, *, revision: str | None = None, token: str | None = None) -> Path:
+    """A local directory as is; otherwise a hub repository id, fetched (or found in the local cache,
+    e.g. with ``HF_HUB_OFFLINE=1``) by huggingface_hub."""
+    from .hub import resolve_source
+
+    try:
+        return resolve_source(os.fspath(path_or_repo_id), revision=revision, token=token).path
+    except CheckpointError as exc:  # the resolver names its argument "source"; here it is path_or_repo_id
+        message = str(exc)
+        raise _fail("path_or_repo_id" + message[len("source"):] if message.startswith("source:") else message) from None
+
+
+def read_checkpoint_files(root: Path, *, verify: bool = True) -> dict[str, TensorInfo]:
+    """Every tensor of a packed checkpoint from the shard headers (no tensor data read), after checking
+    the shards against the index, their layout version, and (``verify``) the manifest's checksums."""
+    if not (root / checkpoint.SAFE_INDEX_NAME).exists() and not (root / checkpoint.SAFE_SINGLE_NAME).exists():
+        raise _fail(f"{root}: no {checkpoint.SAFE_INDEX_NAME} or {checkpoint.SAFE_SINGLE_NAME}; "
+                    f"not a packed checkpoint directory")
+    if verify:
+        manifest = checkpoint.read_manifest(root)
+        if manifest.get("layout_version") != LAYOUT_VERSION:
+            raise _fail(f"{checkpoint.MANIFEST_NAME}: layout_version={manifest.get('layout_version')!r}; this "
+                        f"quantpack reads layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert")
+        for rel, entry in (manifest.get("files", {}).get("outputs") or {}).items():
+            f = root / rel
+            if not f.is_file():
+                raise _fail(f"file {rel}: listed in {checkpoint.MANIFEST_NAME} but missing; download it again")
+            if f.stat().st_size != entry["size"]:
+                raise _fail(f"file {rel}: {f.stat().st_size} bytes, {checkpoint.MANIFEST_NAME} says {entry['size']}; "
+                            f"the file is truncated or modified: download it again")
+            if checkpoint.sha256_file(f) != entry["sha256"]:
+                raise _fail(f"file {rel}: sha256 differs from {checkpoint.MANIFEST_NAME}; the file is corrupt or "
+                            f"modified: download it again (or pass verify=False to skip checksums)")
+    tensors = checkpoint.check_index(root)
+    for fname in sorted({info.file.name for info in tensors.values()}):
+        _, meta = checkpoint.read_safetensors_header(root / fname)
+        version = meta.get("quantpack_layout_version")
+        if version is not None and version != str(LAYOUT_VERSION):
+            raise _fail(f"file {fname}: quantpack_layout_version={version!r} in its metadata; this quantpack reads "
+                        f"layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert")
+    return tensors
+
+
+def _check_manifest_layers(root: Path, qc: dict, tensors: dict[str, TensorInfo]) -> None:
+    """Each layer the manifest lists is stored quantized with the bits and shape it records."""
+    for layer in checkpoint.read_manifest(root).get("layers") or []:
+        name = layer["name"]
+        if name + ".qweight" not in tensors:
+            raise _fail(f"tensor {name}.qweight: missing, but {checkpoint.MANIFEST_NAME} lists {name} as quantized")
+        bits = qc["bits_overrides"].get(name, qc["bits"])
+        if "bits" in layer and layer["bits"] != bits:
+            raise _fail(f"module {name}: {checkpoint.MANIFEST_NAME} says bits={layer['bits']} but "
+                        f"quantization_config gives bits={bits}")
+        n, k = layer.get("shape", (None, None))
+        qshape = tensors[name + ".qweight"].shape
+        if n is not None and qshape != ((k // 2, n) if bits == 4 else (k, n)):
+            raise _fail(f"tensor {name}.qweight: shape {list(qshape)} does not match the layer shape [{n}, {k}] "
+                        f"in {checkpoint.MANIFEST_NAME}")
+
+
+# --------------------------------------------------------------------------------------------------
+# load()
+# --------------------------------------------------------------------------------------------------
+
+def model_class_for(config):
+    """The transformers class ``config.architectures`` names, else the Auto class for the model type."""
+    import transformers
+
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+
+
+def _expected_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """(persistent parameters and buffers by state-dict name with each shared tensor once, the other names
+    of shared tensors)."""
+    seen, out, aliases = set(), {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+        else:
+            seen.add(id(t))
+            out[name] = t
+    return out, aliases
+
+
+def _check_tensors(model, expected: dict[str, torch.Tensor], aliases: set[str], tensors: dict[str, TensorInfo],
+                   quantized: set[str], qc: dict) -> None:
+    for name, info in tensors.items():
+        module = name.rpartition(".")[0]
+        if name not in expected:
+            if name in aliases:
+                continue  # a second copy of a tied weight
+            if module in quantized:
+                hint = f"; {module} is quantized, which stores {sorted(k.rpartition('.')[2] for k in expected if k.rpartition('.')[0] == module)}"
+            elif name.endswith((".qweight", ".scales", ".zeros")) and module in qc["modules_not_converted"]:
+                hint = f"; config.json's quantization_config lists {module} in modules_not_converted"
+            else:
+                hint = ""
+            raise _fail(f"tensor {name} in {info.file.name}: not a tensor of {type(model).__name__}{hint}")
+        want = expected[name]
+        if tuple(info.shape) != tuple(want.shape):
+            raise _fail(f"tensor {name} in {info.file.name}: shape {list(info.shape)}, expected {list(want.shape)} "
+                        f"from config.json and quantization_config")
+        if want.is_floating_point():
+            if not info.dtype.is_floating_point:
+                raise _fail(f"tensor {name} in {info.file.name}: dtype {checkpoint.dtype_name(info.dtype)}, "
+                            f"expected a floating-point dtype")
+        elif info.dtype != want.dtype:
+            raise _fail(f"tensor {name} in {info.file.name}: dtype {checkpoint.dtype_name(info.dtype)}, expected "
+                        f"{checkpoint.dtype_name(want.dtype)}")
+    tied = _tied_targets(model)
+    missing = [n for n in expected if n not in tensors and n not in tied]
+    if missing:
+        module = missing[0].rpartition(".")[0]
+        hint = ""
+        if module in quantized and module + ".weight" in tensors:
+            hint = f"; the file stores {module}.weight, so add {module} to quantization_config.modules_not_converted"
+        raise _fail(f"tensor {missing[0]}: missing from the checkpoint{hint}" +
+                    (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+
+
+def _device_of(placement: dict, name: str) -> torch.device:
+    """The device of a tensor or module under a device map (longest matching module prefix)."""
+    key = name
+    while key not in placement:
+        if not key:
+            raise ValueError(f"device_map: no entry covers {name!r}; add one for it or a '' entry")
+        key = key.rpartition(".")[0]
+    dev = placement[key]
+    return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+
+
+def _resolve_device_map(model, device_map, max_memory) -> dict:
+    if isinstance(device_map, (torch.device, int)) or (isinstance(device_map, str) and (
+            device_map in ("cpu", "cuda", "meta") or re.fullmatch(r"cuda:\d+", device_map))):
+        return {"": device_map}
+    if isinstance(device_map, str):
+        if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise ValueError(f"device_map={device_map!r}: use 'auto', 'balanced', 'balanced_low_0', 'sequential', "
+                             f"a device, or a {{module name: device}} dict")
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split,
+                                             low_zero=device_map == "balanced_low_0")
+        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+    if not isinstance(device_map, dict):
+        raise ValueError(f"device_map: expected 'auto' or a {{module name: device}} dict, got {type(device_map).__name__}")
+    if "disk" in device_map.values() or "meta" in device_map.values():
+        raise ValueError("device_map: disk offload is not supported for packed checkpoints; give the model more "
+                         "GPU or CPU memory (max_memory) or use a smaller model")
+    return device_map
+
+
+def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, device_map=None,
+         revision: str | None = None, token: str | None = None, max_memory: dict | None = None,
+         verify: bool = True) -> nn.Module:
+    """Load a quantpack checkpoint (a directory or a hub repository id) as a transformers model.
+
+    * ``device``: where the model goes (default: the current CUDA device if there is one, else the
+      CPU). On the CPU the quantized layers run quantpack's reference path.
+    * ``dtype``: the dtype of every non-quantized floating-point weight (embeddings, norms,
+      ``lm_head``...), hence of the activations. Default: as stored in the checkpoint. Quantized
+      layers keep the scales/zeros/bias dtype they were converted with (the kernels accept any
+      activation dtype).
+    * ``device_map``: ``"auto"`` (GPUs first, then CPU, by accelerate; ``max_memory`` as in
+      accelerate), ``"balanced"``, ``"sequential"``, or a ``{module name: device}`` dict. Use
+      either ``device`` or ``device_map``.
+    * ``revision``, ``token``: for hub repositories.
+    * ``verify``: re-hash the files against the manifest (shapes and dtypes are always checked).
+
+    Returns the model of the class ``config.json``'s ``architectures`` names, in eval mode, with
+    ``model.config.quantization_config`` set. Raises :class:`~quantpack.checkpoint.CheckpointError`
+    (a ``ValueError``) when the files disagree with the config, index or manifest.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    if device is not None and device_map is not None:
+        raise ValueError("device and device_map: pass one of them, not both")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r}: pass a floating-point torch.dtype such as torch.bfloat16")
+    root = resolve_checkpoint(path_or_repo_id, revision=revision, token=token)
+    if not (root / checkpoint.CONFIG_NAME).is_file():
+        raise _fail(f"{root}: no config.json; not a packed checkpoint directory")
+    config = AutoConfig.from_pretrained(root)
+    try:
+        qc = read_quantization_config(json.loads((root / checkpoint.CONFIG_NAME).read_text()))
+    except ValueError as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise _fail(f"{root / checkpoint.CONFIG_NAME}: not valid JSON") from None
+    tensors = read_checkpoint_files(root, verify=verify)
+    if verify:
+        _check_manifest_layers(root, qc, tensors)
+
+    # The skeleton on meta. Buffers computed in __init__ (rotary tables) are real, on the CPU.
+    stored_floats = [i.dtype for n, i in tensors.items() if i.dtype.is_floating_point
+                     and not n.endswith((".scales", ".zeros"))]
+    build_dtype = dtype or (max(set(stored_floats), key=stored_floats.count) if stored_floats else torch.float32)
+    plain_config = copy.deepcopy(config)
+    if hasattr(plain_config, "quantization_config"):
+        del plain_config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        model = model_class_for(config)._from_config(plain_config, dtype=build_dtype)
+
+    def compute_dtype(module: str) -> torch.dtype:
+        # Quantized layers keep the scales/zeros (and bias) dtype they were quantized with.
+        info = tensors.get(module + ".scales")
+        return info.dtype if info is not None and info.dtype.is_floating_point else build_dtype
+
+    quantized = linear_modules_to_convert(model, qc)
+    replace_linear_layers(model, qc, quantized, compute_dtype)
+    quantized = set(quantized)
+    expected, aliases = _expected_tensors(model)
+    _check_tensors(model, expected, aliases, tensors, quantized, qc)
+
+    if device_map is None:
+        placement = {"": torch.device(device) if device is not None else
+                     (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                      else torch.device("cpu"))}
+    else:
+        placement = _resolve_device_map(model, device_map, max_memory)
+
+    # One tensor at a time: read it from its shard (positioned read, no mmap), cast it to the dtype its
+    # module wants, move it to its device. Peak extra memory is one tensor.
+    handles: dict[Path, object] = {}
+    try:
+        for name, want in expected.items():
+            info = tensors.get(name)
+            if info is None:
+                continue  # tied: filled by tie_weights below
+            f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
+            tensor = checkpoint.read_tensor(info, f)
+            module = name.rpartition(".")[0]
+            if tensor.is_floating_point():
+                to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)
+                tensor = tensor.to(to_dtype)
+            _set_tensor(model, name, tensor.to(_device_of(placement, name)))
+    finally:
+        for f in handles.values():
+            f.close()
+    model.tie_weights()
+    for name, buf in list(model.named_buffers()):
+        if not buf.is_meta:  # non-persistent buffers made in __init__ (rotary inv_freq, position ids)
+            _set_tensor(model, name, buf.to(_device_of(placement, name)))
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if still_meta:
+        raise _fail(f"tensor {still_meta[0]}: missing from the checkpoint")
+    if len({str(_device_of(placement, n)) for n in expected}) > 1:
+        from accelerate import dispatch_model
+
+        dispatch_model(model, device_map=placement)
+
+    model.config.quantization_config = qc
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    if (root / "generation_config.json").is_file() and model.can_generate():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(root)
+    return model.eval()
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(parent_name) if parent_name else model
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad and tensor.is_floating_point())
+    else:
+        module._buffers[leaf] = tensor

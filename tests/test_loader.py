@@ -1,0 +1,433 @@
+"""quantpack.load on tiny real checkpoints converted by quantpack.convert.
+
+The oracle is the *source* model with every converted layer's weight replaced by the reference
+dequantization of its packed weight (and every other tensor as the packed checkpoint stores it),
+run in float32 on the CPU: the loaded model must give the same logits and the same greedy tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantpack import checkpoint
+from quantpack.checkpoint import CheckpointError
+from quantpack.convert import convert
+from quantpack.loader import load
+from quantpack.nn import QuantLinear
+from quantpack.reference import dequantize
+from quantpack.tiny import make_tiny_encoder, make_tiny_llama
+
+RTOL = 1e-3
+
+
+# --------------------------------------------------------------------------------------------------
+# fixtures: sources and their packed conversions (built once per module)
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory) -> Path:
+    """bf16 source, 2 shards, untied lm_head: converted tensors other than the packed layers equal the source's."""
+    return make_tiny_llama(tmp_path_factory.mktemp("src") / "llama", dtype=torch.bfloat16, seed=3)
+
+
+@pytest.fixture(scope="module")
+def packed_llama(llama_src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "llama-qp4g64"
+    convert(llama_src, out, group_size=64, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed_tied(tiny_llama_tied_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "tied-qp4g32"
+    convert(tiny_llama_tied_dir, out, group_size=32, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed_mixed(tiny_llama_dir, tmp_path_factory) -> Path:
+    """float32 source, per-channel groups along out-features, down_proj at 8 bits, o_proj left unquantized."""
+    out = tmp_path_factory.mktemp("packed") / "mixed"
+    convert(tiny_llama_dir, out, group_size=None, axis=0, method="rtn", bits_for=["down_proj=8"],
+            skip=[r"layers\.1\.self_attn\.o_proj"], progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def encoder_src(tmp_path_factory) -> Path:
+    return make_tiny_encoder(tmp_path_factory.mktemp("src") / "encoder", dtype=torch.bfloat16, seed=4)
+
+
+@pytest.fixture(scope="module")
+def packed_encoder(encoder_src, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "encoder-qp8"
+    convert(encoder_src, out, bits=8, group_size=128, progress=False)
+    return out
+
+
+def dequantized_source(src: Path, packed: Path, auto_cls=None):
+    """The source model in float32 with the packed checkpoint's weights: converted layers dequantized
+    by the reference path, every other tensor as stored (for a bf16 source: exactly the source's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = (auto_cls or AutoModelForCausalLM).from_pretrained(src, dtype=torch.float32).eval()
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
+        quantized = set(pc.quantized_modules)
+        for name in quantized:
+            pw, bias = pc.layer(name)
+            layer = model.get_submodule(name)
+            layer.weight.copy_(dequantize(pw, torch.float32))
+            if bias is not None:
+                layer.bias.copy_(bias.float())
+        for name in pc.source.tensors:
+            if name.rpartition(".")[0] not in quantized:
+                params[name].copy_(pc.source.get(name).float())
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def prompt_ids(path: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return tok(["Packed weights are read by a fused kernel", "Hello, world!"], return_tensors="pt", padding=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# acceptance: logits and greedy generation match the dequantized source
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["llama", "tied", "mixed"])
+def test_logits_match_dequantized_source(case, request, llama_src, tiny_llama_tied_dir, tiny_llama_dir):
+    src, packed = {"llama": (llama_src, "packed_llama"), "tied": (tiny_llama_tied_dir, "packed_tied"),
+                   "mixed": (tiny_llama_dir, "packed_mixed")}[case]
+    packed = request.getfixturevalue(packed)
+    model = load(packed, dtype=torch.float32)
+    oracle = dequantized_source(src, packed)
+    ids = prompt_ids(packed)
+    with torch.no_grad():
+        got, want = model(**ids).logits, oracle(**ids).logits
+    assert got.dtype == torch.float32
+    assert rel_err(got, want) <= RTOL
+
+
+def test_greedy_generation_of_32_tokens_is_identical(packed_llama, llama_src):
+    model = load(packed_llama, dtype=torch.float32)
+    oracle = dequantized_source(llama_src, packed_llama)
+    ids = prompt_ids(packed_llama)
+    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    with torch.no_grad():
+        got, want = model.generate(**ids, **kw), oracle.generate(**ids, **kw)
+    assert got.shape == (2, ids.input_ids.shape[1] + 32)
+    assert torch.equal(got, want)
+
+
+def test_encoder_with_biases_matches(packed_encoder, encoder_src):
+    from transformers import AutoModel, BertModel
+
+    model = load(packed_encoder, dtype=torch.float32)
+    assert type(model) is BertModel
+    oracle = dequantized_source(encoder_src, packed_encoder, AutoModel)
+    ids = prompt_ids(packed_encoder)
+    with torch.no_grad():
+        got, want = model(**ids), oracle(**ids)
+    assert rel_err(got.last_hidden_state, want.last_hidden_state) <= RTOL
+    assert rel_err(got.pooler_output, want.pooler_output) <= RTOL
+    dense = model.encoder.layer[0].intermediate.dense
+    assert isinstance(dense, QuantLinear) and dense.bits == 8 and dense.bias is not None
+
+
+def test_structure_follows_the_checkpoint(packed_mixed, packed_tied):
+    from transformers import LlamaForCausalLM
+
+    model = load(packed_mixed)
+    assert type(model) is LlamaForCausalLM and not model.training
+    with checkpoint.PackedCheckpoint(packed_mixed) as pc:
+        quantized = set(pc.quantized_modules)
+    replaced = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert replaced == quantized and "model.layers.1.self_attn.o_proj" not in replaced
+    down = model.get_submodule("model.layers.0.mlp.down_proj")
+    q = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert (down.bits, q.bits, q.axis, q.group_size) == (8, 4, 0, q.out_features)
+    assert type(model.lm_head) is torch.nn.Linear
+    # Stored dtypes are kept by default: the converter wrote bfloat16 everywhere.
+    assert model.lm_head.weight.dtype == torch.bfloat16 and q.scales.dtype == torch.bfloat16
+    assert model.config.quantization_config["quant_method"] == "quantpack" and model.is_quantized
+    assert model.generation_config.max_new_tokens == 16  # generation_config.json was read
+
+    tied = load(packed_tied)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_dtype_casts_unquantized_weights_only(packed_llama):
+    model = load(packed_llama, dtype=torch.float16)
+    assert model.lm_head.weight.dtype == torch.float16
+    assert model.model.norm.weight.dtype == torch.float16
+    q = model.model.layers[0].self_attn.q_proj
+    assert q.scales.dtype == torch.bfloat16 and q.qweight.dtype == torch.uint8
+    out = model(**prompt_ids(packed_llama)).logits
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
+def test_device_maps_on_cpu(packed_llama):
+    ids = prompt_ids(packed_llama)
+    ref = load(packed_llama, dtype=torch.float32, device="cpu")(**ids).logits
+    for device_map in ("auto", {"": "cpu"}, {"model": "cpu", "lm_head": "cpu"}):
+        model = load(packed_llama, dtype=torch.float32, device_map=device_map)
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        assert torch.equal(model(**ids).logits, ref)
+    with pytest.raises(ValueError, match="device and device_map"):
+        load(packed_llama, device="cpu", device_map="auto")
+    with pytest.raises(ValueError, match="disk offload"):
+        load(packed_llama, device_map={"model": "cpu", "lm_head": "disk"})
+    with pytest.raises(ValueError, match="dtype="):
+        load(packed_llama, dtype="float16")
+
+
+def test_loads_from_a_hub_repo_id_offline(packed_llama, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from conftest import fill_hub_cache
+
+    cache = tmp_path / "hub"
+    fill_hub_cache(cache, "quantpack-tests/tiny-llama-qp4", packed_llama)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    ids = prompt_ids(packed_llama)
+    model = load("quantpack-tests/tiny-llama-qp4", dtype=torch.float32)
+    assert torch.equal(model(**ids).logits, load(packed_llama, dtype=torch.float32)(**ids).logits)
+    with pytest.raises(ValueError, match=r"^path_or_repo_id: .*not in the Hugging Face cache"):
+        load("quantpack-tests/not-there")
+
+
+# --------------------------------------------------------------------------------------------------
+# loading never materializes the full-precision weights (measured: peak RSS of a fresh process)
+# --------------------------------------------------------------------------------------------------
+
+def _write_random_packed(path: Path, *, hidden: int, intermediate: int, layers: int) -> tuple[int, int]:
+    """A valid packed Llama checkpoint with random codes, written directly (no source weights needed).
+    Returns (bytes of the packed checkpoint's tensors, bytes its linear weights take in float32)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256, vocab_size=256,
+                         max_position_embeddings=64, tie_word_embeddings=True)
+    kv = config.num_key_value_heads * 64
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+              "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+              "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+              "mlp.down_proj": (hidden, intermediate)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(256, hidden, generator=g).bfloat16(),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    fp32_bytes = 0
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        for name, (n, k) in shapes.items():
+            tensors[p + name + ".qweight"] = torch.randint(0, 256, (k // 2, n), dtype=torch.uint8, generator=g)
+            tensors[p + name + ".scales"] = torch.full((k // 128, n), 0.01, dtype=torch.bfloat16)
+            tensors[p + name + ".zeros"] = torch.full((k // 128, n), 7.5, dtype=torch.bfloat16)
+            fp32_bytes += n * k * 4
+    path.mkdir(parents=True)
+    cfg = config.to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["quantization_config"] = checkpoint.make_quantization_config(
+        bits=4, group_size=128, axis=1, method="rtn", modules_not_converted=[], bits_overrides={}, version="test")
+    checkpoint.write_json(path / "config.json", cfg)
+    shard = checkpoint.shard_name(1, 1)
+    checkpoint.write_safetensors(path / shard, tensors, checkpoint.SHARD_METADATA, fsync=False)
+    packed_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    checkpoint.write_json(path / checkpoint.SAFE_INDEX_NAME, checkpoint.make_index({k: shard for k in tensors}, packed_bytes))
+    return packed_bytes, fp32_bytes
+
+
+PEAK_RSS_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import torch, transformers, accelerate, quantpack.loader  # imports before the measurement
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    transformers.LlamaForCausalLM, transformers.GenerationConfig  # import the model code (~170 MB) first
+    torch.ones(1) @ torch.ones(1)
+    try:  # reset the peak (VmHWM) to the current RSS, where the kernel allows it
+        open("/proc/self/clear_refs", "w").write("5")
+    except OSError:
+        pass
+    before, hwm_before = rss("VmRSS:"), rss("VmHWM:")
+    model = quantpack.loader.load(sys.argv[1], device="cpu", verify=False)
+    peak = rss("VmHWM:")
+    held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+    print(json.dumps({"before": before, "hwm_before": hwm_before, "peak": peak, "held": held}))
+""")
+
+
+def test_loading_never_allocates_the_full_precision_weights(tmp_path):
+    # ~100M linear parameters: 400 MB in float32, 200 MB in bf16, ~52 MB packed.
+    packed_bytes, fp32_bytes = _write_random_packed(tmp_path / "big", hidden=1024, intermediate=4096, layers=6)
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, str(tmp_path / "big")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    baseline = max(m["before"], m["hwm_before"]) if m["hwm_before"] > m["before"] + (64 << 20) else m["before"]
+    grew = m["peak"] - baseline
+    assert m["held"] == packed_bytes  # the model holds exactly the packed tensors
+    # The loaded tensors, plus at most one tensor in flight and allocator slack; a bf16 copy of the
+    # linear weights alone would be 4x the packed size.
+    assert grew < 1.5 * packed_bytes + (40 << 20), m
+    assert grew < fp32_bytes / 2 / 2, m
+    print(f"peak RSS growth while loading: {grew / 2**20:.0f} MiB; packed tensors {packed_bytes / 2**20:.0f} MiB; "
+          f"linear weights in bf16 {fp32_bytes / 2 / 2**20:.0f} MiB")
+
+
+# --------------------------------------------------------------------------------------------------
+# files that do not match their config / index / manifest fail, naming the tensor or file
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def broken(packed_llama, tmp_path):
+    """A private copy of the packed checkpoint to damage."""
+    import shutil
+
+    dst = tmp_path / "broken"
+    shutil.copytree(packed_llama, dst)
+    return dst
+
+
+def _shard_of(path: Path, tensor: str) -> Path:
+    index = json.loads((path / checkpoint.SAFE_INDEX_NAME).read_text())
+    return path / index["weight_map"][tensor]
+
+
+def _rewrite_shard(path: Path, tensor: str, edit) -> None:
+    """Apply ``edit(tensors) -> tensors`` to the shard holding ``tensor``; keep the index and the manifest
+    consistent with the new file, so only the deliberate mismatch remains."""
+    shard = _shard_of(path, tensor)
+    infos, meta = checkpoint.read_safetensors_header(shard)
+    tensors = edit({n: checkpoint.read_tensor(i) for n, i in infos.items()})
+    sha, size = checkpoint.write_safetensors(shard, tensors, meta, fsync=False)
+    index = json.loads((path / checkpoint.SAFE_INDEX_NAME).read_text())
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != shard.name} | {n: shard.name for n in tensors}
+    checkpoint.write_json(path / checkpoint.SAFE_INDEX_NAME, index)
+    _refresh_manifest(path)
+
+
+def _refresh_manifest(path: Path) -> None:
+    manifest = checkpoint.read_manifest(path)
+    for rel in manifest["files"]["outputs"]:
+        f = path / rel
+        manifest["files"]["outputs"][rel] = {"sha256": checkpoint.sha256_file(f), "size": f.stat().st_size}
+    checkpoint.write_json(path / checkpoint.MANIFEST_NAME, manifest)
+
+
+def _load_error(path: Path, **kw) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load(path, **kw)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError) and "\n" not in message
+    return message
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def test_wrong_shape_names_the_tensor(broken):
+    _rewrite_shard(broken, Q + ".scales", lambda t: t | {Q + ".scales": torch.cat([t[Q + ".scales"]] * 2)})
+    msg = _load_error(broken)
+    assert f"tensor {Q}.scales" in msg and "shape [4, 128], expected [2, 128]" in msg
+
+
+def test_wrong_dtype_names_the_tensor(broken):
+    _rewrite_shard(broken, Q + ".qweight", lambda t: t | {Q + ".qweight": t[Q + ".qweight"].view(torch.int8)})
+    assert f"tensor {Q}.qweight" in (msg := _load_error(broken)) and "dtype int8, expected uint8" in msg
+    _rewrite_shard(broken, Q + ".qweight", lambda t: t | {Q + ".qweight": t[Q + ".qweight"].view(torch.uint8),
+                                                          Q + ".zeros": t[Q + ".zeros"].to(torch.int16)})
+    assert f"tensor {Q}.zeros" in (msg := _load_error(broken)) and "expected a floating-point dtype" in msg
+
+
+def test_checksum_mismatch_names_the_file(broken):
+    shard = _shard_of(broken, Q + ".qweight")
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, one flipped byte in the tensor data
+    shard.write_bytes(bytes(data))
+    msg = _load_error(broken)
+    assert f"file {shard.name}: sha256 differs from quantpack.json" in msg
+    assert load(broken, verify=False) is not None  # the headers are intact: only the checksum catches it
+
+
+def test_truncated_shard(broken):
+    shard = _shard_of(broken, Q + ".qweight")
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert f"file {shard.name}" in _load_error(broken)
+    assert "truncated" in _load_error(broken, verify=False)
+
+
+def test_missing_and_unexpected_tensors(broken):
+    _rewrite_shard(broken, Q + ".zeros", lambda t: {n: v for n, v in t.items() if n != Q + ".zeros"})
+    assert f"tensor {Q}.zeros: missing from the checkpoint" in _load_error(broken)
+    _rewrite_shard(broken, Q + ".scales", lambda t: t | {Q + ".zeros": t[Q + ".scales"].clone(),
+                                                          "model.extra.weight": torch.zeros(3)})
+    assert "tensor model.extra.weight" in (msg := _load_error(broken)) and "not a tensor of LlamaForCausalLM" in msg
+
+
+def test_index_disagreeing_with_shards(broken):
+    index = json.loads((broken / checkpoint.SAFE_INDEX_NAME).read_text())
+    index["weight_map"][Q + ".qweight"] = "model-00009-of-00009.safetensors"
+    checkpoint.write_json(broken / checkpoint.SAFE_INDEX_NAME, index)
+    _refresh_manifest(broken)
+    assert "model-00009-of-00009.safetensors" in _load_error(broken)
+
+
+def test_layout_version_mismatch(broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization_config"]["layout_version"] = 2
+    checkpoint.write_json(broken / "config.json", config)
+    _refresh_manifest(broken)
+    assert "layout_version=2" in _load_error(broken)
+    config["quantization_config"]["layout_version"] = 1
+    checkpoint.write_json(broken / "config.json", config)
+    shard = _shard_of(broken, Q + ".qweight")
+    _rewrite_shard(broken, Q + ".qweight", lambda t: t)  # same tensors ...
+    infos, meta = checkpoint.read_safetensors_header(shard)
+    checkpoint.write_safetensors(shard, {n: checkpoint.read_tensor(i) for n, i in infos.items()},
+                                 meta | {"quantpack_layout_version": "2"}, fsync=False)  # ... other layout version
+    _refresh_manifest(broken)
+    msg = _load_error(broken)
+    assert f"file {shard.name}" in msg and "quantpack_layout_version='2'" in msg
+
+
+def test_config_disagreeing_with_the_files(broken):
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization_config"]["modules_not_converted"].append(Q)
+    checkpoint.write_json(broken / "config.json", config)
+    _refresh_manifest(broken)
+    msg = _load_error(broken)
+    assert f"tensor {Q}." in msg and "modules_not_converted" in msg
+    config["quantization_config"]["modules_not_converted"].remove(Q)
+    config["quantization_config"]["bits_overrides"] = {Q: 8}
+    checkpoint.write_json(broken / "config.json", config)
+    _refresh_manifest(broken)
+    msg = _load_error(broken)
+    assert f"module {Q}: quantpack.json says bits=4 but quantization_config gives bits=8" in msg
+    assert f"tensor {Q}.qweight" in _load_error(broken, verify=False)  # without the manifest: the shape check
+
+
+def test_not_a_checkpoint(tmp_path, llama_src):
+    assert "no config.json" in _load_error(tmp_path)
+    assert "no quantization_config" in _load_error(llama_src)
