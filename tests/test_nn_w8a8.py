@@ -131,7 +131,7 @@ def test_w8a8_module_reference_matches_kernel_under_interpreter(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_w8a8_module_cuda_matches_cpu_reference(dtype):
     mod = W8A8Linear.from_linear(_linear(k=512, n=384, dtype=dtype, seed=5))
-    x = torch.randn(3, 33, 512).to(dtype)
+    x = torch.randn(1, 5, 512).to(dtype)
     ref = mod(x)  # CPU reference
     out = mod.cuda()(x.cuda()).cpu()
     assert out.shape == ref.shape and out.dtype == dtype

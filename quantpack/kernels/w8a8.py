@@ -16,6 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side tensor descriptors (TMA on Hopper); Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
+    TensorDescriptor = None
+
 from ..quantize_w8a8 import ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, quantize_weight_w8a8  # noqa: F401
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,7 +50,8 @@ def _round_half_even(y):
 @triton.jit
 def _quantize_row_tile(x, scale, QMAX: tl.constexpr):
     # div_rn (correctly rounded, never contracted into an FMA) so the result matches torch's x / scale.
-    q = _round_half_even(tl.math.div_rn(x, scale))
+    # It does not broadcast: give it a block of the scale.
+    q = _round_half_even(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)))
     return tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
 
 
@@ -120,28 +126,43 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
+def _tile_coords(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped ordering: GROUP_M row-blocks share each column-block of B while it is in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _scale_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
+    """float(acc) * a_scale[m] * b_scale[n] (+ bias[n]) in float32."""
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
 def _w8a8_matmul_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr,
                         M, N, K, stride_am, stride_bn, stride_cm, m_bucket,
                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr):
-    """C[m, n] = float(sum_k A[m, k] * B[n, k]) * a_scale[m] * b_scale[n] (+ bias[n]).
+    """C[m, n] = float(sum_k A[m, k] * B[n, k]) * a_scale[m] * b_scale[n] (+ bias[n]), pointer loads.
 
     A (M, K) int8 and B (N, K) int8, both K-contiguous. ``m_bucket`` only keys the autotuner.
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M row-blocks share each column-block of B while it is in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    off_m, off_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     # Wrapped row/column indices keep every load in bounds without masks; those rows/columns
     # are computed twice and never stored.
     rows_a = offs_m % M
@@ -162,52 +183,95 @@ def _w8a8_matmul_kernel(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, c_ptr,
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    a_scale = tl.load(a_scale_ptr + offs_m, mask=mask_m, other=0.0)
-    b_scale = tl.load(b_scale_ptr + offs_n, mask=mask_n, other=0.0)
-    out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = _scale_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIAS)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-def _config(bm, bn, bk, warps, stages, group_m=8):
+@triton.jit
+def _w8a8_matmul_tma_kernel(a_desc, b_desc, c_desc, a_scale_ptr, b_scale_ptr, bias_ptr, M, N, K, m_bucket,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Same product with tiles moved by tensor descriptors (the TMA engine on Hopper), which zero-fill
+    reads past the edges and clip writes, so no masks or wrapped indices are needed."""
+    off_m, off_n = _tile_coords(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([off_m, k0])
+        b = b_desc.load([off_n, k0])
+        acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    out = _scale_epilogue(acc, offs_m, offs_n, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, HAS_BIAS)
+    c_desc.store([off_m, off_n], out.to(c_desc.dtype))
+
+
+def _config(bm, bn, bk, warps, stages, group_m=8, pre_hook=None):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
-                         num_warps=warps, num_stages=stages)
+                         num_warps=warps, num_stages=stages, pre_hook=pre_hook)
 
 
-# Hopper-sized tiles first (int8 wgmma wants BLOCK_M a multiple of 64), then small-M tiles.
-_GPU_CONFIGS = [
-    _config(128, 256, 128, 8, 3),
-    _config(256, 128, 128, 8, 3),
-    _config(128, 128, 128, 8, 4),
-    _config(128, 128, 128, 4, 4),
-    _config(128, 256, 64, 8, 4),
-    _config(64, 128, 128, 4, 4),
-    _config(64, 64, 256, 4, 4),
-    _config(32, 64, 256, 4, 4),
-    _config(16, 64, 256, 4, 4),
-    _config(16, 128, 128, 4, 5),
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). int8 tensor-core instructions want BLOCK_K >= 32;
+# Hopper's wgmma wants BLOCK_M a multiple of 64. Shared memory per stage: (BLOCK_M + BLOCK_N) * BLOCK_K bytes.
+_TILES = [
+    # M >= 128: large tiles, 8 warps (two warpgroups).
+    (128, 256, 128, 8, 3),
+    (128, 256, 128, 8, 4),
+    (256, 128, 128, 8, 3),
+    (128, 128, 128, 8, 4),
+    (128, 128, 256, 8, 3),
+    (128, 256, 64, 8, 4),
+    # Medium M.
+    (64, 128, 128, 4, 4),
+    (64, 64, 256, 4, 4),
+    # Decode-sized M: the weight read dominates, so wide K tiles and many programs.
+    (32, 64, 256, 4, 4),
+    (16, 64, 256, 4, 4),
+    (16, 128, 128, 4, 5),
 ]
 
 
+def _set_tma_block_shapes(nargs):
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk]
+    nargs["c_desc"].block_shape = [bm, bn]
+
+
 def _prune_configs(configs, named_args, **kwargs):
-    # Tiles taller than the (rounded-up) M only waste work on wrapped rows.
+    # Keep tiles from half the (rounded-up) M to M: taller ones waste work on wrapped rows,
+    # much shorter ones re-read the weight more often than needed.
     m_bucket = named_args["m_bucket"]
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, m_bucket)]
+    lo, hi = min(m_bucket, 256) // 2, max(16, m_bucket)
+    kept = [c for c in configs if lo <= c.kwargs["BLOCK_M"] <= hi]
     return kept or configs[-1:]
 
 
 _w8a8_matmul = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_w8a8_matmul_kernel)
 _w8a8_matmul_autotuned = triton.autotune(
-    configs=_GPU_CONFIGS, key=["m_bucket", "N", "K", "HAS_BIAS"],
+    configs=[_config(*t) for t in _TILES], key=["m_bucket", "N", "K", "HAS_BIAS"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )(_w8a8_matmul)
+_w8a8_matmul_tma_autotuned = triton.autotune(
+    configs=[_config(*t, pre_hook=_set_tma_block_shapes) for t in _TILES], key=["m_bucket", "N", "K", "HAS_BIAS"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_w8a8_matmul_tma_kernel)
 
 # Under the interpreter (CI, CPU): one small tile so awkward shapes still span several tiles.
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
+# Which kernel "auto" picks where both apply (set from benchmarks/bench_w8a8.py on an H100).
+_PREFER_TMA = True
+KERNELS = ("auto", "tma", "pointer")
+
+
+def _tma_supported(*tensors: torch.Tensor) -> bool:
+    """TMA needs Hopper or newer, 16-byte aligned bases and 16-byte aligned row strides."""
+    if TensorDescriptor is None:
+        return False
+    if not _interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in tensors)
 
 
 def _check_weight(qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, k: int,
@@ -231,12 +295,16 @@ def _check_weight(qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch
 
 
 def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, *,
+                kernel: str = "auto") -> torch.Tensor:
     """``float(x_q @ qweight.T) * x_scale[:, None] * weight_scale[None, :] (+ bias)`` in ``out_dtype``.
 
     ``x_q`` (M, K) int8, ``x_scale`` (M,) float32, ``qweight`` (N, K) int8, ``weight_scale`` (N,).
-    Accumulation is exact int32; the epilogue is float32.
+    Accumulation is exact int32; the epilogue is float32. ``kernel``: "auto" (default), or force
+    "tma" (tensor-descriptor tiles; Hopper+, 16-byte aligned rows) or "pointer" (any shape/GPU).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
     if not isinstance(x_q, torch.Tensor) or x_q.dtype != torch.int8 or x_q.dim() != 2:
         raise ValueError("x_q: expected a 2-D (M, K) int8 tensor")
     if not (x_q.is_cuda or _interpreting()):
@@ -257,15 +325,29 @@ def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
     if m == 0:
         return out
     m_bucket = min(triton.next_power_of_2(m), 4096)
-    args = (x_q, qweight, x_scale, weight_scale, bias_arg, out, m, n, k,
-            x_q.stride(0), qweight.stride(0), out.stride(0), m_bucket)
+    has_bias = bias is not None
+    use_tma = kernel == "tma" or (kernel == "auto" and _PREFER_TMA and _tma_supported(x_q, qweight, out))
+    if kernel == "tma" and not _tma_supported(x_q, qweight, out):
+        raise ValueError("kernel='tma' needs a Hopper (or newer) GPU and 16-byte aligned rows "
+                         "(K a multiple of 16, N*itemsize a multiple of 16); use kernel='auto'")
+    if use_tma:
+        cfg = _INTERPRETER_CONFIG if _interpreting() else {"BLOCK_M": 1, "BLOCK_N": 1, "BLOCK_K": 1}
+        descs = (TensorDescriptor.from_tensor(x_q, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
+                 TensorDescriptor.from_tensor(qweight, [cfg["BLOCK_N"], cfg["BLOCK_K"]]),
+                 TensorDescriptor.from_tensor(out, [cfg["BLOCK_M"], cfg["BLOCK_N"]]))  # GPU: set per config
+        args = (*descs, x_scale, weight_scale, bias_arg, m, n, k, m_bucket)
+        kernel_fn, tuned_fn = _w8a8_matmul_tma_kernel, _w8a8_matmul_tma_autotuned
+    else:
+        args = (x_q, qweight, x_scale, weight_scale, bias_arg, out, m, n, k,
+                x_q.stride(0), qweight.stride(0), out.stride(0), m_bucket)
+        kernel_fn, tuned_fn = _w8a8_matmul, _w8a8_matmul_autotuned
     if _interpreting():
         cfg = _INTERPRETER_CONFIG
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _w8a8_matmul[grid](*args, HAS_BIAS=bias is not None, **cfg)
+        kernel_fn[grid](*args, HAS_BIAS=has_bias, **cfg)
     else:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _w8a8_matmul_autotuned[grid](*args, HAS_BIAS=bias is not None)
+        tuned_fn[grid](*args, HAS_BIAS=has_bias)
     return out
 
 

