@@ -6,9 +6,9 @@ The math, shared by the Triton kernels in :mod:`quantpack.kernels.w8a8` (docs/w8
   (float32; 1.0 for an all-zero row) and ``qweight[n, k] = clamp(round(W[n, k] / weight_scale[n]),
   -127, 127)`` as int8, stored (N, K) row-major.
 * Activations ``x`` (M, K), per token (row), on the fly: ``amax = max(max_k |x[m, k]|, ACT_AMAX_FLOOR)``,
-  ``x_scale[m] = amax / 127`` (float32), ``x_q[m, k] = clamp(round(x[m, k] / x_scale[m]), -127, 127)``.
-  Every step is one correctly rounded float32 operation and ``round`` is half-to-even, so the kernel
-  reproduces these integers and scales bit for bit.
+  ``x_scale[m] = amax / 127`` and ``inv = 127 / amax`` (float32), ``x_q[m, k] = clamp(round(x[m, k] * inv),
+  -127, 127)``. Every step is one correctly rounded float32 operation and ``round`` is half-to-even,
+  so the kernel reproduces these integers and scales bit for bit on any device.
 * Output: ``acc = x_q @ qweight.T`` accumulated exactly in int32, then in float32
   ``out = float(acc) * x_scale[m] * weight_scale[n] (+ bias[n])``, cast to the output dtype.
 """
@@ -43,7 +43,8 @@ def quantize_weight_w8a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         raise ValueError("weight: contains NaN or inf values; fix the checkpoint before quantizing")
     w = weight.float()
     amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    # amax / tensor(127): correctly rounded on every device (see quantize_activations_reference).
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, QMAX), torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
@@ -56,8 +57,11 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1).clamp_min(ACT_AMAX_FLOOR)
-    scale = amax / QMAX
-    q = torch.round(xf / scale[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    # Tensor / tensor: torch turns division by a Python scalar (and scalar / tensor) into a multiply
+    # by a reciprocal on CUDA, which is not the correctly rounded quotient the kernel computes.
+    qmax = torch.full_like(amax, QMAX)
+    scale, inv_scale = amax / qmax, qmax / amax
+    q = torch.round(xf * inv_scale[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 

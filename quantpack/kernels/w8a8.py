@@ -15,6 +15,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 try:  # host-side tensor descriptors (TMA on Hopper); Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -39,7 +40,8 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _round_half_even(y):
-    # libdevice.rint is not available under the interpreter; this is exact for |y| < 2**31.
+    # The interpreter has no libdevice.rint; this emulation is exact for |y| < 2**31 when y is
+    # already rounded (on the GPU an FMA contraction of y - t could break that, hence rint there).
     t = y.to(tl.int32)  # truncates toward zero
     frac = y - t.to(tl.float32)  # exact
     afrac = tl.abs(frac)
@@ -48,17 +50,19 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _quantize_row_tile(x, scale, QMAX: tl.constexpr):
-    # div_rn (correctly rounded, never contracted into an FMA) so the result matches torch's x / scale.
-    # It does not broadcast: give it a block of the scale.
-    q = _round_half_even(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)))
+def _quantize_row_tile(x, inv_scale, QMAX: tl.constexpr, USE_RINT: tl.constexpr):
+    y = x * inv_scale
+    if USE_RINT:
+        q = libdevice.rint(y).to(tl.int32)  # one instruction, round half to even
+    else:
+        q = _round_half_even(y)
     return tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
                           AMAX_FLOOR: tl.constexpr, QMAX: tl.constexpr,
-                          BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr):
+                          BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, USE_RINT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -66,21 +70,24 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     if ONE_TILE:
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), 127.0)
-        tl.store(q_row + offs, _quantize_row_tile(x, scale, QMAX), mask=mask)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR)
+        # Two correctly rounded divisions per row, then one multiply per element.
+        scale = tl.math.div_rn(amax, 127.0)
+        inv_scale = tl.math.div_rn(127.0, amax)
+        tl.store(q_row + offs, _quantize_row_tile(x, inv_scale, QMAX, USE_RINT), mask=mask)
     else:
         run_max = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
             run_max = tl.maximum(run_max, tl.abs(x))
-        amax = tl.max(run_max, axis=0)
-        scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), 127.0)
+        amax = tl.maximum(tl.max(run_max, axis=0), AMAX_FLOOR)
+        scale = tl.math.div_rn(amax, 127.0)
+        inv_scale = tl.math.div_rn(127.0, amax)
         for k0 in range(0, K, BLOCK_K):  # second read of the row mostly hits L2
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_row + k0 + offs, _quantize_row_tile(x, scale, QMAX), mask=mask)
+            tl.store(q_row + k0 + offs, _quantize_row_tile(x, inv_scale, QMAX, USE_RINT), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -115,7 +122,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block_k = triton.next_power_of_2(k) if one_tile else _QUANT_LOOP_BLOCK_K
         _quantize_rows_kernel[(m,)](
             x2, q, scale, k, x2.stride(0), q.stride(0),
-            AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=QMAX, BLOCK_K=block_k, ONE_TILE=one_tile,
+            AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=QMAX, BLOCK_K=block_k, ONE_TILE=one_tile, USE_RINT=not _interpreting(),
             num_warps=8 if block_k >= 2048 else 4,
         )
     return q.reshape(x.shape), scale.reshape(x.shape[:-1])
@@ -221,7 +228,8 @@ _TILES = [
     (128, 128, 128, 8, 4),
     (128, 128, 256, 8, 3),
     (128, 256, 64, 8, 4),
-    # Medium M.
+    # Medium M (and M = 256, where 128-row tiles leave SMs idle).
+    (64, 256, 128, 8, 4),
     (64, 128, 128, 4, 4),
     (64, 64, 256, 4, 4),
     # Decode-sized M: the weight read dominates, so wide K tiles and many programs.
@@ -239,10 +247,11 @@ def _set_tma_block_shapes(nargs):
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    # Keep tiles from half the (rounded-up) M to M: taller ones waste work on wrapped rows,
-    # much shorter ones re-read the weight more often than needed.
+    # Keep tiles from about half the (rounded-up) M to M: taller ones waste work on wrapped rows,
+    # much shorter ones re-read the weight more often than needed. From M = 512 on, 128 rows fill the GPU.
     m_bucket = named_args["m_bucket"]
-    lo, hi = min(m_bucket, 256) // 2, max(16, m_bucket)
+    lo = 128 if m_bucket >= 512 else min(m_bucket, 128) // 2
+    hi = max(16, m_bucket)
     kept = [c for c in configs if lo <= c.kwargs["BLOCK_M"] <= hi]
     return kept or configs[-1:]
 

@@ -70,7 +70,7 @@ def test_quantize_activations_bitwise_matches_reference(dtype, shape):
     # Each row uses the full range and reconstructs within half a step.
     assert bool((q.abs().amax(dim=-1) == 127).all())
     err = (q.float() * scale[..., None] - x.float()).abs()
-    assert bool((err <= scale[..., None] * 0.5 * (1 + 1e-5)).all())
+    assert bool((err <= scale[..., None] * 0.5 * (1 + 1e-4)).all())  # x * (127 / amax) ~ x / scale
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,7 +80,8 @@ def test_quantize_activations_zero_rows(dtype):
     x[4] = 0
     q, scale = quantize_activations(x)
     assert not bool(q[[1, 4]].any())
-    assert torch.equal(scale[[1, 4]], torch.full((2,), ACT_AMAX_FLOOR, device=DEVICE) / 127)
+    floor = torch.full((2,), ACT_AMAX_FLOOR, device=DEVICE)
+    assert torch.equal(scale[[1, 4]], floor / torch.full_like(floor, 127))
     assert bool(torch.isfinite(scale).all()) and bool((scale > 0).all())
     q_ref, scale_ref = quantize_activations_reference(x)
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
@@ -97,7 +98,8 @@ def test_quantize_activations_outliers(dtype):
     x = x.to(DEVICE)
     q, scale = quantize_activations(x)
     assert q[:, 17].tolist() == [127, -127, 127, -127]
-    assert torch.equal(scale, x.float().abs().amax(dim=1) / 127)
+    amax = x.float().abs().amax(dim=1)
+    assert torch.equal(scale, amax / torch.full_like(amax, 127))
     q_ref, scale_ref = quantize_activations_reference(x)
     assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
 
