@@ -28,48 +28,59 @@ RTOL = 1e-3
 
 
 # --------------------------------------------------------------------------------------------------
-# fixtures: sources and their packed conversions (built once per module)
+# fixtures: sources and their packed conversions (built once per session)
 # --------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+_BUILT: dict[str, Path] = {}
+
+
+def _once(tmp_path_factory, name: str, build) -> Path:
+    """Build a checkpoint once per test session, even when other test modules import these fixtures."""
+    if name not in _BUILT:
+        _BUILT[name] = build(tmp_path_factory.mktemp(name) / name)
+    return _BUILT[name]
+
+
+def _convert(source: Path, output: Path, **kw) -> Path:
+    convert(source, output, progress=False, **kw)
+    return output
+
+
+@pytest.fixture
 def llama_src(tmp_path_factory) -> Path:
     """bf16 source, 2 shards, untied lm_head: converted tensors other than the packed layers equal the source's."""
-    return make_tiny_llama(tmp_path_factory.mktemp("src") / "llama", dtype=torch.bfloat16, seed=3)
+    return _once(tmp_path_factory, "llama", lambda p: make_tiny_llama(p, dtype=torch.bfloat16, seed=3))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def packed_llama(llama_src, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("packed") / "llama-qp4g64"
-    convert(llama_src, out, group_size=64, progress=False)
-    return out
+    return _once(tmp_path_factory, "llama-qp4g64",
+                 lambda p: _convert(llama_src, p, group_size=64))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def packed_tied(tiny_llama_tied_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("packed") / "tied-qp4g32"
-    convert(tiny_llama_tied_dir, out, group_size=32, progress=False)
-    return out
+    return _once(tmp_path_factory, "tied-qp4g32",
+                 lambda p: _convert(tiny_llama_tied_dir, p, group_size=32))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def packed_mixed(tiny_llama_dir, tmp_path_factory) -> Path:
-    """float32 source, per-channel groups along out-features, down_proj at 8 bits, o_proj left unquantized."""
-    out = tmp_path_factory.mktemp("packed") / "mixed"
-    convert(tiny_llama_dir, out, group_size=None, axis=0, method="rtn", bits_for=["down_proj=8"],
-            skip=[r"layers\.1\.self_attn\.o_proj"], progress=False)
-    return out
+    """float32 source, per-channel groups along out-features, down_proj at 8 bits, one o_proj left unquantized."""
+    return _once(tmp_path_factory, "mixed", lambda p: _convert(
+        tiny_llama_dir, p, group_size=None, axis=0, method="rtn", bits_for=["down_proj=8"],
+        skip=[r"layers\.1\.self_attn\.o_proj"]))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def encoder_src(tmp_path_factory) -> Path:
-    return make_tiny_encoder(tmp_path_factory.mktemp("src") / "encoder", dtype=torch.bfloat16, seed=4)
+    return _once(tmp_path_factory, "encoder", lambda p: make_tiny_encoder(p, dtype=torch.bfloat16, seed=4))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def packed_encoder(encoder_src, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("packed") / "encoder-qp8"
-    convert(encoder_src, out, bits=8, group_size=128, progress=False)
-    return out
+    return _once(tmp_path_factory, "encoder-qp8",
+                 lambda p: _convert(encoder_src, p, bits=8, group_size=128))
 
 
 def dequantized_source(src: Path, packed: Path, auto_cls=None):
