@@ -239,25 +239,31 @@ def _tr_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
 
 
 # ----------------------------------------------------------------------------------------------
-# split-K arrival counters: zero at rest (the last program of each tile resets its counter), one
-# buffer per (device, stream) so concurrent streams never share a counter.
+# split-K arrival counters: zero at rest (the last program of each tile resets its counter). Each
+# launch takes the next slice of a per-device ring, so launches on concurrent streams (or baked into
+# CUDA graphs) use disjoint counters unless 1M tiles of other launches run in between.
 
-_COUNTER_SLOTS = 1 << 16
+_COUNTER_SLOTS = 1 << 20
 _counters: dict = {}
 _counters_lock = threading.Lock()
 
 
+def _counter_slice(device: torch.device, tiles: int) -> torch.Tensor:
+    with _counters_lock:
+        state = _counters.get(str(device))
+        if state is None:
+            state = _counters[str(device)] = [torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
+        buf, offset = state
+        if offset + tiles > _COUNTER_SLOTS:
+            offset = 0
+        state[1] = offset + tiles
+    return buf[offset:offset + tiles]
+
+
 def _counter_buffer(device: torch.device) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _counters.get(key)
-    if buf is None:
-        with _counters_lock:
-            buf = _counters.get(key)
-            if buf is None:
-                buf = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-                _counters[key] = buf
-    return buf
+    """The whole counter ring of ``device`` (all zeros whenever no launch is in flight)."""
+    _counter_slice(device, 0)
+    return _counters[str(device)][0]
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -303,14 +309,16 @@ def _table(dev_key: str) -> dict:
 
 
 def _nearest(table: dict, transposed: bool, bits: int, n: int, k: int, m: int) -> KernelConfig | None:
-    """The tuned config of the closest (N, K) (log distance) with the same direction, bits, M bucket."""
+    """The tuned config closest in (M bucket, N, K) (log distance, M weighted most) with the same
+    direction and bits; ``None`` if the table has none."""
     want = config_key(transposed, bits, n, k, m).split("|")
     best, best_d = None, math.inf
     for key, cfg in table.items():
         parts = key.split("|")
-        if parts[0] != want[0] or parts[1] != want[1] or parts[4] != want[4]:
+        if parts[0] != want[0] or parts[1] != want[1]:
             continue
-        d = abs(math.log2(int(parts[2][1:]) / n)) + abs(math.log2(int(parts[3][1:]) / k))
+        d = (4 * abs(math.log2(int(parts[4][1:]) / m_bucket(m))) + abs(math.log2(int(parts[2][1:]) / n))
+             + abs(math.log2(int(parts[3][1:]) / k)))
         if d < best_d:
             best, best_d = cfg, d
     return best
@@ -320,6 +328,14 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fill_split(tiles: int, reduce_steps: int, sms: int, waves: float = 2.0) -> int:
+    """Smallest power-of-two split that gives about ``waves`` programs per SM (bounded by the work)."""
+    split = 1
+    while tiles * split < waves * sms and split * 2 <= reduce_steps and split < 64:
+        split *= 2
+    return split
 
 
 def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
@@ -346,20 +362,109 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         cfg = KernelConfig(path="dot", block_m=128, block_n=128, block_r=32, num_warps=8, num_stages=3)
         tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
         reduce_steps = triton.cdiv(kh, 32)
-    split = 1
-    while tiles * split < 2 * sms and split * 2 <= reduce_steps and split < 32:
-        split *= 2
-    return replace(cfg, split=split)
+    return replace(cfg, split=_fill_split(tiles, reduce_steps, sms))
+
+
+def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
+    """The search space the autotuner times for one (direction, M bucket, N, K)."""
+    sms = _num_sms(device)
+    kh = (k + 1) // 2
+    mb = m_bucket(m)
+    out = [KernelConfig("dq")]
+
+    def add(cfg: KernelConfig, waves=(1.0, 2.0, 4.0)):
+        if transposed:
+            tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
+            steps = triton.cdiv(n, cfg.block_n)
+        else:
+            tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+            steps = triton.cdiv(kh, cfg.block_r)
+        for w in waves:
+            c = replace(cfg, split=_fill_split(tiles, steps, sms, w))
+            if c not in out:
+                out.append(c)
+
+    if transposed:
+        bms = (16,) if mb <= 16 else ((32, 64) if mb <= 64 else (64, 128))
+        for path in ("dot", "dot_t"):
+            for bm in bms:
+                for bn, br, warps, stages in ((64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 3), (64, 128, 8, 3),
+                                              (32, 64, 4, 4)):
+                    add(KernelConfig(path, bm, bn, br, num_warps=warps, num_stages=stages),
+                        waves=(1.0, 2.0) if mb <= 64 else (1.0,))
+        return out
+    if mb <= 8:
+        for bn, br, warps in ((64, 32, 4), (128, 32, 4), (128, 64, 4), (256, 32, 8), (256, 64, 8), (64, 64, 2)):
+            add(KernelConfig("fma", mb, bn, br, num_warps=warps, num_stages=2))
+        add(KernelConfig("dot_t", 16, 64, 64, num_warps=4, num_stages=3), waves=(2.0, 4.0))
+    if 8 < mb <= 64 or mb == 8:
+        for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 4),
+                                      (128, 64, 8, 3), (256, 64, 8, 3)):
+            add(KernelConfig("dot_t", max(16, mb), bn, br, num_warps=warps, num_stages=stages), waves=(1.0, 2.0, 4.0))
+        add(KernelConfig("dot", max(16, mb), 64, 64, num_warps=4, num_stages=3), waves=(2.0,))
+    if mb > 64:
+        for path, bm, bn, br, warps, stages in (("dot", 64, 128, 32, 4, 4), ("dot", 128, 128, 32, 8, 3),
+                                                ("dot", 128, 256, 32, 8, 3), ("dot", 128, 128, 64, 8, 3),
+                                                ("dot", 256, 128, 32, 8, 3), ("dot", 64, 256, 32, 8, 3),
+                                                ("dot_t", 128, 128, 32, 8, 3), ("dot_t", 64, 256, 32, 8, 3)):
+            add(KernelConfig(path, bm, bn, br, num_warps=warps, num_stages=stages),
+                waves=(1.0,) if mb >= 1024 else (1.0, 2.0))
+    return out
 
 
 def pick_config(transposed: bool, bits: int, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
-    dev_key = device_key(device)
-    table = _table(dev_key)
-    key = config_key(transposed, bits, n, k, m)
-    cfg = table.get(key)
+    """Tuned config for this key if shipped (or autotuned in this process), else the nearest tuned
+    one, else the heuristic. Never times anything unless QUANTPACK_AUTOTUNE=1."""
+    table = _table(device_key(device))
+    cfg = table.get(config_key(transposed, bits, n, k, m))
     if cfg is None:
         cfg = _nearest(table, transposed, bits, n, k, m) or heuristic_config(transposed, m, n, k, device)
     return cfg
+
+
+def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
+             bits: int = 4, transposed: bool = False, candidates: list[KernelConfig] | None = None,
+             weight_copies: int = 1, rep_ms: int = 40) -> tuple[KernelConfig, dict]:
+    """Time the candidate configs on this input (CUDA graph replay over ``weight_copies`` copies of
+    the weight so repeated runs do not read it from L2), store the fastest under its M-bucketed
+    key for this process, and return it with all timings (microseconds)."""
+    from triton.testing import do_bench
+
+    n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    candidates = candidates or candidate_configs(transposed, m, n, k, x.device)
+    copies = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone())
+                                           for _ in range(weight_copies - 1)]
+    times = {}
+    for cfg in candidates:
+        try:
+            def calls():
+                for qw, sc, ze in copies:
+                    mixed_mm(x, qw, sc, ze, group_size=group_size, bits=bits, transposed=transposed, config=cfg)
+            calls()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                calls()
+            times[cfg] = do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median") * 1e3 / len(copies)
+        except Exception as exc:  # a config that does not compile or fit (shared memory) is skipped
+            times[cfg] = math.inf
+            torch.cuda.synchronize()
+            if os.environ.get("QUANTPACK_TUNE_VERBOSE"):
+                print("config failed", cfg, repr(exc)[:200])
+    best = min(times, key=times.get)
+    _table(device_key(x.device))[config_key(transposed, bits, n, k, m)] = best
+    return best, times
+
+
+def save_table(path: str | os.PathLike, device: torch.device | None = None) -> None:
+    """Write this process's config table (shipped plus autotuned) as JSON, atomically."""
+    dev_key = device_key(device)
+    data = {"device": dev_key, "configs": {k: asdict(v) for k, v in sorted(_table(dev_key).items())}}
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -368,8 +473,10 @@ def pick_config(transposed: bool, bits: int, m: int, n: int, k: int, device: tor
 
 def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_size: int) -> KernelConfig:
     """Clamp a (possibly nearest-shape) config to what this call can run."""
-    if transposed and cfg.path in ("fma", "dot_t"):
+    if transposed and cfg.path == "fma":
         cfg = replace(cfg, path="dot")
+    if cfg.path == "fma":  # GEMV tiles cover all of M (at most 8 rows each)
+        cfg = replace(cfg, block_m=min(m_bucket(m), 8))
     if cfg.path != "fma":
         cfg = replace(cfg, block_m=max(16, cfg.block_m), block_r=max(16, cfg.block_r))
     return cfg
@@ -401,7 +508,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         split = 1
     if split > 1:
         ws = _alloc((split, m, out_cols), torch.float32, x2.device)
-        cnt = _counter_buffer(x2.device)
+        cnt = _counter_slice(x2.device, tiles)
     else:
         ws = cnt = out  # never touched
     grid = (tiles, split)
@@ -456,6 +563,9 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     scales = scales.contiguous()
     zeros = zeros.contiguous()
     if config is None:
+        if (x2.is_cuda and os.environ.get("QUANTPACK_AUTOTUNE", "0") == "1"
+                and config_key(transposed, bits, n, k, x2.shape[0]) not in _table(device_key(x2.device))):
+            autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
         config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
     out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config)

@@ -1,0 +1,390 @@
+"""quantpack kernels side by side with cuBLAS and the peers, on one GPU, in one run.
+
+    python benchmarks/bench_kernels.py [--tune] [--bench] [--dtypes bf16,fp16] [--ms 1,16,64,256,1024,4096]
+
+--tune   times quantpack's candidate configs for the benchmark shapes (compiles in parallel first),
+         writes the table to quantpack/kernels/configs/<gpu>.json (and $OUT) so later runs, and
+         users, start with tuned configs and never autotune on first use.
+--bench  the table: cuBLAS bf16/fp16 F.linear, hqq reference HQQLinear (PYTORCH backend), torchao
+         triton_mixed_mm, tinygemm (HQQLinearTorchWeightOnlyInt4, bf16 only), gemlite
+         A16W4_HQQ_INT, quantpack mixed_mm; then the transposed kernel (M >= 1024) against cuBLAS
+         x @ W, the dequant kernel against copy bandwidth, and W8A16 at M = 1.
+
+Method (as in shared/tools/anchors_gpu.py): random data; every implementation checked against an
+fp32 reference first; each timed as the median of do_bench over CUDA-graph replays of one call per
+weight replica, with enough replicas to exceed 4x L2 so weights come from HBM.
+Floor = max(bytes / measured copy bandwidth, FLOPs / measured cuBLAS bf16 peak), with bytes = the
+packed weight + scales/zeros + activations in + out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import importlib  # noqa: E402
+
+from quantpack.kernels import dequantize  # noqa: E402
+
+mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module (the package exports a function of that name)
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N out, K in)
+GS = 128
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def med(fn):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=25, rep=120, return_mode="median")
+
+
+def graph_time(calls):
+    """Median ms per call over CUDA-graph replays of ``calls`` (eager if capture fails)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        torch.cuda.synchronize()
+        return med(g.replay) / len(calls), "graph"
+    except Exception:
+        torch.cuda.synchronize()
+        return med(lambda: [c() for c in calls]) / len(calls), "eager"
+
+
+def random_packed(n, k, bits, dtype, gen_seed=0, axis=1, gs=GS):
+    g = torch.Generator(device="cuda").manual_seed(gen_seed)
+    rows = k // 2 if bits == 4 else k
+    qw = torch.randint(0, 256, (rows, n), device="cuda", dtype=torch.uint8, generator=g)
+    meta = (k // gs, n) if axis == 1 else (k, n // gs)
+    scales = (torch.rand(meta, device="cuda", generator=g) * 0.02 + 0.005).to(dtype)
+    zeros = (torch.rand(meta, device="cuda", generator=g) * (2 ** bits - 1)).to(dtype)
+    return qw, scales, zeros
+
+
+def ref_weight(qw, scales, zeros, bits, gs=GS, axis=1):
+    from quantpack import reference
+    from quantpack.format import PackedWeight
+    n = qw.shape[1]
+    k = qw.shape[0] * (2 if bits == 4 else 1)
+    return reference.dequantize(PackedWeight(qw, scales, zeros, bits, gs, axis, (n, k)), torch.float32)
+
+
+def ceilings():
+    x = torch.randn(2 ** 29, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() * 2 / (med(lambda: y.copy_(x)) * 1e-3)
+    del x, y
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    peak = 2 * 8192 ** 3 / (med(lambda: a @ b) * 1e-3)
+    return bw, peak
+
+
+def replicas(nbytes, l2):
+    return max(2, math.ceil(4 * l2 / nbytes))
+
+
+# ------------------------------------------------------------------------------------------- tune
+
+def _warm(job):
+    """Compile one config (in a worker process) so the tuner later loads it from Triton's cache."""
+    transposed, bits, m, n, k, dtype_name, cfg = job
+    try:
+        qw, s, z = random_packed(n, k, bits, DT[dtype_name])
+        x = torch.randn(m, n if transposed else k, device="cuda", dtype=DT[dtype_name])
+        mm.mixed_mm(x, qw, s, z, group_size=GS, bits=bits, transposed=transposed, config=mm.KernelConfig(**cfg))
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:
+        return f"{cfg}: {repr(e)[:160]}"
+
+
+def tune_jobs(ms, dtype_name):
+    jobs = []
+    for n, k in SHAPES:
+        for m in ms:
+            for transposed in ((False, True) if m >= 256 else (False,)):
+                jobs.append((transposed, 4, m, n, k))
+        jobs.append((False, 8, 1, n, k))
+    return jobs
+
+
+def tune(ms, dtype_name, l2, out_dir):
+    dtype = DT[dtype_name]
+    jobs = tune_jobs(ms, dtype_name)
+    warm = []
+    for transposed, bits, m, n, k in jobs:
+        for cfg in mm.candidate_configs(transposed, m, n, k, torch.device("cuda")):
+            if cfg.path != "dq":
+                warm.append((transposed, bits, m, n, k, dtype_name, cfg.__dict__.copy()))
+    t0 = time.time()
+    import multiprocessing as mp
+    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4), mp_context=mp.get_context("spawn")) as ex:
+        fails = [f for f in ex.map(_warm, warm, chunksize=4) if f]
+    log(f"compiled {len(warm)} configs in {time.time() - t0:.0f}s, {len(fails)} failed")
+    for f in fails[:10]:
+        log("  compile failure:", f)
+    results = {}
+    for transposed, bits, m, n, k in jobs:
+        qw, s, z = random_packed(n, k, bits, dtype)
+        x = torch.randn(m, n if transposed else k, device="cuda", dtype=dtype)
+        nbytes = qw.numel() + 2 * s.numel() * s.element_size()
+        best, times = mm.autotune(x, qw, s, z, group_size=GS, bits=bits, transposed=transposed,
+                                  weight_copies=min(16, replicas(nbytes, l2)))
+        key = mm.config_key(transposed, bits, n, k, m)
+        ranked = sorted(times.items(), key=lambda kv: kv[1])
+        results[key] = [(c.__dict__, t) for c, t in ranked[:6]]
+        log(f"tune {key}: best {times[best]:.1f}us {best}  | next: " +
+            "; ".join(f"{t:.1f}us {c.path}/{c.block_m}x{c.block_n}x{c.block_r}/s{c.split}/w{c.num_warps}"
+                      for c, t in ranked[1:4]))
+        del qw, s, z, x
+    torch.cuda.empty_cache()
+    dev_key = mm.device_key(torch.device("cuda"))
+    cfg_path = os.path.join(os.path.dirname(mm.__file__), "configs", f"{dev_key}.json")
+    os.makedirs(os.path.dirname(cfg_path), exist_ok=True)
+    mm.save_table(cfg_path)
+    if out_dir:
+        mm.save_table(os.path.join(out_dir, f"{dev_key}.json"))
+        json.dump(results, open(os.path.join(out_dir, "tune_top.json"), "w"), indent=1)
+    log(f"wrote {cfg_path}")
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+def peers(n, k, dtype, r4):
+    """Build the peer implementations for one weight; returns (impls dict, fp32 dequantized W)."""
+    from hqq.core.quantize import HQQLinear, BaseQuantizeConfig, HQQBackend
+    HQQLinear.set_backend(HQQBackend.PYTORCH)
+    W = torch.randn(n, k, dtype=dtype, device="cuda") * (1 / math.sqrt(k))
+    lin = torch.nn.Linear(k, n, bias=False, dtype=dtype, device="cuda")
+    lin.weight.data = W.clone()
+    hq = HQQLinear(lin, quant_config=BaseQuantizeConfig(nbits=4, group_size=GS, axis=1), compute_dtype=dtype,
+                   device="cuda", del_orig=False)
+    Wq = hq.unpack(dtype=torch.uint8).view(n, k)
+    scale = hq.meta["scale"].reshape(n, -1).to(dtype)
+    zero = hq.meta["zero"].reshape(n, -1).to(dtype)
+    Wd = hq.dequantize().reshape(n, k).float()
+    impls = {}
+    r16 = replicas(2 * n * k, L2)
+    Ws = [W.clone() for _ in range(r16)]
+    impls["cublas"] = (r16, lambda i, x: F.linear(x, Ws[i]), W.float())
+    hqs = [hq] + [HQQLinear(lin, quant_config=BaseQuantizeConfig(nbits=4, group_size=GS, axis=1), compute_dtype=dtype,
+                            device="cuda", del_orig=False) for _ in range(min(r4, 8) - 1)]
+    impls["hqq_ref"] = (len(hqs), lambda i, x: hqs[i](x), Wd)
+    try:
+        from torchao.prototype.hqq import triton_mixed_mm, pack_2xint4
+        pk = pack_2xint4(Wq.T.contiguous())
+        pks = [(pk.clone(), scale.clone(), zero.clone()) for _ in range(r4)]
+        impls["ao_triton"] = (r4, lambda i, x: triton_mixed_mm(x, pks[i][0], pks[i][1].T, pks[i][2].T, group_size=GS,
+                                                              kernel_type="compute_bound"), Wd)
+    except Exception as e:
+        log("torchao unavailable:", repr(e)[:200])
+    if dtype == torch.bfloat16:
+        try:
+            from torchao.prototype.hqq.hqq_tinygemm_linear import HQQLinearTorchWeightOnlyInt4
+            tgs = []
+            for _ in range(r4):
+                mt = HQQLinearTorchWeightOnlyInt4(None, quant_config={"weight_quant_params": {"nbits": 4, "group_size": GS}},
+                                                  compute_dtype=torch.bfloat16, device="cuda", initialize=False,
+                                                  padding=False)
+                mt.initialize_with_hqq_quants(Wq.reshape(-1, GS).clone(), {"scale": scale.reshape(-1, 1).clone(),
+                                              "zero": zero.reshape(-1, 1).clone(), "shape": (n, k), "packing": None})
+                tgs.append(mt)
+            impls["tinygemm"] = (r4, lambda i, x: tgs[i].matmul(x), Wd)
+        except Exception as e:
+            log("tinygemm unavailable:", repr(e)[:200])
+    try:
+        from gemlite.helper import A16W4_HQQ_INT
+        gls = [A16W4_HQQ_INT(device="cuda", dtype=dtype).from_weights(Wq.clone(), scale.clone(), zero.clone())
+               for _ in range(r4)]
+        impls["gemlite"] = (r4, lambda i, x: gls[i](x), Wd)
+    except Exception as e:
+        log("gemlite unavailable:", repr(e)[:200])
+    # quantpack: the same hqq quantization, in quantpack's layout ((K/2, N) packed, (K/g, N) meta)
+    from quantpack.format import pack
+    qp = [(pack(Wq, 4), scale.t().contiguous(), zero.t().contiguous())]
+    qp += [tuple(t.clone() for t in qp[0]) for _ in range(r4 - 1)]
+    impls["quantpack"] = (r4, lambda i, x: mm.mixed_mm(x, *qp[i], group_size=GS, bits=4), Wd)
+    return impls
+
+
+def bench(ms, dtypes, bw, peak):
+    rows = []
+    names = ["cublas", "hqq_ref", "ao_triton", "tinygemm", "gemlite", "quantpack"]
+    for dtype_name in dtypes:
+        dtype = DT[dtype_name]
+        for n, k in SHAPES:
+            nbytes4 = k * n // 2 + 2 * 2 * (k // GS) * n
+            r4 = replicas(nbytes4, L2)
+            impls = peers(n, k, dtype, r4)
+            log(f"\n== {dtype_name} N={n} K={k} gs={GS}  (cuBLAS {dtype_name} F.linear is the x1.00 baseline)")
+            log(f"{'M':>5} {'floor us':>9} | " + " | ".join(f"{nm:>18}" for nm in names) +
+                " | quantpack TB/s TFLOP/s %floor")
+            for m in ms:
+                x = torch.randn(m, k, dtype=dtype, device="cuda")
+                floor = max((nbytes4 + 2 * m * k + 2 * m * n) / bw, 2 * m * n * k / peak) * 1e6
+                line = {"dtype": dtype_name, "N": n, "K": k, "M": m, "floor_us": floor}
+                for name, (r, f, wref) in impls.items():
+                    try:
+                        out = f(0, x)
+                        ref = x.float() @ wref.t()
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        if not err < (2e-2 if dtype == torch.bfloat16 else 5e-3):
+                            raise RuntimeError(f"wrong result, rel err {err:.2e}")
+                        t, mode = graph_time([lambda i=i: f(i, x) for i in range(r)])
+                        line[name] = t * 1e3
+                        line[name + "_err"] = err
+                    except Exception as e:
+                        line[name] = None
+                        line[name + "_fail"] = repr(e)[:160]
+                rows.append(line)
+                b = line.get("cublas")
+                cells = []
+                for nm in names:
+                    t = line.get(nm)
+                    cells.append(f"{t:8.1f} x{b / t:5.2f}   " if t and b else f"{'n/a':>18}")
+                q = line.get("quantpack")
+                extra = ""
+                if q:
+                    extra = (f" | {(nbytes4 + 2 * m * k + 2 * m * n) / (q * 1e-6) / 1e12:5.2f} "
+                             f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
+                log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)
+                for nm in names:
+                    if line.get(nm + "_fail"):
+                        log(f"      {nm} failed: {line[nm + '_fail']}")
+            del impls
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_transposed(ms, dtype, peak, bw):
+    log("\n== transposed kernel (backward input gradient: x (M, N) @ W -> (M, K)) vs cuBLAS x @ W")
+    rows = []
+    for n, k in SHAPES:
+        qw, s, z = random_packed(n, k, 4, dtype)
+        w = ref_weight(qw, s, z, 4).to(dtype)
+        nbytes4 = qw.numel() + 4 * s.numel()
+        r4 = replicas(nbytes4, L2)
+        r16 = replicas(2 * n * k, L2)
+        qps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r4 - 1)]
+        ws = [w] + [w.clone() for _ in range(r16 - 1)]
+        for m in ms:
+            x = torch.randn(m, n, dtype=dtype, device="cuda")
+            out = mm.mixed_mm(x, qw, s, z, group_size=GS, transposed=True)
+            ref = x.float() @ w.float()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            tq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, transposed=True) for i in range(r4)])
+            tc, _ = graph_time([lambda i=i: x @ ws[i] for i in range(r16)])
+            cfg = mm.pick_config(True, 4, m, n, k, x.device)
+            log(f"N={n:5d} K={k:5d} M={m:5d}: quantpack {tq * 1e3:8.1f}us ({2 * m * n * k / tq / 1e9:6.1f} TFLOP/s) "
+                f"cuBLAS {tc * 1e3:8.1f}us  x{tc / tq:.2f}  err {err:.1e}  [{cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_r}]")
+            rows.append({"N": n, "K": k, "M": m, "quantpack": tq * 1e3, "cublas": tc * 1e3, "err": err})
+    return rows
+
+
+def bench_dequant(bw):
+    log(f"\n== dequant kernel (4096x4096 -> bf16) vs copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)")
+    rows = []
+    n = k = 4096
+    for bits in (4, 8):
+        for axis in (1, 0):
+            for gs in (64, 128):
+                qw, s, z = random_packed(n, k, bits, torch.bfloat16, axis=axis, gs=gs)
+                out = dequantize(qw, s, z, group_size=gs, bits=bits, axis=axis)
+                assert torch.equal(out, ref_weight(qw, s, z, bits, gs, axis).to(torch.bfloat16)), "dequant mismatch"
+                nbytes = qw.numel() + 2 * s.numel() * 2 + n * k * 2
+                r = replicas(nbytes, L2)
+                cps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r - 1)]
+                t, _ = graph_time([lambda i=i: dequantize(*cps[i], group_size=gs, bits=bits, axis=axis) for i in range(r)])
+                tbs = nbytes / (t * 1e-3)
+                log(f"bits={bits} axis={axis} gs={gs}: {t * 1e3:7.1f}us  {tbs / 1e12:5.2f} TB/s  {tbs / bw * 100:5.1f}% of copy")
+                rows.append({"bits": bits, "axis": axis, "gs": gs, "us": t * 1e3, "pct_copy": tbs / bw * 100})
+    return rows
+
+
+def bench_w8(bw, dtype):
+    log("\n== W8A16 (8-bit weights) at M=1 vs cuBLAS")
+    rows = []
+    for n, k in SHAPES:
+        qw, s, z = random_packed(n, k, 8, dtype)
+        w = ref_weight(qw, s, z, 8).to(dtype)
+        nbytes = qw.numel() + 4 * s.numel()
+        r8 = replicas(nbytes, L2)
+        r16 = replicas(2 * n * k, L2)
+        qps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r8 - 1)]
+        ws = [w] + [w.clone() for _ in range(r16 - 1)]
+        x = torch.randn(1, k, dtype=dtype, device="cuda")
+        out = mm.mixed_mm(x, qw, s, z, group_size=GS, bits=8)
+        ref = x.float() @ w.float().t()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        tq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, bits=8) for i in range(r8)])
+        tc, _ = graph_time([lambda i=i: F.linear(x, ws[i]) for i in range(r16)])
+        log(f"N={n:5d} K={k:5d} M=1: quantpack W8 {tq * 1e3:6.1f}us ({nbytes / (tq * 1e-3) / 1e12:.2f} TB/s) "
+            f"cuBLAS {tc * 1e3:6.1f}us  x{tc / tq:.2f}  err {err:.1e}")
+        rows.append({"N": n, "K": k, "quantpack": tq * 1e3, "cublas": tc * 1e3, "err": err})
+    return rows
+
+
+def main():
+    global L2
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--ms", default="1,16,64,256,1024,4096")
+    ap.add_argument("--tr-ms", default="1024,4096")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    args = ap.parse_args()
+    ms = [int(v) for v in args.ms.split(",")]
+    dtypes = args.dtypes.split(",")
+    p = torch.cuda.get_device_properties(0)
+    L2 = getattr(p, "L2_cache_size", 50 * 2 ** 20)
+    import triton
+    log(f"{p.name}, {p.multi_processor_count} SMs, L2 {L2 / 2 ** 20:.0f} MB, torch {torch.__version__}, "
+        f"triton {triton.__version__}, config key {mm.device_key(torch.device('cuda'))}")
+    bw, peak = ceilings()
+    log(f"copy {bw / 1e12:.2f} TB/s, cuBLAS bf16 8192^3 {peak / 1e12:.0f} TFLOP/s")
+    results = {"device": p.name, "bw": bw, "peak": peak}
+    if args.tune:
+        tune(sorted(set(ms)), "bf16", L2, args.out)
+    if args.bench:
+        for name, fn in (("main", lambda: bench(ms, dtypes, bw, peak)),
+                         ("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],
+                                                                 torch.bfloat16, peak, bw)),
+                         ("dequant", lambda: bench_dequant(bw)),
+                         ("w8", lambda: bench_w8(bw, torch.bfloat16))):
+            try:
+                results[name] = fn()
+            except Exception:
+                traceback.print_exc()
+            if args.out:
+                json.dump(results, open(os.path.join(args.out, "bench.json"), "w"), indent=1)
+
+
+L2 = 50 * 2 ** 20
+
+if __name__ == "__main__":
+    main()
