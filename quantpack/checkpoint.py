@@ -83,7 +83,7 @@ def parse_size(size) -> int:
     return value
 
 
-def sha256_file(path, chunk_size: int = 8 << 20) -> str:
+def sha256_file(path, chunk_size: int = 1 << 20) -> str:
     h = hashlib.sha256()
     buf = bytearray(chunk_size)
     view = memoryview(buf)

@@ -35,3 +35,120 @@ def main(argv=None):
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(130)
+
+
+def _group_size(value: str):
+    if value.lower() in ("none", "channel", "per-channel"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an integer or 'none'") from None
+
+
+@cli.command("convert")
+@click.argument("source")
+@click.option("-o", "--output", type=click.Path(file_okay=False), help="Output directory [default: <model-name>-qp<bits>g<group>].")
+@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
+@click.option("--group-size", default="128", show_default=True, metavar="N|none",
+              help="Weights per scale/zero group; 'none' for per-channel.")
+@click.option("--axis", type=click.Choice(["1", "0"]), default="1", show_default=True,
+              help="1: groups along in-features; 0: along out-features.")
+@click.option("--method", type=click.Choice(["hqq", "rtn"]), default="hqq", show_default=True,
+              help="hqq: optimized zero points; rtn: round to nearest.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16"]), default="auto", show_default=True,
+              help="Dtype of scales, zeros and unquantized tensors (auto: the source's half dtype, else bfloat16).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where to quantize (auto: a GPU when present).")
+@click.option("--skip", multiple=True, metavar="REGEX", help="Leave linear modules matching REGEX unquantized (repeatable).")
+@click.option("--bits-for", multiple=True, metavar="REGEX=BITS", help="Bits for modules matching REGEX, e.g. down_proj=8 (repeatable).")
+@click.option("--quantize-lm-head", is_flag=True, help="Also quantize the output embeddings (lm_head), unless tied.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and check free disk space; write nothing.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--strict", is_flag=True, help="Fail on layers the group size does not fit instead of skipping them.")
+@click.option("--revision", help="Hub branch, tag or commit.")
+@click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for private or gated repos.")
+@click.option("--allow-pickle", is_flag=True, help="Allow PyTorch .bin sources (loaded with weights_only=True).")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+def convert_command(source, output, bits, group_size, axis, method, dtype, device, skip, bits_for, quantize_lm_head,
+                    max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle, as_json, no_progress):
+    """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
+
+    \b
+    Streams tensor by tensor, resumes an interrupted run, and never leaves a half-written output.
+    Examples:
+      quantpack convert meta-llama/Llama-3.1-8B --group-size 128
+      quantpack convert ./my-model --bits 8 --group-size none --dry-run
+    """
+    import json
+
+    from .convert import convert
+
+    try:
+        summary = convert(source, output, bits=int(bits), group_size=_group_size(group_size), axis=int(axis),
+                          method=method, dtype=dtype, device=device, skip=skip, bits_for=bits_for,
+                          quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
+                          overwrite=overwrite, strict=strict, revision=revision, token=token,
+                          allow_pickle=allow_pickle, progress=not no_progress and not as_json)
+    except click.ClickException:
+        raise
+    except ValueError as e:  # includes CheckpointError: bad input, already one line
+        raise UsageFailure(" ".join(str(e).split())) from None
+    except KeyboardInterrupt:
+        click.echo("Interrupted: finished shards are kept; re-run the same command to resume.", err=True)
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+    else:
+        if dry_run:
+            click.echo(summary.format_plan() + "\n")
+        click.echo(summary.format_table())
+
+
+@cli.command("verify")
+@click.argument("packed")
+@click.option("--reference", metavar="SRC", help="The original checkpoint (hub repo id or directory) "
+              "[default: the source recorded in quantpack.json].")
+@click.option("--no-reference", is_flag=True, help="Check only the files and the kernels; no reference needed.")
+@click.option("--text-file", type=click.Path(dir_okay=False), help="Evaluate on this UTF-8 text [default: a built-in passage].")
+@click.option("--max-kl", type=float, default=0.1, show_default=True, help="Largest mean KL divergence (nats per token), causal LMs.")
+@click.option("--min-top1", type=float, default=0.8, show_default=True, help="Smallest top-1 agreement, causal LMs.")
+@click.option("--min-cosine", type=float, default=0.99, show_default=True, help="Smallest mean cosine similarity, encoders.")
+@click.option("--max-layer-error", type=float, help="Largest per-layer relative weight error [default: not checked].")
+@click.option("--context-length", type=int, default=512, show_default=True, help="Tokens per evaluated sequence.")
+@click.option("--max-tokens", type=int, default=8192, show_default=True, help="Most tokens of the text evaluated.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (auto: a GPU when present).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: docs/verify.md).")
+def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1, min_cosine, max_layer_error,
+                   context_length, max_tokens, device, as_json):
+    """Check a packed checkpoint's files and measure what quantization cost against the original.
+
+    \b
+    Integrity (checksums, index, shapes, dtypes, layout version), per-layer weight error, the
+    kernels against float32, and both models on the same text (perplexity, KL, top-1 agreement;
+    cosine similarity for encoders). Exit code 0: pass; 1: a check failed; 2: problems in the files.
+    Examples:
+      quantpack verify Llama-3.1-8B-qp4g128
+      quantpack verify ./out --reference ./Llama-3.1-8B --text-file wiki.txt --json
+    """
+    from .verify import verify
+
+    if no_reference and reference:
+        raise UsageFailure("--reference and --no-reference: pass one of them")
+    try:
+        report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
+                        device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
+                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens)
+    except ValueError as e:  # bad input or an unavailable reference: already one line
+        raise UsageFailure(" ".join(str(e).split())) from None
+    click.echo(report.to_json() if as_json else report.format_table())
+    if report.exit_code == 2:
+        raise UsageFailure(" ".join(report.first_problem().split()))
+    if report.exit_code == 1:
+        failed = [c for c in report.checks if not c.passed]
+        click.echo("Failed: " + "; ".join(
+            c.name if c.value is None or c.threshold is None else f"{c.name} = {c.value:.5g} (must be {c.op} {c.threshold:g})"
+            for c in failed), err=True)
+        sys.exit(1)

@@ -32,7 +32,9 @@ from .checkpoint import (
     dtype_name, is_disk_full, make_index, make_quantization_config, parse_size, safetensors_size, sha256_file,
     shard_name, write_json, write_safetensors,
 )
-from .format import LAYOUT_VERSION, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes
+from .format import (
+    LAYOUT_VERSION, MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes,
+)
 from .hub import resolve_source
 from .quantize import METHODS, quantize, resolve_group_size
 from .reference import dequantize
@@ -120,6 +122,20 @@ class ConvertSummary:
             "layers": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(layer).items()}
                        for layer in self.layers],
         }
+
+    def format_plan(self) -> str:
+        """One line per linear module: what a conversion does with it (``--dry-run`` prints this)."""
+        width = max((len(layer.name) for layer in self.layers), default=0)
+        lines = []
+        for layer in self.layers:
+            shape = f"{layer.shape[0]}x{layer.shape[1]}"
+            if layer.skipped is None:
+                lines.append(f"quantize  {layer.name:<{width}}  {shape:>11}  {layer.bits}-bit, group {layer.group_size}")
+            else:
+                lines.append(f"keep      {layer.name:<{width}}  {shape:>11}  {layer.skipped}")
+        lines.append(f"{self.num_tensors} output tensors in {self.num_shards} shard(s); other tensors are copied "
+                     f"as {self.settings['dtype']}")
+        return "\n".join(lines)
 
     def format_table(self) -> str:
         """The human summary printed at the end of ``quantpack convert``."""
@@ -298,6 +314,11 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _natural_key(name: str) -> list:
+    """``layers.2`` before ``layers.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def default_output_name(model_name: str, bits: int, group_size: int | None) -> str:
     return f"{model_name}-qp{bits}" + (f"g{group_size}" if group_size else "pc")
 
@@ -331,6 +352,9 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
         raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size={group_size!r} must be a positive integer, or None for per-channel")
+    if group_size is not None and not (group_size & (group_size - 1) == 0 and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE):
+        raise ValueError(f"group_size={group_size} must be a power of two in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}], "
+                         f"or None for per-channel")
     if isinstance(skip, str):
         skip = (skip,)
     skip_patterns = [_compile(p, "skip") for p in skip]
@@ -407,7 +431,11 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
             quant_plan[name] = layer
             if layer_bits != bits:
                 bits_overrides[name] = layer_bits
-        summary.layers.sort(key=lambda layer: layer.name)
+        summary.layers.sort(key=lambda layer: _natural_key(layer.name))
+        if not quant_plan:
+            raise ValueError(f"nothing to quantize: all {len(summary.layers)} linear layers are skipped "
+                             f"({summary.layers[0].skipped if summary.layers else 'no linear layers found'}); "
+                             f"check --skip and --group-size")
 
         # -- units in source order, then shards
         units = []

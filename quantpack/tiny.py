@@ -181,3 +181,59 @@ def make_tiny_encoder(path, *, num_shards: int = 2, dtype: torch.dtype = torch.f
     _write_extras(path, "tiny-encoder")
     return path
 
+
+
+def make_random_checkpoint(path, config, *, dtype: torch.dtype = torch.bfloat16, max_shard_size="5GB",
+                           seed: int = 0, std: float = 0.02) -> Path:
+    """Write a checkpoint with random weights for ``config`` (a transformers config with
+    ``architectures``) shard by shard, without ever building the model in memory.
+
+    Fast at any size (an 8B model in well under a minute): matrices are filled by tiling a fixed
+    pool of Gaussian samples from a random offset, 1-D tensors (norms) are ones. Writes
+    ``config.json``, ``model-0000i-of-0000n.safetensors`` and the index; no tokenizer.
+    """
+    import transformers
+
+    from .checkpoint import SHARD_METADATA, make_index, parse_size, shard_name, write_json, write_safetensors
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    limit = parse_size(max_shard_size)
+    cls = getattr(transformers, config.architectures[0])
+    with torch.device("meta"):
+        model = cls(config)
+    params = dict(model.named_parameters(remove_duplicate=True))  # tied weights appear once
+    gen = torch.Generator().manual_seed(seed)
+    pool = (torch.randn(1 << 22, generator=gen) * std).to(dtype)
+
+    def fill(shape) -> torch.Tensor:
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=dtype)
+        numel = 1
+        for d in shape:
+            numel *= d
+        start = int(torch.randint(0, pool.numel(), (1,), generator=gen))
+        reps = (start + numel + pool.numel() - 1) // pool.numel()
+        return pool.repeat(reps)[start:start + numel].reshape(shape) if reps > 1 else \
+            pool[start:start + numel].reshape(shape).clone()
+
+    shards, running = [[]], 0
+    for name, p in params.items():
+        nbytes = p.numel() * dtype.itemsize
+        if shards[-1] and running + nbytes > limit:
+            shards.append([])
+            running = 0
+        shards[-1].append((name, tuple(p.shape)))
+        running += nbytes
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = shard_name(i + 1, len(shards))
+        tensors = {name: fill(shape) for name, shape in shard}
+        write_safetensors(path / fname, tensors, SHARD_METADATA, fsync=False)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update({name: fname for name in tensors})
+        del tensors
+    write_json(path / "model.safetensors.index.json", make_index(weight_map, total))
+    config.dtype = dtype
+    config.save_pretrained(path)
+    return path

@@ -1,0 +1,341 @@
+"""`quantpack convert` on the command line: options, --json, every bad input (exit 2, one line, no
+traceback, nothing half-written), kill -9 midway and resume, disk full, and the memory bound."""
+import http.server
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantpack.checkpoint import SourceCheckpoint, read_safetensors_header, shard_name, write_safetensors
+from quantpack.cli import cli
+from quantpack.tiny import make_random_checkpoint
+
+CLI = [sys.executable, "-c", "from quantpack.cli import main; main()"]
+
+
+def run_cli(*args):
+    return CliRunner().invoke(cli, ["convert", *map(str, args)])
+
+
+def run_subprocess(*args, env=None, timeout=300, **kwargs):
+    return subprocess.run([*CLI, "convert", *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout, **kwargs)
+
+
+def assert_usage_failure(result, match, tmp_path=None, out=None):
+    """Exit code 2, one line on stderr naming the problem, no traceback, no output left behind."""
+    stderr = result.stderr
+    code = result.returncode if hasattr(result, "returncode") else result.exit_code
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), stderr
+    assert match in lines[0], lines[0]
+    assert "Traceback" not in stderr
+    if out is not None:
+        assert not out.exists()
+        assert not [p for p in out.parent.glob(f".{out.name}*") if (p / "quantpack.json").exists()]
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory):
+    """A 110 MB float32 Llama (48 layers, no tensor above 0.5 MB) with random weights."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=48, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, architectures=["LlamaForCausalLM"])
+    return make_random_checkpoint(tmp_path_factory.mktemp("random-llama") / "random-llama", config,
+                                  dtype=torch.float32, max_shard_size="20MB")
+
+
+def test_cli_convert_json(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(tiny_llama_dir, "-o", out, "--method", "rtn", "--group-size", "64", "--bits-for", "down_proj=8",
+                     "--skip", "layers.1.self_attn.q_proj", "--max-shard-size", "100KB", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["layers_quantized"] == 13 and summary["layers_skipped"] == 2
+    assert summary["num_shards"] >= 3 and summary["output_bytes"] > 0 and summary["throughput_bytes_per_s"] > 0
+    assert summary["compression_ratio"] > 2 and 0 < summary["mean_rel_error"] <= summary["worst_rel_error"] < 0.2
+    assert {l["name"]: l["bits"] for l in summary["layers"]}["model.layers.0.mlp.down_proj"] == 8
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["group_size"] == 64 and qc["method"] == "rtn"
+
+
+def test_cli_table_and_dry_run(tiny_llama_dir, tmp_path):
+    result = run_cli(tiny_llama_dir, "-o", tmp_path / "plan", "--dry-run", "--group-size", "none", "--bits", "8")
+    assert result.exit_code == 0, result.output
+    assert "quantize  model.layers.1.mlp.down_proj" in result.stdout and "8-bit, group 256" in result.stdout
+    assert "keep      lm_head" in result.stdout and "(estimated)" in result.stdout and "disk free" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+    result = run_cli(tiny_llama_dir, "-o", tmp_path / "real", "--method", "rtn", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^layers quantized +14$", result.stdout, re.M)
+    assert re.search(r"^layers skipped +1\n +1 x output embeddings", result.stdout, re.M)
+    for label in ("size before", "size after", "compression", "mean layer error", "worst layer error", "time",
+                  "throughput"):
+        assert re.search(rf"^{label} +\S", result.stdout, re.M), label
+
+
+def test_real_subprocess_with_progress(tiny_encoder_dir, tmp_path):
+    result = run_subprocess(tiny_encoder_dir, "-o", tmp_path / "enc", "--method", "rtn", "--dtype", "float16")
+    assert result.returncode == 0, result.stderr
+    assert "converting" in result.stderr and "B/s" in result.stderr  # tqdm byte bar
+    assert re.search(r"^layers quantized +13$", result.stdout, re.M)
+    assert (tmp_path / "enc" / "quantpack.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def src(tiny_llama_dir, tmp_path):
+    return shutil.copytree(tiny_llama_dir, tmp_path / "src")
+
+
+def test_bad_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("hi")
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(tmp_path / "notes", "-o", out), "is not a checkpoint", out=out)
+    assert_usage_failure(run_cli(tmp_path / "missing-dir", "-o", out), "no such directory", out=out)
+
+
+def test_bad_truncated_safetensors(src, tmp_path):
+    shard = src / shard_name(2, 2)
+    shard.write_bytes(shard.read_bytes()[:5000])
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out), "safetensors file is truncated", out=out)
+
+
+def test_bad_corrupt_safetensors(src, tmp_path):
+    shard = src / shard_name(1, 2)
+    data = bytearray(shard.read_bytes())
+    data[8:16] = b"\x00garbage"
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out), "corrupt safetensors header", out=out)
+
+
+def test_bad_lfs_pointer(src, tmp_path):
+    (src / shard_name(1, 2)).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:"
+                                        + "a" * 64 + "\nsize 1083968\n")
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out), "git-LFS pointer, not the weights; run `git lfs pull`", out=out)
+
+
+def test_bad_index_missing_shard(src, tmp_path):
+    (src / shard_name(2, 2)).unlink()
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out), "names shard model-00002-of-00002.safetensors which is missing",
+                         out=out)
+
+
+def test_bad_bin_without_allow_pickle(tiny_llama_dir, tmp_path):
+    src = tmp_path / "bin"
+    src.mkdir()
+    ref = SourceCheckpoint(tiny_llama_dir)
+    torch.save({n: ref.get(n) for n in ref.tensors}, src / "pytorch_model.bin")
+    shutil.copy(tiny_llama_dir / "config.json", src / "config.json")
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out), "pass --allow-pickle", out=out)
+    assert run_cli(src, "-o", out, "--allow-pickle", "--method", "rtn").exit_code == 0
+
+
+def test_bad_group_size_strict(tmp_path):
+    from quantpack.tiny import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "odd", intermediate_size=192)
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out, "--strict", "--method", "rtn"),
+                         "model.layers.0.mlp.down_proj: group_size=128 does not divide in_features K=192", out=out)
+    result = run_cli(src, "-o", out, "--method", "rtn")  # without --strict: skipped with a listed warning
+    assert result.exit_code == 0
+    assert "warning: skipped model.layers.0.mlp.down_proj: group_size=128 does not divide" in result.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e5m2])
+def test_bad_integer_or_fp8_weights(src, tmp_path, dtype):
+    shard = src / shard_name(1, 2)
+    infos, meta = read_safetensors_header(shard)
+    with SourceCheckpoint(src) as ckpt:
+        tensors = {n: ckpt.get(n) for n in infos}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(dtype)
+    write_safetensors(shard, tensors, meta)
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out), f"{name} has dtype", out=out)
+
+
+def test_bad_output_not_writable(tiny_llama_dir, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "out"
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out), "is not a directory")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        try:
+            assert_usage_failure(run_cli(tiny_llama_dir, "-o", locked / "out"), "cannot create", out=locked / "out")
+        finally:
+            locked.chmod(0o755)
+
+
+def test_bad_existing_output(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out), "already exists (not a quantpack output); pass --overwrite")
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_bad_options_are_one_line(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--bits-for", "down_proj=5"), "bits must be 4 or 8", out=out)
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--skip", "(oops"), "not a valid regular expression",
+                         out=out)
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--max-shard-size", "huge"), "is not a size", out=out)
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--group-size", "48"), "power of two", out=out)
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--revision", "v1"), "applies to hub repos", out=out)
+
+
+def test_bad_offline_nothing_cached(hub_cache, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("someone/never-downloaded", "-o", out)
+    assert_usage_failure(result, "is not in the Hugging Face cache and HF_HUB_OFFLINE is set", out=out)
+    # ... while the cached repo converts offline, by repo id.
+    result = run_cli(hub_cache.repo_id, "-o", out, "--method", "rtn", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["revision"] == hub_cache.commit
+
+
+class _NoSuchRepoHub(http.server.BaseHTTPRequestHandler):
+    """Answers like the Hugging Face Hub for a repository that does not exist."""
+
+    def do_GET(self):
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("X-Error-Message", "Repository not found")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_bad_repo_does_not_exist(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepoHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}", "HF_HUB_OFFLINE": "0",
+           "HF_HUB_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "out"
+    try:
+        result = run_subprocess("nobody/no-such-model", "-o", out, env=env, timeout=120)
+    finally:
+        server.shutdown()
+    assert_usage_failure(result, "repository nobody/no-such-model not found on the Hugging Face Hub", out=out)
+
+
+def _limit_file_size(limit):
+    def preexec():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return preexec
+
+
+def test_disk_full_while_writing_then_resume(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    args = (tiny_llama_dir, "-o", out, "--method", "rtn", "--max-shard-size", "120KB", "--no-progress")
+    result = run_subprocess(*args, preexec_fn=_limit_file_size(100_000))
+    assert_usage_failure(result, "disk full while writing", out=out)
+    partial = tmp_path / ".out.qp-partial"
+    assert not list(partial.glob("*.tmp"))  # the half-written shard was removed
+    result = run_cli(*args, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["resumed_shards"] == 0  # the failure came before any shard was finished
+    assert (out / "quantpack.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- crash safety
+
+
+def test_kill_midway_and_resume_byte_identical(random_llama, tmp_path):
+    args = ("--method", "rtn", "--max-shard-size", "1MB", "--no-progress")
+    fresh = tmp_path / "fresh"
+    assert run_cli(random_llama, "-o", fresh, *args).exit_code == 0
+
+    out = tmp_path / "out"
+    partial = tmp_path / ".out.qp-partial"
+    proc = subprocess.Popen([*CLI, "convert", str(random_llama), "-o", str(out), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    finished = 0
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            finished = len(json.loads((partial / "progress.json").read_text())["shards"])
+        except (OSError, ValueError):
+            finished = 0
+        if finished >= 2:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "conversion finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    assert not (partial / "quantpack.json").exists() and not (partial / "config.json").exists()
+
+    result = run_cli(random_llama, "-o", out, *args, "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["resumed_shards"] >= 2 and summary["num_shards"] > summary["resumed_shards"]
+    assert not partial.exists()
+    files = sorted(p.name for p in fresh.iterdir())
+    assert files == sorted(p.name for p in out.iterdir())
+    for name in files:
+        assert (fresh / name).read_bytes() == (out / name).read_bytes(), name
+    # A finished output is never overwritten without --overwrite.
+    assert_usage_failure(run_cli(random_llama, "-o", out, *args), "already exists (a finished conversion)")
+
+
+MEMORY_PROBE = """
+import json, sys
+from quantpack.convert import convert
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+big, tiny, out = sys.argv[1:4]
+convert(tiny, out + "-warmup", method="rtn", max_shard_size="2MB", progress=False)  # imports, allocator warm-up
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak RSS (VmHWM) to the current RSS
+base = status("VmRSS")
+summary = convert(big, out, method="rtn", max_shard_size="2MB", progress=False)
+print(json.dumps({"base": base, "peak": status("VmHWM"), "source_bytes": summary.source_bytes,
+                  "shards": summary.num_shards}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
+def test_peak_memory_is_bounded_by_tensor_and_shard_not_model(random_llama, tiny_llama_dir, tmp_path):
+    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(random_llama), str(tiny_llama_dir),
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout)
+    growth = probe["peak"] - probe["base"]
+    largest = max(info.nbytes for info in SourceCheckpoint(random_llama).tensors.values())
+    # One output shard, a dozen float32 temporaries of the largest tensor, and allocator/thread slack.
+    budget = 2_000_000 + 12 * largest + 24 * 2**20
+    assert probe["source_bytes"] > 3 * budget  # the model is several times what the process may grow by
+    assert growth < budget, f"peak RSS grew by {growth / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB"
