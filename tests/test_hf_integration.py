@@ -141,3 +141,18 @@ def test_lora_adapters_train_on_the_frozen_quantized_base(packed_llama):
     assert all(torch.equal(after[n], b) for n, b in before.items())
     with pytest.raises(NotImplementedError, match="merging LoRA"):
         peft_model.merge_and_unload()
+
+
+@pytest.mark.gpu
+def test_gradients_through_the_transposed_kernel_on_gpu(packed_llama, llama_src):
+    model = load(packed_llama, device="cuda", dtype=torch.float32)
+    oracle = dequantized_source(llama_src, packed_llama)
+    ids = prompt_ids(packed_llama)["input_ids"]
+    grads = []
+    for m, dev in ((model, "cuda"), (oracle, "cpu")):
+        embeds = m.get_input_embeddings()(ids.to(dev)).detach().requires_grad_(True)
+        m(inputs_embeds=embeds, labels=ids.to(dev)).loss.backward()
+        grads.append(embeds.grad.cpu())
+    err = rel_err(grads[0], grads[1])
+    print(f"input gradient through the fused kernels vs dequantized source (float32): max rel err {err:.2e}")
+    assert grads[0].abs().sum() > 0 and err <= 1e-2
