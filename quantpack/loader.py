@@ -277,7 +277,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     * ``verify``: re-hash the files against the manifest (shapes and dtypes are always checked).
 
     Returns the model of the class ``config.json``'s ``architectures`` names, in eval mode, with
-    ``model.config.quantization_config`` set. Raises :class:`~quantpack.checkpoint.CheckpointError`
+    ``model.config.quantization_config`` and ``model.hf_quantizer`` set as ``from_pretrained`` sets them. Raises :class:`~quantpack.checkpoint.CheckpointError`
     (a ``ValueError``) when the files disagree with the config, index or manifest.
     """
     from accelerate import init_empty_weights
@@ -359,7 +359,13 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
 
         dispatch_model(model, device_map=placement)
 
-    model.config.quantization_config = qc
+    # The same quantization bookkeeping as transformers' from_pretrained route, so Trainer and peft
+    # treat the model as a quantized base that supports adapter training.
+    from .hf_integration import QuantpackConfig, QuantpackHfQuantizer
+
+    stored_qc = json.loads((root / checkpoint.CONFIG_NAME).read_text())["quantization_config"]
+    model.config.quantization_config = QuantpackConfig.from_dict(stored_qc)
+    model.hf_quantizer = QuantpackHfQuantizer(model.config.quantization_config, pre_quantized=True)
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
     if (root / "generation_config.json").is_file() and model.can_generate():

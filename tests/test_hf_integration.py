@@ -143,6 +143,17 @@ def test_lora_adapters_train_on_the_frozen_quantized_base(packed_llama):
         peft_model.merge_and_unload()
 
 
+def test_trainer_accepts_adapters_on_a_loaded_model(packed_llama):
+    from peft import get_peft_model
+    from transformers.trainer_utils import validate_quantization_for_training
+
+    model = load(packed_llama, dtype=torch.float32)
+    assert model.hf_quantizer.is_trainable
+    with pytest.raises(ValueError, match="purely quantized"):
+        validate_quantization_for_training(model)
+    validate_quantization_for_training(get_peft_model(model, hf_integration.lora_config(target_modules=["q_proj"])))
+
+
 @pytest.mark.gpu
 def test_gradients_through_the_transposed_kernel_on_gpu(packed_llama, llama_src):
     model = load(packed_llama, device="cuda", dtype=torch.float32)

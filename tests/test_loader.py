@@ -174,7 +174,7 @@ def test_structure_follows_the_checkpoint(packed_mixed, packed_tied):
     assert type(model.lm_head) is torch.nn.Linear
     # Stored dtypes are kept by default: the converter wrote bfloat16 everywhere.
     assert model.lm_head.weight.dtype == torch.bfloat16 and q.scales.dtype == torch.bfloat16
-    assert model.config.quantization_config["quant_method"] == "quantpack" and model.is_quantized
+    assert model.config.quantization_config.quant_method == "quantpack" and model.is_quantized
     assert model.generation_config.max_new_tokens == 16  # generation_config.json was read
 
     tied = load(packed_tied)
