@@ -78,6 +78,7 @@ class ConvertSummary:
     output_bytes: int = 0  # size of the output shards (exact, also for a dry run)
     disk_free: int | None = None
     seconds: float = 0.0
+    timings: dict = field(default_factory=dict)  # seconds per phase: plan, read_wait, quantize, write, finish
 
     @property
     def quantized(self) -> list[LayerResult]:
@@ -118,7 +119,8 @@ class ConvertSummary:
             "mean_rel_error": self.mean_error, "worst_rel_error": worst.rel_error if worst else None,
             "worst_layer": worst.name if worst else None, "seconds": round(self.seconds, 3),
             "throughput_bytes_per_s": round(self.throughput) if self.throughput else None,
-            "disk_free": self.disk_free, "warnings": self.warnings,
+            "disk_free": self.disk_free, "timings": {k: round(v, 3) for k, v in self.timings.items()},
+            "warnings": self.warnings,
             "layers": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(layer).items()}
                        for layer in self.layers],
         }
@@ -484,6 +486,7 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
         if summary.disk_free + already < needed:
             raise CheckpointError(f"output: needs about {needed / 1e9:.2f} GB free on {probe} but only "
                                   f"{summary.disk_free / 1e9:.2f} GB is available; free space or choose another --output")
+        summary.timings["plan"] = time.perf_counter() - t0
         if dry_run:
             summary.seconds = time.perf_counter() - t0
             return summary
@@ -507,6 +510,7 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
         try:
             _write_shards(src, shards, names, partial, done, fingerprint, axis, method, dev, out_dtype,
                           progress, summary)
+            t_finish = time.perf_counter()
             # -- the small files, then the manifest last
             for rel in other_files:
                 target = partial / rel
@@ -546,6 +550,7 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
             write_json(partial / MANIFEST_NAME, manifest)
             _fsync_dir(partial)
             _publish(partial, out_path, overwrite)
+            summary.timings["finish"] = time.perf_counter() - t_finish
         except OSError as e:
             if is_disk_full(e):
                 raise CheckpointError(f"output: disk full while writing {partial} ({e.strerror}); free space and "
@@ -607,6 +612,9 @@ def _write_shards(src, shards, names, partial, done, fingerprint, axis, method, 
             layer = next(l for l in summary.layers if l.name == rec["name"])
             layer.rel_error = rec["rel_error"]
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qp-read")  # read the next tensor meanwhile
+    timings = summary.timings
+    for key in ("read_wait", "quantize", "write"):
+        timings[key] = 0.0
     try:
         for i, shard in enumerate(shards):
             if names[i] in done:
@@ -615,19 +623,25 @@ def _write_shards(src, shards, names, partial, done, fingerprint, axis, method, 
             tensors, layers = {}, []
             pending = reader.submit(src.get, shard[0].source)
             for j, unit in enumerate(shard):
+                t = time.perf_counter()
                 tensor = pending.result()
+                timings["read_wait"] += time.perf_counter() - t
                 if j + 1 < len(shard):
                     pending = reader.submit(src.get, shard[j + 1].source)
                 if unit.layer is None:
                     out_t = unit.outputs[unit.source][1]
                     tensors[unit.source] = tensor.to(out_t) if tensor.dtype != out_t else tensor
                 else:
+                    t = time.perf_counter()
                     layer = unit.layer
                     tensors.update(_quantize_layer(tensor, layer, axis, method, dev, out_dtype))
                     layers.append({"name": layer.name, "rel_error": layer.rel_error})
+                    timings["quantize"] += time.perf_counter() - t
                 bar.update(src.info(unit.source).nbytes)
                 del tensor
+            t = time.perf_counter()
             sha, size = write_safetensors(partial / names[i], tensors, SHARD_METADATA)
+            timings["write"] += time.perf_counter() - t
             del tensors
             done[names[i]] = {"sha256": sha, "size": size, "layers": layers}
             _write_progress(partial, fingerprint, done)
