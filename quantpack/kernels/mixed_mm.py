@@ -77,7 +77,7 @@ def _finish_tile(acc, m, c, mask, c_mask, out_ptr, stride_om, stride_oc, bias_pt
 def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 M, N, K, G, N_META, stride_xm, stride_xk, stride_om, stride_on,
                 BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                PATH: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                PATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
     """out (M, N) = x (M, K) @ W.T. PATH 0: FMA (small M), 1: dot(x, W^T), 2: dot(W, x^T)^T."""
@@ -139,11 +139,11 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             x_e = x_e.to(DOT_DTYPE)
             x_o = x_o.to(DOT_DTYPE)
             if PATH == 1:
-                acc = tl.dot(x_e, w_lo, acc, input_precision="ieee")
-                acc = tl.dot(x_o, w_hi, acc, input_precision="ieee")
+                acc = tl.dot(x_e, w_lo, acc, input_precision=DOT_PREC)
+                acc = tl.dot(x_o, w_hi, acc, input_precision=DOT_PREC)
             else:
-                acc = tl.dot(tl.trans(w_lo), tl.trans(x_e), acc, input_precision="ieee")
-                acc = tl.dot(tl.trans(w_hi), tl.trans(x_o), acc, input_precision="ieee")
+                acc = tl.dot(tl.trans(w_lo), tl.trans(x_e), acc, input_precision=DOT_PREC)
+                acc = tl.dot(tl.trans(w_hi), tl.trans(x_o), acc, input_precision=DOT_PREC)
     if PATH == 2:
         acc = tl.trans(acc)
 
@@ -168,8 +168,8 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
 def _tr_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
                M, N, K, G, N_META, stride_xm, stride_xn, stride_om, stride_ok,
                BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, SWAP: tl.constexpr,
-               DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-               SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
+               DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_R: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
     """out (M, K) = x (M, N) @ W, from the same packed buffer. The output tile is BLOCK_R pair rows
     (2*BLOCK_R in-features: even ones from lo, odd from hi); the reduction runs over N."""
     pid = tl.program_id(0)
@@ -210,11 +210,11 @@ def _tr_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
         w_lo = w_lo.to(DOT_DTYPE)
         w_hi = w_hi.to(DOT_DTYPE)
         if SWAP:
-            acc_e = tl.dot(w_lo, tl.trans(xt), acc_e, input_precision="ieee")
-            acc_o = tl.dot(w_hi, tl.trans(xt), acc_o, input_precision="ieee")
+            acc_e = tl.dot(w_lo, tl.trans(xt), acc_e, input_precision=DOT_PREC)
+            acc_o = tl.dot(w_hi, tl.trans(xt), acc_o, input_precision=DOT_PREC)
         else:
-            acc_e = tl.dot(xt, tl.trans(w_lo), acc_e, input_precision="ieee")
-            acc_o = tl.dot(xt, tl.trans(w_hi), acc_o, input_precision="ieee")
+            acc_e = tl.dot(xt, tl.trans(w_lo), acc_e, input_precision=DOT_PREC)
+            acc_o = tl.dot(xt, tl.trans(w_hi), acc_o, input_precision=DOT_PREC)
     if SWAP:
         acc_e = tl.trans(acc_e)
         acc_o = tl.trans(acc_o)
@@ -499,6 +499,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     meta_row = meta_rowwise(axis, group_size, cfg.block_r)
     n_meta = scales.shape[1]
     dd = _dot_dtype(x2.dtype)
+    prec = "ieee" if dd == tl.float32 else "tf32"  # fp32 activations get full-precision dots
     if transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:
@@ -515,7 +516,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     if transposed:
         _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
                          x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-                         BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd,
+                         BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd, DOT_PREC=prec,
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT=split,
                          GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
@@ -523,7 +524,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         _fwd_kernel[grid](x2, qweight, scales, zeros, bias if bias is not None else out, out, ws, cnt,
                           m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
                           BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
-                          DOT_DTYPE=dd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                          DOT_DTYPE=dd, DOT_PREC=prec, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
                           SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
