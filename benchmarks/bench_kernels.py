@@ -36,6 +36,8 @@ import importlib  # noqa: E402
 from quantpack.kernels import dequantize  # noqa: E402
 
 mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module (the package exports a function of that name)
+dq_mod = importlib.import_module("quantpack.kernels.dequant")
+DEQUANT_VARIANTS = [(32, 128, 4), (64, 128, 4), (32, 256, 8), (64, 256, 8), (16, 256, 4), (64, 64, 4)]
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N out, K in)
 GS = 128
@@ -122,19 +124,20 @@ def _warm(job):
         return f"{cfg}: {repr(e)[:160]}"
 
 
-def tune_jobs(ms, dtype_name):
+def tune_jobs(ms, tr_ms):
     jobs = []
     for n, k in SHAPES:
         for m in ms:
-            for transposed in ((False, True) if m >= 256 else (False,)):
-                jobs.append((transposed, 4, m, n, k))
+            jobs.append((False, 4, m, n, k))
+        for m in tr_ms:
+            jobs.append((True, 4, m, n, k))
         jobs.append((False, 8, 1, n, k))
     return jobs
 
 
-def tune(ms, dtype_name, l2, out_dir):
+def tune(ms, tr_ms, dtype_name, l2, out_dir):
     dtype = DT[dtype_name]
-    jobs = tune_jobs(ms, dtype_name)
+    jobs = tune_jobs(ms, tr_ms)
     warm = []
     for transposed, bits, m, n, k in jobs:
         for cfg in mm.candidate_configs(transposed, m, n, k, torch.device("cuda")):
@@ -158,7 +161,7 @@ def tune(ms, dtype_name, l2, out_dir):
         ranked = sorted(times.items(), key=lambda kv: kv[1])
         results[key] = [(c.__dict__, t) for c, t in ranked[:6]]
         log(f"tune {key}: best {times[best]:.1f}us {best}  | next: " +
-            "; ".join(f"{t:.1f}us {c.path}/{c.block_m}x{c.block_n}x{c.block_r}/s{c.split}/w{c.num_warps}"
+            "; ".join(f"{t:.1f}us {c.path}{'/raw' if c.rawq else ''}/{c.block_m}x{c.block_n}x{c.block_r}/s{c.split}/w{c.num_warps}"
                       for c, t in ranked[1:4]))
         del qw, s, z, x
     torch.cuda.empty_cache()
@@ -271,6 +274,8 @@ def bench(ms, dtypes, bw, peak):
                 if q:
                     extra = (f" | {(nbytes4 + 2 * m * k + 2 * m * n) / (q * 1e-6) / 1e12:5.2f} "
                              f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
+                cfg = mm.pick_config(False, 4, m, n, k, x.device)
+                extra += f"  [{cfg.path}{'/rawq' if cfg.rawq else ''} {cfg.block_m}x{cfg.block_n}x{cfg.block_r} s{cfg.split}]"
                 log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)
                 for nm in names:
                     if line.get(nm + "_fail"):
@@ -318,10 +323,20 @@ def bench_dequant(bw):
                 nbytes = qw.numel() + 2 * s.numel() * 2 + n * k * 2
                 r = replicas(nbytes, L2)
                 cps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r - 1)]
-                t, _ = graph_time([lambda i=i: dequantize(*cps[i], group_size=gs, bits=bits, axis=axis) for i in range(r)])
+                shipped = dq_mod.DEQUANT_BLOCK
+                variants = {}
+                for blk in [shipped] + [b for b in DEQUANT_VARIANTS if b != shipped]:
+                    dq_mod.DEQUANT_BLOCK = blk
+                    variants[blk], _ = graph_time([lambda i=i: dequantize(*cps[i], group_size=gs, bits=bits, axis=axis)
+                                                   for i in range(r)])
+                dq_mod.DEQUANT_BLOCK = shipped
+                t = variants[shipped]
+                best = min(variants, key=variants.get)
                 tbs = nbytes / (t * 1e-3)
-                log(f"bits={bits} axis={axis} gs={gs}: {t * 1e3:7.1f}us  {tbs / 1e12:5.2f} TB/s  {tbs / bw * 100:5.1f}% of copy")
-                rows.append({"bits": bits, "axis": axis, "gs": gs, "us": t * 1e3, "pct_copy": tbs / bw * 100})
+                log(f"bits={bits} axis={axis} gs={gs}: {t * 1e3:7.1f}us  {tbs / 1e12:5.2f} TB/s  {tbs / bw * 100:5.1f}% of copy"
+                    f"  (best block {best}: {nbytes / (variants[best] * 1e-3) / bw * 100:5.1f}%)")
+                rows.append({"bits": bits, "axis": axis, "gs": gs, "us": t * 1e3, "pct_copy": tbs / bw * 100,
+                             "variants": {str(b): v * 1e3 for b, v in variants.items()}})
     return rows
 
 
@@ -356,6 +371,8 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--tr-ms", default="1024,4096")
+    ap.add_argument("--tune-ms", default="1,16,64,256,1024,4096")
+    ap.add_argument("--tune-tr-ms", default="256,1024,4096")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -369,7 +386,8 @@ def main():
     log(f"copy {bw / 1e12:.2f} TB/s, cuBLAS bf16 8192^3 {peak / 1e12:.0f} TFLOP/s")
     results = {"device": p.name, "bw": bw, "peak": peak}
     if args.tune:
-        tune(sorted(set(ms)), "bf16", L2, args.out)
+        tune([int(v) for v in args.tune_ms.split(",")], [int(v) for v in args.tune_tr_ms.split(",") if v], "bf16",
+             L2, args.out)
     if args.bench:
         for name, fn in (("main", lambda: bench(ms, dtypes, bw, peak)),
                          ("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],

@@ -143,6 +143,7 @@ def dequant_pair_tile(qw_ptr, s_ptr, z_ptr, r, n, r_mask, n_mask, r0, N, K, G, N
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, zero_zero,
                     BITS: tl.constexpr, AXIS: tl.constexpr, QUANT_ZERO: tl.constexpr, META_ROW: tl.constexpr,
+                    META_COL: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -154,12 +155,19 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
     qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
     flo = int_to_f32(qlo)
     fhi = int_to_f32(qhi)
-    if META_ROW:
+    if META_ROW:  # axis 1, tile inside one group: one row of scales/zeros
         g = (2 * r0) // G
         s_lo = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         z_lo = tl.load(z_ptr + g * N + n, mask=n_mask, other=0).to(tl.float32)[None, :]
         s_hi = s_lo
         z_hi = z_lo
+    elif META_COL:  # axis 0, tile columns inside one group: one scale/zero per in-feature
+        gc = (pid_n * BLOCK_N) // G
+        hi_mask = r_mask & ((2 * r + 1) < K)
+        s_lo = tl.load(s_ptr + (2 * r) * N_META + gc, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+        z_lo = tl.load(z_ptr + (2 * r) * N_META + gc, mask=r_mask, other=0).to(tl.float32)[:, None]
+        s_hi = tl.load(s_ptr + (2 * r + 1) * N_META + gc, mask=hi_mask, other=0.0).to(tl.float32)[:, None]
+        z_hi = tl.load(z_ptr + (2 * r + 1) * N_META + gc, mask=hi_mask, other=0).to(tl.float32)[:, None]
     else:
         s_lo, z_lo = load_meta(s_ptr, z_ptr, 2 * r, n, r_mask, n_mask, N, G, N_META, AXIS)
         s_hi, z_hi = load_meta(s_ptr, z_ptr, 2 * r + 1, n, r_mask & ((2 * r + 1) < K), n_mask, N, G, N_META, AXIS)
@@ -175,8 +183,12 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
              mask=n_mask[:, None] & (k < K)[None, :])
 
 
-def _dequant_block(k: int) -> tuple[int, int]:
-    return (32, 64) if interpreting() else (32, 128)
+# (pair rows, columns, warps) per program; measured on H200 (benchmarks/NOTES.md)
+DEQUANT_BLOCK = (32, 128, 4)
+
+
+def _dequant_block(k: int) -> tuple[int, int, int]:
+    return (32, 64, 4) if interpreting() else DEQUANT_BLOCK
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int, bits: int = 4,
@@ -206,10 +218,11 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         return reference.dequantize(pw, out_dtype)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = _alloc((n, k), out_dtype, qweight.device)
-    block_r, block_n = _dequant_block(k)
+    block_r, block_n, warps = _dequant_block(k)
     n_meta = scales.shape[1]
     grid = (triton.cdiv((k + 1) // 2, block_r), triton.cdiv(n, block_n))
     _dequant_kernel[grid](qweight, scales, zeros, out, n, k, group_size, n_meta, zs, zz,
                           BITS=bits, AXIS=axis, QUANT_ZERO=quant_zero, META_ROW=meta_rowwise(axis, group_size, block_r),
-                          BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+                          META_COL=axis == 0 and group_size % block_n == 0, BLOCK_R=block_r, BLOCK_N=block_n,
+                          num_warps=warps)
     return out

@@ -55,6 +55,7 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 2
+    rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -78,6 +79,7 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 M, N, K, G, N_META, stride_xm, stride_xk, stride_om, stride_on,
                 BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                 PATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+                RAWQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
     """out (M, N) = x (M, K) @ W.T. PATH 0: FMA (small M), 1: dot(x, W^T), 2: dot(W, x^T)^T."""
@@ -110,10 +112,11 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     for r0 in range(r_begin, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_mask = r < KH
-        xm = m_mask[:, None] & r_mask[None, :]
-        x_e = tl.load(x_ptr + m[:, None] * stride_xm + (2 * r)[None, :] * stride_xk, mask=xm, other=0.0)
-        x_o = tl.load(x_ptr + m[:, None] * stride_xm + (2 * r + 1)[None, :] * stride_xk,
-                      mask=xm & ((2 * r + 1) < K)[None, :], other=0.0)
+        # one contiguous (BM, 2*BR) load of x, split into even/odd in-features in registers
+        kk = 2 * r0 + tl.arange(0, 2 * BLOCK_R)
+        xt = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :] * stride_xk,
+                     mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
+        x_e, x_o = tl.split(tl.reshape(xt, (BLOCK_M, BLOCK_R, 2)))
         if PATH == 0:
             # GEMV: apply the group's scale/zero once per column: s * sum(x q) - z s * sum(x)
             x_e = x_e.to(tl.float32)
@@ -131,6 +134,33 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 w_lo, w_hi = dequant_pair_tile(qw_ptr, s_ptr, z_ptr, r, n, r_mask, n_mask, r0, N, K, G, N_META,
                                                BITS, AXIS, META_ROW)
                 acc += tl.sum(x_e[:, :, None] * w_lo[None, :, :] + x_o[:, :, None] * w_hi[None, :, :], axis=1)
+        elif RAWQ:
+            # Tensor cores on the raw integers: q + OFFSET is built by OR-ing q into the bits of
+            # OFFSET (bf16 128.0 / fp16 1024.0; exact), one integer op per element. The tile lies in
+            # one group, so x (q + OFFSET) is rescaled once per tile column:
+            #   s * d - s * (z + OFFSET) * sum(x),  d = x . (q + OFFSET)
+            qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
+            if MAGIC != 0:
+                blo = (qlo | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
+                bhi = (qhi | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
+            else:
+                blo = qlo.to(DOT_DTYPE)
+                bhi = qhi.to(DOT_DTYPE)
+            g = (2 * r0) // G
+            s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+            zc = s * (z + OFFSET)
+            sx = tl.sum(x_e.to(tl.float32) + x_o.to(tl.float32), axis=1)
+            x_e = x_e.to(DOT_DTYPE)
+            x_o = x_o.to(DOT_DTYPE)
+            if PATH == 1:
+                d = tl.dot(x_e, blo, input_precision=DOT_PREC)
+                d = tl.dot(x_o, bhi, d, input_precision=DOT_PREC)
+                acc += d * s[None, :] - sx[:, None] * zc[None, :]
+            else:
+                d = tl.dot(tl.trans(blo), tl.trans(x_e), input_precision=DOT_PREC)
+                d = tl.dot(tl.trans(bhi), tl.trans(x_o), d, input_precision=DOT_PREC)
+                acc += d * s[:, None] - zc[:, None] * sx[None, :]
         else:
             w_lo, w_hi = dequant_pair_tile(qw_ptr, s_ptr, z_ptr, r, n, r_mask, n_mask, r0, N, K, G, N_META,
                                            BITS, AXIS, META_ROW)
@@ -394,14 +424,19 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                         waves=(1.0, 2.0) if mb <= 64 else (1.0,))
         return out
     if mb <= 8:
-        for bn, br, warps in ((64, 32, 4), (128, 32, 4), (128, 64, 4), (256, 32, 8), (256, 64, 8), (64, 64, 2)):
-            add(KernelConfig("fma", mb, bn, br, num_warps=warps, num_stages=2))
-        add(KernelConfig("dot_t", 16, 64, 64, num_warps=4, num_stages=3), waves=(2.0, 4.0))
+        for bn, br, warps in ((64, 64, 2), (64, 64, 4), (128, 64, 4), (32, 64, 1), (64, 32, 2), (256, 64, 8)):
+            add(KernelConfig("fma", mb, bn, br, num_warps=warps, num_stages=2), waves=(2.0, 4.0, 16.0))
+        for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3)):
+            add(KernelConfig("dot_t", 16, bn, br, num_warps=warps, num_stages=stages, rawq=True),
+                waves=(2.0, 4.0, 8.0))
     if 8 < mb <= 64 or mb == 8:
-        for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 4),
-                                      (128, 64, 8, 3), (256, 64, 8, 3)):
-            add(KernelConfig("dot_t", max(16, mb), bn, br, num_warps=warps, num_stages=stages), waves=(1.0, 2.0, 4.0))
-        add(KernelConfig("dot", max(16, mb), 64, 64, num_warps=4, num_stages=3), waves=(2.0,))
+        for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
+                                      (128, 32, 4, 4)):
+            for rawq in (False, True):
+                add(KernelConfig("dot_t", max(16, mb), bn, br, num_warps=warps, num_stages=stages, rawq=rawq),
+                    waves=(1.0, 2.0, 4.0))
+        for rawq in (False, True):
+            add(KernelConfig("dot", max(16, mb), 64, 64, num_warps=4, num_stages=3, rawq=rawq), waves=(2.0, 4.0))
     if mb > 64:
         for path, bm, bn, br, warps, stages in (("dot", 64, 128, 32, 4, 4), ("dot", 128, 128, 32, 8, 3),
                                                 ("dot", 128, 256, 32, 8, 3), ("dot", 128, 128, 64, 8, 3),
@@ -409,6 +444,10 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                                                 ("dot_t", 128, 128, 32, 8, 3), ("dot_t", 64, 256, 32, 8, 3)):
             add(KernelConfig(path, bm, bn, br, num_warps=warps, num_stages=stages),
                 waves=(1.0,) if mb >= 1024 else (1.0, 2.0))
+        if mb <= 256:
+            for path, bm, bn in (("dot", 64, 128), ("dot", 128, 128), ("dot_t", 64, 128), ("dot_t", 128, 128)):
+                add(KernelConfig(path, bm, bn, 64, num_warps=8 if bm == 128 else 4, num_stages=3, rawq=True),
+                    waves=(1.0, 2.0))
     return out
 
 
@@ -500,6 +539,12 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     n_meta = scales.shape[1]
     dd = _dot_dtype(x2.dtype)
     prec = "ieee" if dd == tl.float32 else "tf32"  # fp32 activations get full-precision dots
+    rawq = cfg.rawq and meta_row and not transposed and cfg.path != "fma"
+    magic, offset = 0, 0.0
+    if rawq and dd == tl.float16:
+        magic, offset = 0x6400, 1024.0  # fp16 1024.0: 10 mantissa bits hold any q < 1024
+    elif rawq and dd == tl.bfloat16 and bits == 4:
+        magic, offset = 0x4300, 128.0  # bf16 128.0: 7 mantissa bits hold q < 16
     if transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:
@@ -524,7 +569,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         _fwd_kernel[grid](x2, qweight, scales, zeros, bias if bias is not None else out, out, ws, cnt,
                           m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
                           BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
-                          DOT_DTYPE=dd, DOT_PREC=prec, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                          DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
                           SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

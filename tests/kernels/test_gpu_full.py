@@ -51,6 +51,8 @@ PATHS = {
     "dot_t": KernelConfig("dot_t", 16, 128, 64, split=4, num_stages=3),
     "dot": KernelConfig("dot", 128, 128, 32, split=1, num_warps=8, num_stages=3),
     "dot_split": KernelConfig("dot", 64, 128, 64, split=4, num_warps=4, num_stages=3),
+    "rawq_t": KernelConfig("dot_t", 16, 128, 64, split=4, rawq=True),
+    "rawq": KernelConfig("dot", 64, 128, 64, split=2, rawq=True),
     "dq": KernelConfig("dq"),
 }
 

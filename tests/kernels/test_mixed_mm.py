@@ -58,6 +58,10 @@ FWD_CONFIGS = {
     "dot_split": lambda m: KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=2),
     "dot_t": lambda m: KernelConfig("dot_t", block_m=16 if m <= 16 else 32, block_n=64, block_r=32, split=1),
     "dot_big": lambda m: KernelConfig("dot", block_m=32, block_n=64, block_r=64, split=1),
+    # MMA on raw integers (fp16: q OR-ed into the bits of 1024.0), rescaled per tile
+    "rawq_t": lambda m: KernelConfig("dot_t", block_m=16 if m <= 16 else 32, block_n=32, block_r=16, split=2,
+                                     rawq=True),
+    "rawq": lambda m: KernelConfig("dot", block_m=16, block_n=64, block_r=16, split=1, rawq=True),
 }
 TR_CONFIGS = {
     "dot_split": lambda m: KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=2),
@@ -75,7 +79,7 @@ def test_forward_matches_reference(m, n, k, gs, bits):
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=g, dtype=torch.float16).to(DEV)
     ref = x.float() @ w.t()
-    names = ["dot_split", "dot_t"] + (["fma_split"] if m <= 17 else ["dot_big"])
+    names = ["dot_split", "dot_t", "rawq_t" if m <= 17 else "rawq"] + (["fma_split"] if m <= 17 else ["dot_big"])
     for name in names:
         out = run(x, pw, FWD_CONFIGS[name](m))
         assert out.shape == (m, n) and out.dtype == torch.float16
@@ -121,7 +125,7 @@ def test_bf16_fp32_inputs_bias_and_out_dtype():
     bias = torch.randn(72).to(torch.bfloat16).to(DEV)
     x = torch.randn(3, 160).to(DEV)
     ref = x @ w.t() + bias.float()
-    for cfg in (FWD_CONFIGS["fma_split"](3), FWD_CONFIGS["dot_split"](3)):
+    for cfg in (FWD_CONFIGS["fma_split"](3), FWD_CONFIGS["dot_split"](3), FWD_CONFIGS["rawq_t"](3)):
         out32 = run(x, pw, cfg, bias=bias)  # fp32 activations: fp32 ("ieee") dot, fp32 out
         assert out32.dtype == torch.float32 and rel_err(out32, ref) <= 1e-5
         outb = run(x.to(torch.bfloat16), pw, cfg, bias=bias, out_dtype=torch.float32)
