@@ -379,9 +379,11 @@ class ModuleType:
     * ``dequantize(module)``: the (N, K) float32 weight the module represents.
     * ``oracle(module, x)``: the float32 result its forward must match.
     * ``tolerance(module, dtype)``: the largest relative error of the forward (in ``dtype``).
-    * ``locate(packed, module_name, reference_weight, settings)``: which of the module's stored
-      tensors differ from what converting ``reference_weight`` would have stored: a list of
-      (tensor name, reason); ``None`` when the scheme cannot tell.
+    * ``locate(read, name, module, reference_weight, settings)``: which of the module's stored
+      tensors differ from what converting ``reference_weight`` with the manifest's ``settings``
+      would have stored: a list of (tensor name, reason). ``read(tensor_name)`` returns a stored
+      tensor; ``module`` is the module as the loader builds it, on the meta device (its layout
+      without data). ``None``: the scheme cannot tell, and the file is named instead.
     """
 
     layout: Callable[[nn.Module], dict]
@@ -414,50 +416,54 @@ def _half_tolerance(module: nn.Module, dtype: torch.dtype) -> float:
     return 2.0 * eps
 
 
-def _locate_quant_linear(packed: checkpoint.PackedCheckpoint, name: str, weight: torch.Tensor,
+def _locate_quant_linear(read: Callable[[str], torch.Tensor], name: str, module: QuantLinear, weight: torch.Tensor,
                          settings: dict) -> list[tuple[str, str]]:
     """Which of ``<name>.qweight/.scales/.zeros`` changed since conversion from ``weight``.
 
     The codes are a pure function of the weight and the stored scales and zeros
     (``round(W / scale + zero)`` clamped, see :func:`quantpack.quantize.quantize`), so codes that
     disagree mean one of the three changed. Re-quantizing the weight with the recorded settings tells
-    which: on the device the conversion ran on it reproduces the stored tensors bit for bit.
+    which: on the kind of device the conversion ran on (not recorded: each available one is tried)
+    it reproduces the untouched tensors bit for bit. When no re-quantization does, the layer is named.
     """
+    from .format import PackedWeight
     from .quantize import _grouped, _ungrouped, quantize
     from .reference import expand_meta
 
-    pw, _ = packed.layer(name)
-    w = weight.float()
+    pw = PackedWeight(read(f"{name}.qweight"), read(f"{name}.scales"), read(f"{name}.zeros"), module.bits,
+                      module.group_size, module.axis, (module.out_features, module.in_features))
+    pw.validate()
     qmax = (1 << pw.bits) - 1
     scale = expand_meta(pw.scales.float(), pw.shape, pw.group_size, pw.axis)
     zero = expand_meta(pw.zeros.float(), pw.shape, pw.group_size, pw.axis)
-    expected = torch.round(_ungrouped(_grouped(w, pw.group_size, pw.axis), pw.shape, pw.axis) / scale + zero)
-    expected = expected.clamp_(0, qmax).to(torch.uint8)
+    w = _ungrouped(_grouped(weight.float(), pw.group_size, pw.axis), pw.shape, pw.axis)
+    expected = torch.round(w / scale + zero).clamp_(0, qmax).to(torch.uint8)
     codes = unpack(pw.qweight, pw.bits)
     differing = int((codes != expected).sum())
-    try:
-        again = quantize(weight, bits=pw.bits, group_size=pw.group_size, axis=pw.axis,
-                         method=settings.get("method", "hqq"), dtype=pw.scales.dtype)
-    except ValueError:
-        again = None
-    changed = []
-    if again is not None:
-        for suffix in ("qweight", "scales", "zeros"):
-            stored, fresh = getattr(pw, suffix), getattr(again, suffix)
-            if not torch.equal(stored.view(torch.uint8), fresh.view(torch.uint8)):
-                changed.append(suffix)
-    if differing == 0 and len(changed) in (0, 3):
-        return []  # consistent (or re-quantization is not bit-exact here and the codes agree)
-    if len(changed) == 3 or not changed:
-        return [(f"{name}.qweight", f"{differing} of {codes.numel()} codes disagree with the reference weight "
-                                    f"and the stored scales and zeros (one of {name}.qweight/.scales/.zeros changed)")]
-    out = []
-    for suffix in changed:
-        stored, fresh = getattr(pw, suffix), getattr(again, suffix)
-        count = int((stored.view(torch.uint8) != fresh.view(torch.uint8)).sum())
-        out.append((f"{name}.{suffix}", f"{count} of {stored.numel() * stored.element_size()} bytes differ from a "
-                                        f"re-quantization of the reference weight"))
-    return out
+
+    def differing_bytes(a: torch.Tensor, b: torch.Tensor) -> int:
+        return int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
+
+    best = None  # (changed tensors, re-quantization) closest to what is stored
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        try:
+            again = quantize(weight.to(device), bits=pw.bits, group_size=pw.group_size, axis=pw.axis,
+                             method=settings.get("method", "hqq"), dtype=pw.scales.dtype).to("cpu")
+        except (ValueError, RuntimeError, ImportError):
+            continue
+        changed = [sfx for sfx in ("qweight", "scales", "zeros") if differing_bytes(getattr(pw, sfx), getattr(again, sfx))]
+        if best is None or len(changed) < len(best[0]):
+            best = (changed, again)
+    if best is not None and 0 < len(best[0]) < 3:
+        changed, again = best
+        return [(f"{name}.{sfx}", f"{differing_bytes(getattr(pw, sfx), getattr(again, sfx))} of "
+                                  f"{getattr(pw, sfx).numel() * getattr(pw, sfx).element_size()} bytes differ from a "
+                                  f"re-quantization of the reference weight") for sfx in changed]
+    if differing:
+        return [(name, f"{differing} of {codes.numel()} codes disagree with the reference weight and the stored "
+                       f"scales and zeros: one of {name}.qweight, .scales, .zeros changed")]
+    return []
 
 
 register_module_type(QuantLinear, ModuleType(
@@ -618,10 +624,10 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
                                              f"but it is not; the index does not match the shards", file=shard, tensor=tname))
 
     # -- every tensor against the model the config describes
-    expected = None
+    expected, skeleton = None, None
     if qc is not None:
         try:
-            _, expected, tied, quantized = _skeleton(root, qc, tensors)
+            skeleton, expected, tied, quantized = _skeleton(root, qc, tensors)
         except Exception as e:  # transformers raises many kinds for a config it cannot build
             problems.append(Problem("config", f"file config.json: transformers cannot build the model it describes "
                                               f"({type(e).__name__}: {' '.join(str(e).split())[:160]})",
@@ -679,8 +685,8 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
     # -- a changed file: say which tensor changed
     for fname in bad_checksum:
         located = {t: why for t, why in nonfinite.items() if tensors[t].file.name == fname}
-        if reference is not None and qc is not None and not located:
-            located = _locate_changes(root, fname, tensors, reference, (manifest or {}).get("settings") or {})
+        if reference is not None and skeleton is not None and not located:
+            located = _locate_changes(skeleton, fname, tensors, reference, (manifest or {}).get("settings") or {})
         if located:
             for tname, why in located.items():
                 problems.append(Problem("checksum", f"tensor {tname} in {fname}: {why}; the file's sha256 differs from "
@@ -708,45 +714,51 @@ def _reference_name(ref: checkpoint.SourceCheckpoint, name: str, prefix: str = "
     return next((c for c in candidates if c in ref.tensors), None)
 
 
-def _locate_changes(root: Path, fname: str, tensors: dict[str, TensorInfo], reference: Path,
+def _locate_changes(skeleton: nn.Module, fname: str, tensors: dict[str, TensorInfo], reference: Path,
                     settings: dict) -> dict[str, str]:
-    """Tensors of shard ``fname`` that differ from what converting ``reference`` stores."""
+    """Tensors of shard ``fname`` that differ from what converting ``reference`` stores: other
+    tensors bit for bit against the reference cast to the stored dtype, quantized modules by their
+    scheme's ``locate``."""
     try:
         ref = checkpoint.SourceCheckpoint(reference)
-        packed = checkpoint.PackedCheckpoint(root)
     except CheckpointError:
         return {}
+
+    def read(tname: str) -> torch.Tensor:
+        return checkpoint.read_tensor(tensors[tname])
+
+    prefix = getattr(skeleton, "base_model_prefix", "") or ""
     located: dict[str, str] = {}
     try:
-        modules = {n[: -len(".qweight")] for n, i in tensors.items() if n.endswith(".qweight") and i.file.name == fname}
+        modules = {}  # quantized module name -> its stored tensor names
+        for name, module in quantized_modules(skeleton):
+            names = [f"{name}.{k}" for k in module.state_dict(keep_vars=True)]
+            if any(n in tensors and tensors[n].file.name == fname for n in names):
+                modules[name] = (module, names)
         for tname, info in tensors.items():
-            if info.file.name != fname:
+            ref_name = _reference_name(ref, tname, prefix) if info.file.name == fname else None
+            if ref_name is None:  # packed tensors (qweight, scales...) have no reference namesake
                 continue
-            module = tname.rpartition(".")[0]
-            if module in modules and tname.rpartition(".")[2] in ("qweight", "scales", "zeros"):
-                continue
-            ref_name = _reference_name(ref, tname)
-            if ref_name is None:
-                continue
-            stored = checkpoint.read_tensor(info)
+            stored = read(tname)
             want = ref.get(ref_name)
-            want = want.to(stored.dtype) if want.is_floating_point() and stored.is_floating_point() else want
-            if want.shape != stored.shape or not torch.equal(want.view(torch.uint8) if want.numel() else want,
-                                                            stored.view(torch.uint8) if stored.numel() else stored):
+            if want.is_floating_point() and stored.is_floating_point():
+                want = want.to(stored.dtype)
+            same = want.shape == stored.shape and want.dtype == stored.dtype and (
+                not stored.numel() or torch.equal(want.reshape(-1).view(torch.uint8), stored.reshape(-1).view(torch.uint8)))
+            if not same:
                 located[tname] = "differs from the reference tensor it was converted from"
-        locate = MODULE_TYPES[QuantLinear].locate
-        for module in sorted(modules):
-            ref_name = _reference_name(ref, module + ".weight")
-            if ref_name is None:
+        for name, (module, names) in sorted(modules.items()):
+            locate = MODULE_TYPES[type(module)].locate
+            ref_name = _reference_name(ref, name + ".weight", prefix)
+            if locate is None or ref_name is None or not all(n in tensors for n in names if not n.endswith(".bias")):
                 continue
             try:
-                found = locate(packed, module, ref.get(ref_name), settings)
+                found = locate(read, name, module, ref.get(ref_name), settings)
             except (CheckpointError, ValueError):
                 continue
             located.update(dict(found))
     finally:
         ref.close()
-        packed.close()
     return located
 
 

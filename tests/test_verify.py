@@ -11,6 +11,7 @@ import json
 import math
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -390,6 +391,35 @@ def test_flipped_byte_names_the_tensor(ckpt, tmp_path, tensor, offset, mask):
     r = verify(root, device="cpu", reference=False)
     assert r.exit_code == 2 and r.problems[0].file == shard and r.problems[0].tensor is None
     assert "sha256 differs" in r.problems[0].message
+
+
+def test_changed_layer_is_named_when_requantization_cannot_reproduce_it(ckpt, tmp_path, monkeypatch):
+    """Converted on another kind of device than any here (re-quantizing reproduces none of the
+    stored tensors): the layer whose codes disagree with the reference is named."""
+    quantize_mod = sys.modules["quantpack.quantize"]  # the package attribute is the function
+    real = quantize_mod.quantize
+
+    def elsewhere(weight, **kwargs):
+        pw = real(weight, **kwargs)
+        pw.qweight, pw.scales, pw.zeros = pw.qweight ^ 1, pw.scales * 1.01, pw.zeros + 0.25
+        return pw
+
+    monkeypatch.setattr(quantize_mod, "quantize", elsewhere)
+    root = copy_of(ckpt("q4"), tmp_path)
+    shard = flip_byte(root, "model.layers.0.mlp.down_proj.qweight", 100, 0x11)
+    r = verify(root, device="cpu")
+    assert r.exit_code == 2 and len(r.problems) == 1
+    p = r.problems[0]
+    assert p.tensor == "model.layers.0.mlp.down_proj" and p.file == shard
+    assert p.message.startswith(f"tensor model.layers.0.mlp.down_proj in {shard}: 2 of 32768 codes disagree")
+
+
+def test_flipped_bias_of_a_quantized_layer_is_named(ckpt, tmp_path):
+    root = copy_of(ckpt("encoder_q8"), tmp_path)
+    tensor = "encoder.layer.1.attention.output.dense.bias"
+    shard = flip_byte(root, tensor, 5, 0x04)
+    r = verify(root, device="cpu")
+    assert r.exit_code == 2 and [(p.tensor, p.file) for p in r.problems] == [(tensor, shard)]
 
 
 def test_nonfinite_value_is_named_without_a_reference(ckpt, tmp_path):
