@@ -504,6 +504,19 @@ def test_explicit_reference_and_no_reference(ckpt, tmp_path):
     assert r.kernels["items"] and set(r.skipped) == {"layers", "end_to_end"}
 
 
+def test_default_reference_is_the_recorded_hub_repo_and_revision(hub_cache, tmp_path):
+    """Converted from a hub repo id: verify finds the reference in the (offline) cache at the
+    recorded commit."""
+    out = tmp_path / "hub-q8"
+    convert(hub_cache.repo_id, out, bits=8, group_size=64, progress=False)
+    r = verify(out, device="cpu")
+    assert r.verdict == "pass", r.format_table()
+    assert r.reference["source"] == hub_cache.repo_id and r.reference["revision"] == hub_cache.commit
+    assert r.reference["local"] is False and r.reference["from_manifest"] is True
+    assert r.reference["matches_manifest"] is True and hub_cache.commit in r.reference["path"]
+    assert r.end_to_end["metrics"]["kl_mean"] < 0.01
+
+
 def test_reference_that_differs_from_the_source_is_flagged(ckpt, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(ckpt("llama"), other)
