@@ -1,0 +1,208 @@
+"""End-to-end decode speed of a Llama-3.1-8B-shaped model: bf16 vs quantpack 4-bit, on one GPU.
+
+The model has random weights and is built directly on the GPU; the quantized variant is made in
+memory (every decoder linear -> QuantLinear, lm_head kept in bf16, as ``quantpack convert`` does),
+so no 16 GB files are involved. Decode tokens/s = batch * tokens / time of the decode steps
+(prefill excluded), measured two ways:
+
+* ``eager``: transformers' ``generate`` (dynamic cache), i.e. what a user gets out of the box;
+  at batch 1 it is bound by Python and kernel-launch overhead as much as by memory.
+* ``graph``: one greedy decode step with a static KV cache captured in a CUDA graph and replayed,
+  which removes that overhead and shows what the weights' memory traffic costs.
+
+It also checks the fused kernel's logits against quantpack's reference path on the same packed
+weights. Prints a table and writes JSON (``--json``).
+
+    python benchmarks/bench_decode.py                          # 8B shape, batch 1 and 16
+    python benchmarks/bench_decode.py --layers 4 --new-tokens 32   # quick look
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def build_model(args, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = args.hidden // 128
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=heads, num_key_value_heads=min(8, heads), vocab_size=args.vocab,
+                         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+@torch.no_grad()
+def quantize_in_place(model, *, bits: int, group_size: int, method: str) -> int:
+    """Replace every decoder linear layer by a QuantLinear made from its weight; returns how many."""
+    from quantpack.nn import QuantLinear
+
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, QuantLinear.from_linear(getattr(parent, child), bits=bits, group_size=group_size,
+                                                       method=method, dtype=torch.bfloat16))
+    torch.cuda.empty_cache()
+    return len(names)
+
+
+def weight_bytes(model) -> int:
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+@torch.no_grad()
+def eager_decode(model, prompt, new_tokens: int) -> float:
+    """tokens/s of generate()'s decode steps: (time for N new tokens - time for 1) / (N - 1)."""
+    kw = dict(do_sample=False, pad_token_id=0)
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(4)  # warm-up: kernels compiled, caches allocated
+    t1 = min(timed(1) for _ in range(2))
+    tn = timed(new_tokens)
+    return prompt.shape[0] * (new_tokens - 1) / (tn - t1)
+
+
+@torch.no_grad()
+def graph_decode(model, prompt, new_tokens: int) -> float:
+    """tokens/s of greedy decode steps replayed from a CUDA graph (static KV cache)."""
+    from transformers import StaticCache
+
+    b, p = prompt.shape
+    device = prompt.device
+    cache = StaticCache(config=model.config, max_cache_len=p + new_tokens + 8)
+    out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                cache_position=torch.arange(p, device=device))
+    ids = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([p], device=device)
+
+    def step():
+        return model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos,
+                     position_ids=pos.expand(b, 1)).logits
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+
+    def run(n):
+        for _ in range(n):
+            graph.replay()
+            ids.copy_(logits[:, -1:].argmax(-1))
+            pos.add_(1)
+
+    run(2)
+    pos.fill_(p)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    run(new_tokens)
+    torch.cuda.synchronize()
+    return b * new_tokens / (time.perf_counter() - t)
+
+
+@torch.no_grad()
+def kernel_vs_reference(model, prompt) -> float:
+    """Max relative difference of the logits: fused kernel vs the reference path, same packed weights."""
+    from quantpack.nn import QuantLinear
+
+    fused = model(prompt).logits.float()
+    QuantLinear.backend = "reference"
+    try:
+        ref = model(prompt).logits.float()
+    finally:
+        QuantLinear.backend = "auto"
+    return ((fused - ref).abs().max() / ref.abs().max()).item()
+
+
+def measure(model, args, prompts, label, results):
+    for b in args.batch_sizes:
+        row = {"model": label, "batch": b}
+        try:
+            row["eager_tok_s"] = eager_decode(model, prompts[b], args.new_tokens)
+        except Exception as exc:  # keep going: report what failed
+            row["eager_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        try:
+            row["graph_tok_s"] = graph_decode(model, prompts[b], args.new_tokens)
+        except Exception as exc:
+            row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--method", default="rtn", choices=["rtn", "hqq"])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("Error: this benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import transformers
+
+    import quantpack
+
+    device = torch.device("cuda")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "transformers": transformers.__version__, "quantpack": quantpack.__version__,
+               "shape": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "vocab")},
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+               "quant": {"bits": args.bits, "group_size": args.group_size, "method": args.method}, "rows": []}
+    t = time.perf_counter()
+    model = build_model(args, device)
+    results["build_s"] = time.perf_counter() - t
+    g = torch.Generator(device="cpu").manual_seed(1)
+    prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=g).to(device) for b in args.batch_sizes}
+    results["bf16_weight_bytes"] = weight_bytes(model)
+    measure(model, args, prompts, "bf16", results)
+
+    t = time.perf_counter()
+    results["quantized_layers"] = quantize_in_place(model, bits=args.bits, group_size=args.group_size,
+                                                    method=args.method)
+    results["quantize_s"] = time.perf_counter() - t
+    results["quant_weight_bytes"] = weight_bytes(model)
+    results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
+    print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
+    measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results)
+
+    print(f"\n{'model':<24}{'batch':>6}{'eager tok/s':>14}{'graph tok/s':>14}")
+    for row in results["rows"]:
+        print(f"{row['model']:<24}{row['batch']:>6}{row.get('eager_tok_s', float('nan')):>14.1f}"
+              f"{row.get('graph_tok_s', float('nan')):>14.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
