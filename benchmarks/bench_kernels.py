@@ -256,7 +256,9 @@ def bench(ms, dtypes, bw, peak):
                         ref = x.float() @ wref.t()
                         err = ((out.float() - ref).norm() / ref.norm()).item()
                         if not err < (2e-2 if dtype == torch.bfloat16 else 5e-3):
-                            raise RuntimeError(f"wrong result, rel err {err:.2e}")
+                            if name == "quantpack":
+                                raise RuntimeError(f"wrong result, rel err {err:.2e}")
+                            line[name + "_fail"] = f"timed, but rel err {err:.2e} is over the bar"  # a peer's own error
                         t, mode = graph_time([lambda i=i: f(i, x) for i in range(r)])
                         line[name] = t * 1e3
                         line[name + "_err"] = err

@@ -74,12 +74,45 @@ def _finish_tile(acc, m, c, mask, c_mask, out_ptr, stride_om, stride_oc, bias_pt
     tl.store(out_ptr + m[:, None] * stride_om + c[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Unpack 4 packed bytes (8 nibbles) into q + OFFSET as 16-bit floats, two per 32-bit register:
+# PRMT spreads bytes b0,b1 (b2,b3) into the two halves of a word, then one LOP3 per word computes
+# (word & 0x000F000F) | MAGIC (low nibbles), and a shift + LOP3 the high nibbles. ~1 instruction
+# per weight instead of extract + convert + FMA. Output element j is input byte j's nibble.
+_UNPACK_ASM = """
+{
+.reg .b32 z, t0, t1, s0, s1;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
+shr.b32 s0, t0, 4;
+shr.b32 s1, t1, 4;
+lop3.b32 $2, s0, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 $3, s1, 0x000F000F, MAGIC, 0xEA;
+}
+"""
+_UNPACK_ASM_F16 = tl.constexpr(_UNPACK_ASM.replace("MAGIC", "0x64006400"))
+_UNPACK_ASM_BF16 = tl.constexpr(_UNPACK_ASM.replace("MAGIC", "0x43004300"))
+
+
+@triton.jit
+def _unpack_magic(byte, MAGIC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    if MAGIC == 0x6400:
+        lo, hi = tl.inline_asm_elementwise(_UNPACK_ASM_F16, "=r,=r,=r,=r,r", [byte], dtype=(DOT_DTYPE, DOT_DTYPE),
+                                           is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_UNPACK_ASM_BF16, "=r,=r,=r,=r,r", [byte], dtype=(DOT_DTYPE, DOT_DTYPE),
+                                           is_pure=True, pack=4)
+    return lo, hi
+
+
 @triton.jit
 def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 M, N, K, G, N_META, stride_xm, stride_xk, stride_om, stride_on,
                 BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                 PATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-                RAWQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+                RAWQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, USE_ASM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
     """out (M, N) = x (M, K) @ W.T. PATH 0: FMA (small M), 1: dot(x, W^T), 2: dot(W, x^T)^T."""
@@ -139,13 +172,17 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             # OFFSET (bf16 128.0 / fp16 1024.0; exact), one integer op per element. The tile lies in
             # one group, so x (q + OFFSET) is rescaled once per tile column:
             #   s * d - s * (z + OFFSET) * sum(x),  d = x . (q + OFFSET)
-            qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
-            if MAGIC != 0:
-                blo = (qlo | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
-                bhi = (qhi | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
+            if USE_ASM and BITS == 4 and MAGIC != 0:
+                byte = tl.load(qw_ptr + r[:, None] * N + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0)
+                blo, bhi = _unpack_magic(byte, MAGIC, DOT_DTYPE)
             else:
-                blo = qlo.to(DOT_DTYPE)
-                bhi = qhi.to(DOT_DTYPE)
+                qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
+                if MAGIC != 0:
+                    blo = (qlo | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
+                    bhi = (qhi | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
+                else:
+                    blo = qlo.to(DOT_DTYPE)
+                    bhi = qhi.to(DOT_DTYPE)
             g = (2 * r0) // G
             s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -569,7 +606,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         _fwd_kernel[grid](x2, qweight, scales, zeros, bias if bias is not None else out, out, ws, cnt,
                           m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
                           BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
-                          DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                          DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset,
+                          USE_ASM=not interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
                           SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
