@@ -197,7 +197,8 @@ def _check_tensors(model, expected: dict[str, torch.Tensor], aliases: set[str], 
             if name in aliases:
                 continue  # a second copy of a tied weight
             if module in quantized:
-                hint = f"; {module} is quantized, which stores {sorted(k.rpartition('.')[2] for k in expected if k.rpartition('.')[0] == module)}"
+                stores = sorted(k.rpartition(".")[2] for k in expected if k.rpartition(".")[0] == module)
+                hint = f"; {module} is quantized, which stores {stores}"
             elif name.endswith((".qweight", ".scales", ".zeros")) and module in qc["modules_not_converted"]:
                 hint = f"; config.json's quantization_config lists {module} in modules_not_converted"
             else:
@@ -252,7 +253,8 @@ def _resolve_device_map(model, device_map, max_memory) -> dict:
                                              low_zero=device_map == "balanced_low_0")
         device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
     if not isinstance(device_map, dict):
-        raise ValueError(f"device_map: expected 'auto' or a {{module name: device}} dict, got {type(device_map).__name__}")
+        raise ValueError(f"device_map: expected 'auto' or a {{module name: device}} dict, "
+                         f"got {type(device_map).__name__}")
     if "disk" in device_map.values() or "meta" in device_map.values():
         raise ValueError("device_map: disk offload is not supported for packed checkpoints; give the model more "
                          "GPU or CPU memory (max_memory) or use a smaller model")
@@ -277,8 +279,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     * ``verify``: re-hash the files against the manifest (shapes and dtypes are always checked).
 
     Returns the model of the class ``config.json``'s ``architectures`` names, in eval mode, with
-    ``model.config.quantization_config`` and ``model.hf_quantizer`` set as ``from_pretrained`` sets them. Raises :class:`~quantpack.checkpoint.CheckpointError`
-    (a ``ValueError``) when the files disagree with the config, index or manifest.
+    ``model.config.quantization_config`` and ``model.hf_quantizer`` set as ``from_pretrained`` sets
+    them. Raises :class:`~quantpack.checkpoint.CheckpointError` (a ``ValueError``) when the files
+    disagree with the config, index or manifest.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig

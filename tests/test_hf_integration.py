@@ -55,7 +55,8 @@ def test_from_pretrained_device_map_auto_on_cpu(packed_llama):
     model = AutoModelForCausalLM.from_pretrained(packed_llama, device_map="auto", dtype=torch.float32)
     assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cpu"}
     ids = prompt_ids(packed_llama)
-    assert torch.allclose(model(**ids).logits, load(packed_llama, dtype=torch.float32)(**ids).logits, rtol=1e-5, atol=1e-5)
+    want = load(packed_llama, dtype=torch.float32)(**ids).logits
+    assert torch.allclose(model(**ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_registration_is_idempotent_and_round_trips_the_config(packed_llama):

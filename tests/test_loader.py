@@ -262,7 +262,8 @@ def _write_random_packed(path: Path, *, hidden: int, intermediate: int, layers: 
     shard = checkpoint.shard_name(1, 1)
     checkpoint.write_safetensors(path / shard, tensors, checkpoint.SHARD_METADATA, fsync=False)
     packed_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    checkpoint.write_json(path / checkpoint.SAFE_INDEX_NAME, checkpoint.make_index({k: shard for k in tensors}, packed_bytes))
+    index = checkpoint.make_index({k: shard for k in tensors}, packed_bytes)
+    checkpoint.write_json(path / checkpoint.SAFE_INDEX_NAME, index)
     return packed_bytes, fp32_bytes
 
 
@@ -334,7 +335,8 @@ def _rewrite_shard(path: Path, tensor: str, edit) -> None:
     tensors = edit({n: checkpoint.read_tensor(i) for n, i in infos.items()})
     sha, size = checkpoint.write_safetensors(shard, tensors, meta, fsync=False)
     index = json.loads((path / checkpoint.SAFE_INDEX_NAME).read_text())
-    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != shard.name} | {n: shard.name for n in tensors}
+    others = {n: f for n, f in index["weight_map"].items() if f != shard.name}
+    index["weight_map"] = others | {n: shard.name for n in tensors}
     checkpoint.write_json(path / checkpoint.SAFE_INDEX_NAME, index)
     _refresh_manifest(path)
 
