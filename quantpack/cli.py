@@ -107,6 +107,34 @@ def convert_command(source, output, bits, group_size, axis, method, dtype, devic
         click.echo(summary.format_table())
 
 
+@cli.command("demo")
+@click.option("--workdir", type=click.Path(file_okay=False), help="Where to build the model and its packed copy [default: a new temporary directory].")
+@click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
+@click.option("--group-size", default="32", show_default=True, metavar="N|none", help="Weights per group; 'none' for per-channel.")
+@click.option("--method", type=click.Choice(["hqq", "rtn"]), default="hqq", show_default=True, help="Quantization method.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where to quantize and run.")
+def demo_command(workdir, bits, group_size, method, device):
+    """Run the whole job offline: build a small real Llama, convert it, verify it.
+
+    \b
+    The model (2 layers, hidden size 128, a trained BPE tokenizer, sharded safetensors) is fitted for
+    a few steps to the built-in passage so that its predictions are peaked, then converted with the
+    same code as `quantpack convert` and checked with `quantpack verify`. Nothing is downloaded.
+    Exit code: as `quantpack verify`.
+    """
+    from .demo import run_demo
+
+    try:
+        result = run_demo(workdir, bits=int(bits), group_size=_group_size(group_size), method=method, device=device)
+    except ValueError as e:
+        raise UsageFailure(" ".join(str(e).split())) from None
+    click.echo(result.conversion.format_table() + "\n")
+    click.echo(result.report.format_table())
+    click.echo(f"\nsource model   {result.source}\npacked model   {result.packed}")
+    if result.report.exit_code:
+        sys.exit(result.report.exit_code)
+
+
 @cli.command("verify")
 @click.argument("packed")
 @click.option("--reference", metavar="SRC", help="The original checkpoint (hub repo id or directory) "

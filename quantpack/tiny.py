@@ -122,6 +122,18 @@ def _save_sharded(model, path: Path, num_shards: int) -> None:
     raise ValueError(f"num_shards={num_shards}: cannot split this model into that many shards; use fewer shards")
 
 
+def _fit(model, tokenizer, text: str, steps: int, max_tokens: int) -> None:
+    """A few full-batch Adam steps of next-token prediction on ``text`` (in float32)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_tokens - 1]
+    batch = torch.tensor([[tokenizer.bos_token_id] + ids])
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    model.float().train()
+    for _ in range(steps):
+        model(batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _write_extras(path: Path, title: str) -> None:
     (path / "LICENSE").write_text(LICENSE_TEXT)
     (path / "README.md").write_text(f"# {title}\n\nA tiny checkpoint with random weights, made by `quantpack.tiny`.\n")
@@ -130,8 +142,13 @@ def _write_extras(path: Path, title: str) -> None:
 def make_tiny_llama(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32,
                     tie_word_embeddings: bool = False, seed: int = 0, hidden_size: int = 128,
                     intermediate_size: int = 256, num_hidden_layers: int = 2, num_attention_heads: int = 4,
-                    num_key_value_heads: int = 2, vocab_size: int = 320, **config_overrides) -> Path:
+                    num_key_value_heads: int = 2, vocab_size: int = 320, train_steps: int = 0,
+                    train_text: str | None = None, **config_overrides) -> Path:
     """Write a tiny ``LlamaForCausalLM`` checkpoint (random weights, real tokenizer) to ``path``.
+
+    ``train_steps`` > 0 first fits the model for that many Adam steps to ``train_text`` (default
+    :data:`PASSAGE`; at most ``max_position_embeddings`` tokens), so that its next-token
+    distributions are peaked and accuracy measurements (KL, top-1 agreement) mean something.
 
     ``num_shards`` > 1 writes ``model-0000i-of-0000n.safetensors`` plus the index; 1 writes a single
     ``model.safetensors``. Extra keyword arguments go to ``LlamaConfig`` (e.g. ``attention_bias=True``).
@@ -149,7 +166,10 @@ def make_tiny_llama(path, *, num_shards: int = 2, dtype: torch.dtype = torch.flo
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, **config_overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype).eval()
+    model = LlamaForCausalLM(config)
+    if train_steps:
+        _fit(model, tokenizer, train_text or PASSAGE, train_steps, config.max_position_embeddings)
+    model = model.to(dtype).eval()
     _save_sharded(model, path, num_shards)
     tokenizer.save_pretrained(path)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, do_sample=False,

@@ -1,0 +1,38 @@
+"""``quantpack demo``: the whole job end to end, offline, on a small model the project builds itself."""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .convert import ConvertSummary, convert
+from .tiny import make_tiny_llama
+from .verify import DEFAULT_TEXT, VerifyReport, verify
+
+DEMO_TRAIN_STEPS = 40  # enough for peaked next-token distributions, so KL and top-1 mean something
+
+
+@dataclass
+class DemoResult:
+    source: Path
+    packed: Path
+    conversion: ConvertSummary
+    report: VerifyReport
+
+
+def run_demo(workdir=None, *, bits: int = 4, group_size: int | None = 32, method: str = "hqq",
+             device: str = "auto", progress: bool = True) -> DemoResult:
+    """Build a tiny Llama (trained briefly on the verify passage) in ``workdir``, convert it, verify it.
+
+    ``workdir`` defaults to a new temporary directory; it must not already hold a demo.
+    """
+    workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="quantpack-demo-"))
+    source = workdir / "tiny-llama"
+    if source.exists():
+        raise ValueError(f"workdir: {source} already exists; pass an empty or new directory")
+    make_tiny_llama(source, train_steps=DEMO_TRAIN_STEPS, train_text=DEFAULT_TEXT)
+    packed = workdir / f"tiny-llama-qp{bits}g{group_size or 'ch'}"
+    conversion = convert(source, packed, bits=bits, group_size=group_size, method=method, device=device,
+                         progress=progress)
+    report = verify(packed, reference=source, device=device)
+    return DemoResult(source, packed, conversion, report)

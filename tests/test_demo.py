@@ -1,0 +1,25 @@
+"""`quantpack demo`, the README's end-to-end command, run as a user runs it."""
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from quantpack.cli import cli
+
+
+def test_demo_subprocess_passes(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "quantpack", "demo", "--workdir", str(tmp_path / "demo"),
+                           "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "verdict    PASS" in out and "compression" in out and "top-1" in out
+    packed = tmp_path / "demo" / "tiny-llama-qp4g32"
+    assert (packed / "quantpack.json").is_file() and (packed / "model.safetensors.index.json").is_file()
+
+
+def test_demo_refuses_a_used_workdir(tmp_path):
+    (tmp_path / "tiny-llama").mkdir()
+    result = CliRunner().invoke(cli, ["demo", "--workdir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"Error: workdir: {tmp_path / 'tiny-llama'} already exists; pass an empty or new directory"]
