@@ -5,4 +5,7 @@ from .reference import dequantize
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUT_VERSION", "PackedWeight", "pack", "unpack", "quantize", "dequantize", "__version__"]
+from .loader import load  # noqa: E402
+from . import hf_integration  # noqa: E402,F401  registers "quantpack" with transformers' quantizer registry
+
+__all__ = ["LAYOUT_VERSION", "PackedWeight", "pack", "unpack", "quantize", "dequantize", "load", "__version__"]
