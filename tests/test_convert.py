@@ -306,3 +306,12 @@ def test_bad_arguments(tiny_llama_dir, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         convert(tiny_llama_dir, tmp_path / "out", progress=False, **kwargs)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("source,is_path", [("gpt2", False), ("meta-llama/Llama-3.1-8B", False), ("./model", True),
+                                            ("/abs/model", True), ("a/b/c", True), ("~/models/x", True),
+                                            ("bad repo/name", True)])
+def test_source_path_or_repo_id(source, is_path):
+    from quantpack.hub import looks_like_path
+
+    assert looks_like_path(source) is is_path
