@@ -226,6 +226,7 @@ _TILES = [
     (128, 256, 128, 8, 4),
     (256, 128, 128, 8, 3),
     (128, 128, 128, 8, 4),
+    (128, 128, 128, 8, 3),  # 96 KB of shared memory: two CTAs per SM, a finer last wave
     (128, 128, 256, 8, 3),
     (128, 256, 64, 8, 4),
     # Medium M (and M = 256, where 128-row tiles leave SMs idle).
