@@ -50,7 +50,7 @@ def log(*a):
 
 def med(fn):
     from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=120, return_mode="median")
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
 
 
 def graph_time(calls):
@@ -195,7 +195,7 @@ def peers(n, k, dtype, r4):
     Ws = [W.clone() for _ in range(r16)]
     impls["cublas"] = (r16, lambda i, x: F.linear(x, Ws[i]), W.float())
     hqs = [hq] + [HQQLinear(lin, quant_config=BaseQuantizeConfig(nbits=4, group_size=GS, axis=1), compute_dtype=dtype,
-                            device="cuda", del_orig=False) for _ in range(min(r4, 8) - 1)]
+                            device="cuda", del_orig=False) for _ in range(2)]
     impls["hqq_ref"] = (len(hqs), lambda i, x: hqs[i](x), Wd)
     try:
         from torchao.prototype.hqq import triton_mixed_mm, pack_2xint4
@@ -388,14 +388,16 @@ def main():
     log(f"copy {bw / 1e12:.2f} TB/s, cuBLAS bf16 8192^3 {peak / 1e12:.0f} TFLOP/s")
     results = {"device": p.name, "bw": bw, "peak": peak}
     if args.tune:
+        log(f"[{time.strftime('%H:%M:%S')}] tune")
         tune([int(v) for v in args.tune_ms.split(",")], [int(v) for v in args.tune_tr_ms.split(",") if v], "bf16",
              L2, args.out)
     if args.bench:
-        for name, fn in (("main", lambda: bench(ms, dtypes, bw, peak)),
-                         ("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],
+        for name, fn in (("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],
                                                                  torch.bfloat16, peak, bw)),
                          ("dequant", lambda: bench_dequant(bw)),
-                         ("w8", lambda: bench_w8(bw, torch.bfloat16))):
+                         ("w8", lambda: bench_w8(bw, torch.bfloat16)),
+                         ("main", lambda: bench(ms, dtypes, bw, peak))):
+            log(f"[{time.strftime('%H:%M:%S')}] {name}")
             try:
                 results[name] = fn()
             except Exception:

@@ -56,6 +56,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
+    words: bool = False  # fma path, M = 1, 4-bit, N % 4 == 0: int32-word nibble unpack
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -78,33 +79,43 @@ def _finish_tile(acc, m, c, mask, c_mask, out_ptr, stride_om, stride_oc, bias_pt
 # PRMT spreads bytes b0,b1 (b2,b3) into the two halves of a word, then one LOP3 per word computes
 # (word & 0x000F000F) | MAGIC (low nibbles), and a shift + LOP3 the high nibbles. ~1 instruction
 # per weight instead of extract + convert + FMA. Output element j is input byte j's nibble.
-_UNPACK_ASM = """
-{
-.reg .b32 z, t0, t1, s0, s1;
-mov.b32 z, 0;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, MAGIC, 0xEA;
-shr.b32 s0, t0, 4;
-shr.b32 s1, t1, 4;
-lop3.b32 $2, s0, 0x000F000F, MAGIC, 0xEA;
-lop3.b32 $3, s1, 0x000F000F, MAGIC, 0xEA;
-}
-"""
-_UNPACK_ASM_F16 = tl.constexpr(_UNPACK_ASM.replace("MAGIC", "0x64006400"))
-_UNPACK_ASM_BF16 = tl.constexpr(_UNPACK_ASM.replace("MAGIC", "0x43004300"))
+@triton.jit
+def _unpack_magic(byte, MAGIC: tl.constexpr):
+    """(q_lo + OFFSET, q_hi + OFFSET) as fp16 (MAGIC 0x6400) or bf16 (0x4300) from packed bytes."""
+    if MAGIC == 0x6400:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 z, t0, t1, s0, s1; mov.b32 z, 0; prmt.b32 t0, $4, z, 0x4140; prmt.b32 t1, $4, z, 0x4342; " +
+            "lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA; " +
+            "shr.b32 s0, t0, 4; shr.b32 s1, t1, 4; " +
+            "lop3.b32 $2, s0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $3, s1, 0x000F000F, 0x64006400, 0xEA; }",
+            "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 z, t0, t1, s0, s1; mov.b32 z, 0; prmt.b32 t0, $4, z, 0x4140; prmt.b32 t1, $4, z, 0x4342; " +
+            "lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA; " +
+            "shr.b32 s0, t0, 4; shr.b32 s1, t1, 4; " +
+            "lop3.b32 $2, s0, 0x000F000F, 0x43004300, 0xEA; lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xEA; }",
+            "=r,=r,=r,=r,r", [byte], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return lo, hi
 
 
 @triton.jit
-def _unpack_magic(byte, MAGIC: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    if MAGIC == 0x6400:
-        lo, hi = tl.inline_asm_elementwise(_UNPACK_ASM_F16, "=r,=r,=r,=r,r", [byte], dtype=(DOT_DTYPE, DOT_DTYPE),
-                                           is_pure=True, pack=4)
+def _nibble_f32(w, SHIFT: tl.constexpr):
+    """16 + (4-bit field of ``w`` that lands on bits 19..22 after shifting by SHIFT), as float32:
+    0x41800000 is 16.0, whose mantissa LSB weighs 2**-19."""
+    if SHIFT >= 0:
+        v = w << SHIFT
     else:
-        lo, hi = tl.inline_asm_elementwise(_UNPACK_ASM_BF16, "=r,=r,=r,=r,r", [byte], dtype=(DOT_DTYPE, DOT_DTYPE),
-                                           is_pure=True, pack=4)
-    return lo, hi
+        v = w >> (-SHIFT)
+    return ((v & 0x00780000) | 0x41800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _words_step(a, w, xe, xo, sx, s_ptr, z_ptr, meta_off, c_mask, SHIFT_LO: tl.constexpr, SHIFT_HI: tl.constexpr):
+    part = tl.sum(xe[:, None] * _nibble_f32(w, SHIFT_LO) + xo[:, None] * _nibble_f32(w, SHIFT_HI), axis=0)
+    s = tl.load(s_ptr + meta_off, mask=c_mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + meta_off, mask=c_mask, other=0.0).to(tl.float32)
+    return a + s * part - s * (z + 16.0) * sx
 
 
 @triton.jit
@@ -113,6 +124,7 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                 PATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
                 RAWQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, USE_ASM: tl.constexpr,
+                WORDS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
     """out (M, N) = x (M, K) @ W.T. PATH 0: FMA (small M), 1: dot(x, W^T), 2: dot(W, x^T)^T."""
@@ -142,6 +154,32 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WORDS:
+        # M = 1, 4-bit, tile in one group: read qweight as int32 words (4 columns each) and turn
+        # each nibble into the float 16 + q with one shift and one LOP3 (no byte extraction, no
+        # FADD); 16 * sum(x) is taken off with the zero once per column. Column 4c + j of the
+        # tile accumulates in a_j.
+        c = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
+        c_mask = c < N // 4
+        a0 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
+        for r0 in range(r_begin, r_end, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = r < KH
+            xe = tl.load(x_ptr + (2 * r) * stride_xk, mask=r_mask, other=0.0).to(tl.float32)
+            xo = tl.load(x_ptr + (2 * r + 1) * stride_xk, mask=r_mask, other=0.0).to(tl.float32)
+            w = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (N // 4) + c[None, :],
+                        mask=r_mask[:, None] & c_mask[None, :], other=0)
+            sx = tl.sum(xe + xo, axis=0)
+            g = (2 * r0) // G
+            a0 = _words_step(a0, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 0, c_mask, 19, 15)
+            a1 = _words_step(a1, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 1, c_mask, 11, 7)
+            a2 = _words_step(a2, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 2, c_mask, 3, -1)
+            a3 = _words_step(a3, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 3, c_mask, -5, -9)
+        acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_M, BLOCK_N))  # [c, i, p] -> 4c + 2i + p
+        r_end = r_begin  # the generic loop below is skipped
     for r0 in range(r_begin, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_mask = r < KH
@@ -156,8 +194,14 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             x_o = x_o.to(tl.float32)
             if META_ROW:
                 qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
-                xq = tl.sum(x_e[:, :, None] * int_to_f32(qlo)[None, :, :]
-                            + x_o[:, :, None] * int_to_f32(qhi)[None, :, :], axis=1)
+                if BLOCK_M == 1:  # 2-D: a reduction over rows that stays inside each thread
+                    xe1 = tl.reshape(x_e, (BLOCK_R,))
+                    xo1 = tl.reshape(x_o, (BLOCK_R,))
+                    xq = tl.reshape(tl.sum(xe1[:, None] * int_to_f32(qlo) + xo1[:, None] * int_to_f32(qhi), axis=0),
+                                    (1, BLOCK_N))
+                else:
+                    xq = tl.sum(x_e[:, :, None] * int_to_f32(qlo)[None, :, :]
+                                + x_o[:, :, None] * int_to_f32(qhi)[None, :, :], axis=1)
                 g = (2 * r0) // G
                 s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
@@ -174,7 +218,7 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             #   s * d - s * (z + OFFSET) * sum(x),  d = x . (q + OFFSET)
             if USE_ASM and BITS == 4 and MAGIC != 0:
                 byte = tl.load(qw_ptr + r[:, None] * N + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0)
-                blo, bhi = _unpack_magic(byte, MAGIC, DOT_DTYPE)
+                blo, bhi = _unpack_magic(byte, MAGIC)
             else:
                 qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
                 if MAGIC != 0:
@@ -461,8 +505,13 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                         waves=(1.0, 2.0) if mb <= 64 else (1.0,))
         return out
     if mb <= 8:
-        for bn, br, warps in ((64, 64, 2), (64, 64, 4), (128, 64, 4), (32, 64, 1), (64, 32, 2), (256, 64, 8)):
+        for bn, br, warps in ((64, 64, 2), (128, 64, 4), (32, 64, 1), (512, 16, 1), (1024, 16, 2), (256, 32, 1)):
             add(KernelConfig("fma", mb, bn, br, num_warps=warps, num_stages=2), waves=(2.0, 4.0, 16.0))
+        if mb == 1:
+            for bn, br, warps in ((512, 16, 1), (256, 16, 1), (1024, 16, 2), (512, 32, 1), (256, 32, 1),
+                                  (1024, 32, 4)):
+                add(KernelConfig("fma", 1, bn, br, num_warps=warps, num_stages=2, words=True),
+                    waves=(2.0, 4.0, 8.0, 16.0))
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3)):
             add(KernelConfig("dot_t", 16, bn, br, num_warps=warps, num_stages=stages, rawq=True),
                 waves=(2.0, 4.0, 8.0))
@@ -577,6 +626,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     dd = _dot_dtype(x2.dtype)
     prec = "ieee" if dd == tl.float32 else "tf32"  # fp32 activations get full-precision dots
     rawq = cfg.rawq and meta_row and not transposed and cfg.path != "fma"
+    words = (cfg.words and cfg.path == "fma" and meta_row and bits == 4 and m == 1 and n % 4 == 0
+             and cfg.block_m == 1 and qweight.storage_offset() % 4 == 0)
     magic, offset = 0, 0.0
     if rawq and dd == tl.float16:
         magic, offset = 0x6400, 1024.0  # fp16 1024.0: 10 mantissa bits hold any q < 1024
@@ -607,7 +658,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
                           m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
                           BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
                           DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset,
-                          USE_ASM=not interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                          USE_ASM=not interpreting(), WORDS=words, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
                           SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -62,6 +62,8 @@ FWD_CONFIGS = {
     "rawq_t": lambda m: KernelConfig("dot_t", block_m=16 if m <= 16 else 32, block_n=32, block_r=16, split=2,
                                      rawq=True),
     "rawq": lambda m: KernelConfig("dot", block_m=16, block_n=64, block_r=16, split=1, rawq=True),
+    # M = 1 GEMV reading int32 words of 4 packed columns (4-bit; 8-bit runs the byte path)
+    "fma_words": lambda m: KernelConfig("fma", block_m=1, block_n=64, block_r=16, split=3, words=True),
 }
 TR_CONFIGS = {
     "dot_split": lambda m: KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=2),
@@ -80,6 +82,7 @@ def test_forward_matches_reference(m, n, k, gs, bits):
     x = torch.randn(m, k, generator=g, dtype=torch.float16).to(DEV)
     ref = x.float() @ w.t()
     names = ["dot_split", "dot_t", "rawq_t" if m <= 17 else "rawq"] + (["fma_split"] if m <= 17 else ["dot_big"])
+    names += ["fma_words"] if m == 1 else []
     for name in names:
         out = run(x, pw, FWD_CONFIGS[name](m))
         assert out.shape == (m, n) and out.dtype == torch.float16
