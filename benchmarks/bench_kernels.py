@@ -375,6 +375,7 @@ def main():
     ap.add_argument("--tr-ms", default="1024,4096")
     ap.add_argument("--tune-ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--tune-tr-ms", default="256,1024,4096")
+    ap.add_argument("--sections", default="transposed,dequant,w8,main")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
@@ -397,13 +398,15 @@ def main():
                          ("dequant", lambda: bench_dequant(bw)),
                          ("w8", lambda: bench_w8(bw, torch.bfloat16)),
                          ("main", lambda: bench(ms, dtypes, bw, peak))):
+            if name not in args.sections.split(","):
+                continue
             log(f"[{time.strftime('%H:%M:%S')}] {name}")
             try:
                 results[name] = fn()
             except Exception:
                 traceback.print_exc()
             if args.out:
-                json.dump(results, open(os.path.join(args.out, "bench.json"), "w"), indent=1)
+                json.dump(results, open(os.path.join(args.out, f"bench_{'_'.join(dtypes)}.json"), "w"), indent=1)
 
 
 L2 = 50 * 2 ** 20
