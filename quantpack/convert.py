@@ -249,7 +249,7 @@ def _model_structure(config_dict: dict, path: Path):
                                   f"upgrade transformers") from None
 
 
-def _linear_modules(model, config, weight_names: set[str]) -> tuple[dict[str, torch.nn.Linear], set[str], list]:
+def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, torch.nn.Linear], set[str], list]:
     """Map checkpoint module names (``<m>`` of ``<m>.weight``) to the model's nn.Linear modules.
 
     Returns (linears, output_embedding_names, absent) where absent lists (name, is_output_embeddings)
@@ -374,7 +374,7 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
                                   f"floating-point checkpoint")
         model, config = _model_structure(config_dict, resolved.path)
         weight_names = set(src.tensors)
-        linears, output_names, absent = _linear_modules(model, config, weight_names)
+        linears, output_names, absent = _linear_modules(model, weight_names)
         out_dtype = _resolve_dtype(dtype, src, linears)
         settings = {"bits": bits, "group_size": group_size, "axis": axis, "method": method,
                     "dtype": dtype_name(out_dtype), "skip": list(skip),

@@ -32,7 +32,7 @@ def run_subprocess(*args, env=None, timeout=300, **kwargs):
                           timeout=timeout, **kwargs)
 
 
-def assert_usage_failure(result, match, tmp_path=None, out=None):
+def assert_usage_failure(result, match, out=None):
     """Exit code 2, one line on stderr naming the problem, no traceback, no output left behind."""
     stderr = result.stderr
     code = result.returncode if hasattr(result, "returncode") else result.exit_code
@@ -339,3 +339,21 @@ def test_peak_memory_is_bounded_by_tensor_and_shard_not_model(random_llama, tiny
     budget = 2_000_000 + 12 * largest + 24 * 2**20
     assert probe["source_bytes"] > 3 * budget  # the model is several times what the process may grow by
     assert growth < budget, f"peak RSS grew by {growth / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB"
+
+
+def test_ctrl_c_exits_130_and_leaves_a_resumable_partial(random_llama, tmp_path):
+    out = tmp_path / "out"
+    partial = tmp_path / ".out.qp-partial"
+    proc = subprocess.Popen([*CLI, "convert", str(random_llama), "-o", str(out), "--method", "rtn",
+                             "--max-shard-size", "1MB", "--no-progress"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and not (partial / "progress.json").exists():
+        time.sleep(0.01)
+    assert proc.poll() is None, "conversion finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Interrupted: finished shards are kept; re-run the same command to resume." in stderr
+    assert "Traceback" not in stderr
+    assert not out.exists() and json.loads((partial / "progress.json").read_text())["shards"]
