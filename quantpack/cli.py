@@ -17,7 +17,28 @@ class UsageFailure(click.ClickException):
         click.echo(f"Error: {self.format_message()}", err=True, file=file)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class OneLineErrors(click.Group):
+    """Click's own usage errors (bad option values, unknown options) as one line, exit 2, like ours."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            click.echo(f"Error: {' '.join(e.format_message().split())}{where}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:  # Ctrl-C outside a command's own handling
+            click.echo("Interrupted.", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="quantpack")
 def cli():
     """quantpack: quantize Hugging Face checkpoints to packed 4/8-bit weights and run them fast.
@@ -30,11 +51,7 @@ def cli():
 
 
 def main(argv=None):
-    try:
-        cli.main(args=argv, prog_name="quantpack", standalone_mode=True)
-    except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        sys.exit(130)
+    cli.main(args=argv, prog_name="quantpack")
 
 
 def _group_size(value: str):
@@ -56,6 +73,10 @@ def _group_size(value: str):
               help="1: groups along in-features; 0: along out-features.")
 @click.option("--method", type=click.Choice(["hqq", "rtn"]), default="hqq", show_default=True,
               help="hqq: optimized zero points; rtn: round to nearest.")
+@click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
+              help="w4a16/w8a16: weight-only (the default, by --bits). w8a8: int8 weights, one scale per output "
+                   "channel, and int8 activations at run time (int8 tensor cores); --group-size, --axis, --method "
+                   "and --bits-for do not apply to it.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16"]), default="auto", show_default=True,
               help="Dtype of scales, zeros and unquantized tensors (auto: the source's half dtype, else bfloat16).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
@@ -72,8 +93,9 @@ def _group_size(value: str):
 @click.option("--allow-pickle", is_flag=True, help="Allow PyTorch .bin sources (loaded with weights_only=True).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
-def convert_command(source, output, bits, group_size, axis, method, dtype, device, skip, bits_for, quantize_lm_head,
-                    max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle, as_json, no_progress):
+def convert_command(source, output, bits, group_size, axis, method, scheme, dtype, device, skip, bits_for,
+                    quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle, as_json,
+                    no_progress):
     """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
 
     \b
@@ -81,14 +103,27 @@ def convert_command(source, output, bits, group_size, axis, method, dtype, devic
     Examples:
       quantpack convert meta-llama/Llama-3.1-8B --group-size 128
       quantpack convert ./my-model --bits 8 --group-size none --dry-run
+      quantpack convert ./my-model --scheme w8a8
     """
     import json
 
+    from click.core import ParameterSource
+
     from .convert import convert
 
+    ctx = click.get_current_context()
+    given = {name for name in ("bits", "group_size", "axis", "method", "bits_for")
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+    if scheme == "w8a8":
+        refused = sorted(given - ({"bits"} if bits == "8" else set()))
+        if refused:
+            options = ", ".join("--" + name.replace("_", "-") for name in refused)
+            raise UsageFailure(f"{options}: not used by --scheme w8a8 (always int8, one symmetric scale per output "
+                               f"channel); drop {'them' if len(refused) > 1 else 'it'}")
     try:
-        summary = convert(source, output, bits=int(bits), group_size=_group_size(group_size), axis=int(axis),
-                          method=method, dtype=dtype, device=device, skip=skip, bits_for=bits_for,
+        summary = convert(source, output, bits=int(bits) if "bits" in given else None,
+                          group_size=_group_size(group_size), axis=int(axis),
+                          method=method if "method" in given else None, scheme=scheme, dtype=dtype, device=device, skip=skip, bits_for=bits_for,
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
                           overwrite=overwrite, strict=strict, revision=revision, token=token,
                           allow_pickle=allow_pickle, progress=not no_progress and not as_json)
