@@ -183,12 +183,18 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
              mask=n_mask[:, None] & (k < K)[None, :])
 
 
-# (pair rows, columns, warps) per program; measured on H200 (benchmarks/NOTES.md)
+# (pair rows, columns, warps) per program; measured on H200 (benchmarks/NOTES.md). For axis 0 the
+# column block must divide the group size so each row's scale/zero is one load (META_COL).
 DEQUANT_BLOCK = (32, 128, 4)
 
 
-def _dequant_block(k: int) -> tuple[int, int, int]:
-    return (32, 64, 4) if interpreting() else DEQUANT_BLOCK
+def _dequant_block(axis: int, group_size: int) -> tuple[int, int, int]:
+    block_r, block_n, warps = (32, 64, 4) if interpreting() else DEQUANT_BLOCK
+    if axis == 0 and group_size % block_n:
+        for cand in (64, 32, 16):
+            if cand < block_n and group_size % cand == 0:
+                return 64, cand, warps
+    return block_r, block_n, warps
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int, bits: int = 4,
@@ -218,7 +224,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         return reference.dequantize(pw, out_dtype)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = _alloc((n, k), out_dtype, qweight.device)
-    block_r, block_n, warps = _dequant_block(k)
+    block_r, block_n, warps = _dequant_block(axis, group_size)
     n_meta = scales.shape[1]
     grid = (triton.cdiv((k + 1) // 2, block_r), triton.cdiv(n, block_n))
     _dequant_kernel[grid](qweight, scales, zeros, out, n, k, group_size, n_meta, zs, zz,
