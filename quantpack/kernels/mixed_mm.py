@@ -612,9 +612,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     m = x2.shape[0]
     out_cols = k if transposed else n
     if cfg.path == "dq":
-        w = dequantize(qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis,
-                       out_dtype=x2.dtype if x2.dtype != torch.float32 else scales.dtype)
-        w = w.to(x2.dtype)
+        w = dequantize(qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis, out_dtype=x2.dtype)
         out = x2 @ w if transposed else F.linear(x2, w, bias.to(x2.dtype) if bias is not None else None)
         return out.to(out_dtype)
     out = _alloc((m, out_cols), out_dtype, x2.device)
