@@ -38,6 +38,10 @@ MANIFEST_NAME = "quantpack.json"
 QUANT_METHOD = "quantpack"
 MANIFEST_VERSION = 1
 SHARD_METADATA = {"format": "pt", "quantpack_layout_version": str(LAYOUT_VERSION)}
+WEIGHT_ONLY_SCHEMES = ("w4a16", "w8a16")
+# What quantization_config says about the weights of a W8A8 checkpoint (docs/format.md, "W8A8"):
+# symmetric int8 ("absmax": scale = max |W| / 127), one scale per output channel (group_size null, axis 1).
+W8A8_CONFIG = {"bits": 8, "group_size": None, "axis": 1, "method": "absmax"}
 # Files that hold weights: never copied as "other files" of a source checkpoint.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
 LFS_POINTER_PREFIX = b"version https://git-lfs.github.com/spec/v1"
@@ -434,10 +438,19 @@ def make_index(weight_map: dict[str, str], total_size: int) -> dict:
 # quantization_config
 
 
+def weight_only_scheme(bits: int) -> str:
+    """The scheme of a weight-only checkpoint with default ``bits``: ``w4a16`` or ``w8a16``."""
+    return f"w{bits}a16"
+
+
 def make_quantization_config(*, bits: int, group_size: int | None, axis: int, method: str,
-                             modules_not_converted, bits_overrides: dict[str, int], version: str) -> dict:
-    """The ``config.json["quantization_config"]`` of a packed checkpoint (see docs/format.md)."""
-    return {
+                             modules_not_converted, bits_overrides: dict[str, int], version: str,
+                             scheme: str | None = None) -> dict:
+    """The ``config.json["quantization_config"]`` of a packed checkpoint (see docs/format.md).
+
+    ``scheme`` is written only when it is not the weight-only default ``w<bits>a16`` (so weight-only
+    checkpoints stay as they were before schemes existed)."""
+    qc = {
         "quant_method": QUANT_METHOD,
         "layout_version": LAYOUT_VERSION,
         "bits": bits,
@@ -448,6 +461,22 @@ def make_quantization_config(*, bits: int, group_size: int | None, axis: int, me
         "bits_overrides": dict(sorted(bits_overrides.items())),
         "quantpack_version": version,
     }
+    if scheme is not None and scheme != weight_only_scheme(bits):
+        qc["scheme"] = scheme
+    return qc
+
+
+def _check_w8a8_config(qc: dict) -> None:
+    """W8A8 fixes the weight quantization: 8-bit, symmetric, one scale per output channel."""
+    fixed = {"bits": W8A8_CONFIG["bits"], "group_size": W8A8_CONFIG["group_size"], "axis": W8A8_CONFIG["axis"],
+             "method": W8A8_CONFIG["method"]}
+    for key, want in fixed.items():
+        if qc.get(key) != want:
+            raise CheckpointError(f"config.json: quantization_config.{key}={qc.get(key)!r} but scheme 'w8a8' stores "
+                                  f"{key}={json.dumps(want)}; the config is inconsistent: re-convert")
+    if qc.get("bits_overrides"):
+        raise CheckpointError("config.json: quantization_config.bits_overrides must be empty for scheme 'w8a8' "
+                              "(every quantized layer is int8); re-convert")
 
 
 def read_quantization_config(config: dict) -> dict:
@@ -474,10 +503,19 @@ def read_quantization_config(config: dict) -> dict:
     overrides = qc.get("bits_overrides") or {}
     if not isinstance(overrides, dict) or any(b not in SUPPORTED_BITS for b in overrides.values()):
         raise CheckpointError("config.json: quantization_config.bits_overrides must map module names to 4 or 8")
+    scheme = qc.get("scheme", weight_only_scheme(qc["bits"]))
+    if not isinstance(scheme, str) or not scheme:
+        raise CheckpointError(f"config.json: quantization_config.scheme={scheme!r}; expected a scheme name such as "
+                              f"'w4a16' or 'w8a8'")
+    if scheme in WEIGHT_ONLY_SCHEMES and scheme != weight_only_scheme(qc["bits"]):
+        raise CheckpointError(f"config.json: quantization_config.scheme={scheme!r} but bits={qc['bits']}; "
+                              f"the config is inconsistent: re-convert")
+    if scheme == "w8a8":
+        _check_w8a8_config(qc)
     out = dict(qc)
     out["bits_overrides"] = dict(overrides)
     out["modules_not_converted"] = list(qc.get("modules_not_converted") or [])
-    out.setdefault("scheme", f"w{qc['bits']}a16")
+    out["scheme"] = scheme
     return out
 
 
@@ -523,6 +561,9 @@ class PackedCheckpoint:
 
     def layer(self, module: str, device=None) -> tuple[PackedWeight, torch.Tensor | None]:
         qc = self.quantization_config
+        if qc["scheme"] not in WEIGHT_ONLY_SCHEMES:
+            raise CheckpointError(f"{self.path}: scheme {qc['scheme']!r} does not store PackedWeights"
+                                  + ("; use w8a8_layer()" if qc["scheme"] == "w8a8" else ""))
         try:
             qweight = self.source.get(module + ".qweight")
             scales = self.source.get(module + ".scales")
@@ -545,6 +586,34 @@ class PackedCheckpoint:
             pw = pw.to(device)
             bias = bias.to(device) if bias is not None else None
         return pw, bias
+
+    def w8a8_layer(self, module: str, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(qweight int8 (N, K), weight_scale float32 (N,), bias or None)`` of a module of a ``w8a8``
+        checkpoint, validated (shapes, dtypes, codes in [-127, 127])."""
+        if self.quantization_config["scheme"] != "w8a8":
+            raise CheckpointError(f"{self.path}: scheme {self.quantization_config['scheme']!r} is not 'w8a8'; use layer()")
+        try:
+            qweight = self.source.get(module + ".qweight")
+            weight_scale = self.source.get(module + ".weight_scale")
+        except KeyError as e:
+            raise CheckpointError(f"{self.path}: quantized module {module!r} lacks tensor {e.args[0]!r}") from None
+        bias = self.source.get(module + ".bias") if module + ".bias" in self.source.tensors else None
+        problem = None
+        if qweight.dtype != torch.int8 or qweight.dim() != 2:
+            problem = f"qweight: dtype {dtype_name(qweight.dtype)}, shape {list(qweight.shape)}; expected a 2-D int8 tensor"
+        elif weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (qweight.shape[0],):
+            problem = (f"weight_scale: dtype {dtype_name(weight_scale.dtype)}, shape {list(weight_scale.shape)}; "
+                       f"expected float32 [{qweight.shape[0]}]")
+        elif bias is not None and tuple(bias.shape) != (qweight.shape[0],):
+            problem = f"bias: shape {list(bias.shape)}; expected [{qweight.shape[0]}]"
+        elif qweight.numel() and int(qweight.min()) < -127:
+            problem = "qweight: holds -128; W8A8 codes lie in [-127, 127]"
+        if problem:
+            raise CheckpointError(f"{self.path}: module {module!r}: {problem}")
+        if device is not None:
+            qweight, weight_scale = qweight.to(device), weight_scale.to(device)
+            bias = bias.to(device) if bias is not None else None
+        return qweight, weight_scale, bias
 
     def close(self) -> None:
         self.source.close()

@@ -123,7 +123,8 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
     try:
         summary = convert(source, output, bits=int(bits) if "bits" in given else None,
                           group_size=_group_size(group_size), axis=int(axis),
-                          method=method if "method" in given else None, scheme=scheme, dtype=dtype, device=device, skip=skip, bits_for=bits_for,
+                          method=method if "method" in given else None, scheme=scheme, dtype=dtype, device=device,
+                          skip=skip, bits_for=bits_for,
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
                           overwrite=overwrite, strict=strict, revision=revision, token=token,
                           allow_pickle=allow_pickle, progress=not no_progress and not as_json)

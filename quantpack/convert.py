@@ -28,18 +28,23 @@ import torch
 
 from . import __version__
 from .checkpoint import (
-    CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, CheckpointError, SourceCheckpoint,
-    dtype_name, is_disk_full, make_index, make_quantization_config, parse_size, safetensors_size, sha256_file,
-    shard_name, write_json, write_safetensors,
+    CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, W8A8_CONFIG, WEIGHT_ONLY_SCHEMES,
+    CheckpointError, SourceCheckpoint, dtype_name, is_disk_full, make_index, make_quantization_config, parse_size,
+    safetensors_size, sha256_file, shard_name, weight_only_scheme, write_json, write_safetensors,
 )
 from .format import (
     LAYOUT_VERSION, MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes,
 )
 from .hub import resolve_source
 from .quantize import METHODS, quantize, resolve_group_size
+from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8
 from .reference import dequantize
 
 PARTIAL_SUFFIX = ".qp-partial"
+SCHEMES = WEIGHT_ONLY_SCHEMES + ("w8a8",)
+DEFAULT_BITS = 4
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_METHOD = "hqq"
 PROGRESS_NAME = "progress.json"
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROUTER_NAME = re.compile(r"(^|\.)(gate|router)$")
@@ -131,7 +136,9 @@ class ConvertSummary:
         lines = []
         for layer in self.layers:
             shape = f"{layer.shape[0]}x{layer.shape[1]}"
-            if layer.skipped is None:
+            if layer.skipped is None and self.settings.get("scheme") == "w8a8":
+                lines.append(f"quantize  {layer.name:<{width}}  {shape:>11}  w8a8: int8 per output channel")
+            elif layer.skipped is None:
                 lines.append(f"quantize  {layer.name:<{width}}  {shape:>11}  {layer.bits}-bit, group {layer.group_size}")
             else:
                 lines.append(f"keep      {layer.name:<{width}}  {shape:>11}  {layer.skipped}")
@@ -150,7 +157,7 @@ class ConvertSummary:
         rows = [("source", self.source + (f" @ {self.revision[:12]}" if self.revision else "")),
                 ("output", self.output + ("  (dry run: nothing written)" if self.dry_run else "")),
                 ("settings", ", ".join(f"{k}={v}" for k, v in self.settings.items() if k in
-                                       ("bits", "group_size", "axis", "method", "dtype", "device"))),
+                                       ("scheme", "bits", "group_size", "axis", "method", "dtype", "device"))),
                 ("layers quantized", str(len(self.quantized)))]
         reasons: dict[str, int] = {}
         for layer in self.skipped:
@@ -321,22 +328,63 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def default_output_name(model_name: str, bits: int, group_size: int | None) -> str:
+def default_output_name(model_name: str, bits: int, group_size: int | None, scheme: str | None = None) -> str:
+    if scheme == "w8a8":
+        return f"{model_name}-qpw8a8"
     return f"{model_name}-qp{bits}" + (f"g{group_size}" if group_size else "pc")
+
+
+def resolve_scheme(scheme: str | None, bits: int | None, group_size, axis: int, method: str | None,
+                   bits_for) -> tuple[str, int, int | None, int, str]:
+    """``(scheme, bits, group_size, axis, method)`` from :func:`convert`'s arguments.
+
+    No scheme: ``w<bits>a16`` (bits default 4). ``w4a16``/``w8a16`` must agree with ``bits``. ``w8a8``
+    fixes the weight quantization (8-bit, symmetric, one scale per output channel), so the
+    weight-only arguments must be left at their defaults or name exactly that: ``bits`` None or 8,
+    ``group_size`` the default 128 or None, ``axis`` 1, ``method`` None or ``"absmax"``, no ``bits_for``.
+    """
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
+    if scheme == "w8a8":
+        if bits not in (None, 8):
+            raise ValueError(f"bits={bits!r} does not apply to scheme='w8a8' (always int8); leave bits out")
+        if group_size not in (DEFAULT_GROUP_SIZE, None):
+            raise ValueError(f"group_size={group_size!r} does not apply to scheme='w8a8' (one scale per output "
+                             f"channel); leave group_size out")
+        if axis != 1:
+            raise ValueError(f"axis={axis!r} does not apply to scheme='w8a8' (one scale per output channel); "
+                             f"leave axis out")
+        if method not in (None, W8A8_CONFIG["method"]):
+            raise ValueError(f"method={method!r} does not apply to scheme='w8a8' (symmetric absmax rounding); "
+                             f"leave method out")
+        if bits_for:
+            raise ValueError("bits_for does not apply to scheme='w8a8' (every quantized layer is int8); use skip "
+                             "to leave layers unquantized")
+        return scheme, W8A8_CONFIG["bits"], W8A8_CONFIG["group_size"], W8A8_CONFIG["axis"], W8A8_CONFIG["method"]
+    if bits is None:
+        bits = int(scheme[1]) if scheme is not None else DEFAULT_BITS
+    if scheme is not None and scheme != weight_only_scheme(bits):
+        raise ValueError(f"scheme={scheme!r} and bits={bits!r} disagree; pass one of them")
+    return weight_only_scheme(bits), bits, group_size, axis, method or DEFAULT_METHOD
 
 
 # ----------------------------------------------------------------------------------------------
 # The conversion
 
 
-def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128, axis: int = 1,
-            method: str = "hqq", dtype=None, device: str = "auto", skip=(), bits_for=(),
-            quantize_lm_head: bool = False, max_shard_size="5GB", dry_run: bool = False, overwrite: bool = False,
-            strict: bool = False, revision: str | None = None, token: str | None = None,
+def convert(source, output=None, *, bits: int | None = None, group_size: int | None = DEFAULT_GROUP_SIZE,
+            axis: int = 1, method: str | None = None, scheme: str | None = None, dtype=None, device: str = "auto",
+            skip=(), bits_for=(), quantize_lm_head: bool = False, max_shard_size="5GB", dry_run: bool = False,
+            overwrite: bool = False, strict: bool = False, revision: str | None = None, token: str | None = None,
             allow_pickle: bool = False, progress: bool = True) -> ConvertSummary:
     """Convert ``source`` (hub repo id or local directory) into a packed checkpoint at ``output``.
 
-    ``output`` defaults to ``<model-name>-qp<bits>g<group_size>`` in the current directory.
+    ``scheme``: ``None`` (weight-only ``w<bits>a16``: ``bits`` 4 by default, ``method`` hqq by
+    default), ``"w4a16"``, ``"w8a16"``, or ``"w8a8"`` (int8 weights, one float32 scale per output
+    channel, for the int8 x int8 kernels; the weight-only arguments ``bits``, ``group_size``,
+    ``axis``, ``method`` and ``bits_for`` must then be left out, see :func:`resolve_scheme`).
+    ``output`` defaults to ``<model-name>-qp<bits>g<group_size>`` (``<model-name>-qpw8a8``) in the
+    current directory.
     ``skip``: regexes (``re.search`` on module names) of linear modules to leave unquantized;
     ``bits_for``: ``"REGEX=BITS"`` strings (or (regex, bits) pairs), first match wins.
     ``dtype`` (bfloat16/float16) is the output dtype of scales, zeros and every unquantized floating
@@ -346,11 +394,13 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
     """
     t0 = time.perf_counter()
     # -- arguments, cheapest checks first
+    scheme, bits, group_size, axis, method = resolve_scheme(scheme, bits, group_size, axis, method, bits_for)
+    w8a8 = scheme == "w8a8"
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; use 4 or 8")
     if axis not in SUPPORTED_AXES:
         raise ValueError(f"axis={axis!r} is not supported; use 1 (groups along in-features) or 0")
-    if method not in METHODS:
+    if method not in METHODS and not w8a8:
         raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size={group_size!r} must be a positive integer, or None for per-channel")
@@ -376,11 +426,11 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
         weight_names = set(src.tensors)
         linears, output_names, absent = _linear_modules(model, weight_names)
         out_dtype = _resolve_dtype(dtype, src, linears)
-        settings = {"bits": bits, "group_size": group_size, "axis": axis, "method": method,
+        settings = {"scheme": scheme, "bits": bits, "group_size": group_size, "axis": axis, "method": method,
                     "dtype": dtype_name(out_dtype), "skip": list(skip),
                     "bits_for": {p.pattern: b for p, b in bits_rules}, "quantize_lm_head": quantize_lm_head,
                     "max_shard_size": shard_limit}
-        out_path = Path(output) if output is not None else Path(default_output_name(resolved.name, bits, group_size))
+        out_path = Path(output) if output is not None else Path(default_output_name(resolved.name, bits, group_size, scheme))
         out_path = out_path.expanduser().absolute()
         summary = ConvertSummary(source=resolved.repo, revision=resolved.revision, output=str(out_path),
                                  dry_run=dry_run, settings={**settings, "device": dev.type})
@@ -420,6 +470,14 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
                                       f"original checkpoint")
             layer_bits = next((b for p, b in bits_rules if p.search(name)), bits)
             gs = resolve_group_size(group_size, shape, axis)
+            if w8a8 and shape[1] > W8A8_MAX_IN_FEATURES:
+                message = (f"{name}: in_features={shape[1]} exceeds {W8A8_MAX_IN_FEATURES}, the most the W8A8 "
+                           f"kernel's int32 accumulator holds")
+                if strict:
+                    raise ValueError(f"{message} (--strict); pass --skip for it") from None
+                layer.skipped = "too many in-features for int32 accumulation (w8a8)"
+                summary.warnings.append(f"skipped {message}")
+                continue
             try:
                 check_layout_args(shape, layer_bits, gs, axis)
             except ValueError as e:
@@ -443,7 +501,11 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
         units = []
         for tname, info in src.tensors.items():
             module = tname[: -len(".weight")] if tname.endswith(".weight") else None
-            if module in quant_plan:
+            if module in quant_plan and w8a8:
+                layer = quant_plan[module]
+                units.append(_Unit(tname, {f"{module}.qweight": (layer.shape, torch.int8),
+                                           f"{module}.weight_scale": ((layer.shape[0],), torch.float32)}, layer))
+            elif module in quant_plan:
                 layer = quant_plan[module]
                 shapes = packed_shapes(layer.shape, layer.bits, layer.group_size, axis)
                 units.append(_Unit(tname, {f"{module}.qweight": (shapes["qweight"], torch.uint8),
@@ -508,7 +570,7 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
         done = _resume_state(partial, fingerprint, names)
         summary.resumed_shards = len(done)
         try:
-            _write_shards(src, shards, names, partial, done, fingerprint, axis, method, dev, out_dtype,
+            _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype,
                           progress, summary)
             t_finish = time.perf_counter()
             # -- the small files, then the manifest last
@@ -519,7 +581,7 @@ def convert(source, output=None, *, bits: int = 4, group_size: int | None = 128,
             quant_config = make_quantization_config(
                 bits=bits, group_size=group_size, axis=axis, method=method,
                 modules_not_converted=[layer.name for layer in summary.skipped if layer.name in linears],
-                bits_overrides=bits_overrides, version=__version__)
+                bits_overrides=bits_overrides, version=__version__, scheme=scheme)
             new_config = {**config_dict, "quantization_config": quant_config}
             for key in ("dtype", "torch_dtype"):
                 if key in new_config or key == "dtype":
@@ -600,7 +662,8 @@ def _write_progress(partial: Path, fingerprint: str, done: dict) -> None:
     write_json(partial / PROGRESS_NAME, {"fingerprint": fingerprint, "shards": done})
 
 
-def _write_shards(src, shards, names, partial, done, fingerprint, axis, method, dev, out_dtype, progress, summary):
+def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype, progress,
+                  summary):
     from tqdm.auto import tqdm
 
     todo_bytes = sum(src.info(u.source).nbytes for i, s in enumerate(shards) if names[i] not in done for u in s)
@@ -634,7 +697,8 @@ def _write_shards(src, shards, names, partial, done, fingerprint, axis, method, 
                 else:
                     t = time.perf_counter()
                     layer = unit.layer
-                    tensors.update(_quantize_layer(tensor, layer, axis, method, dev, out_dtype))
+                    quantize_layer = _quantize_layer_w8a8 if scheme == "w8a8" else _quantize_layer
+                    tensors.update(quantize_layer(tensor, layer, axis, method, dev, out_dtype))
                     layers.append({"name": layer.name, "rel_error": layer.rel_error})
                     timings["quantize"] += time.perf_counter() - t
                 bar.update(src.info(unit.source).nbytes)
@@ -661,6 +725,18 @@ def _quantize_layer(weight, layer: LayerResult, axis, method, dev, out_dtype) ->
     layer.rel_error = float(f"{float(err):.6g}")
     module = layer.name
     return {f"{module}.qweight": pw.qweight.cpu(), f"{module}.scales": pw.scales.cpu(), f"{module}.zeros": pw.zeros.cpu()}
+
+
+@torch.no_grad()
+def _quantize_layer_w8a8(weight, layer: LayerResult, axis, method, dev, out_dtype) -> dict[str, torch.Tensor]:
+    """Symmetric int8 per output channel (docs/format.md, W8A8); the scale stays float32."""
+    w = weight.to(dev, non_blocking=False)
+    qweight, weight_scale = quantize_weight_w8a8(w)
+    w32 = w.float()
+    err = (torch.linalg.vector_norm(dequantize_w8a8(qweight, weight_scale) - w32)
+           / torch.linalg.vector_norm(w32).clamp_min(1e-30))
+    layer.rel_error = float(f"{float(err):.6g}")
+    return {f"{layer.name}.qweight": qweight.cpu(), f"{layer.name}.weight_scale": weight_scale.cpu()}
 
 
 def _fsync_dir(path: Path) -> None:

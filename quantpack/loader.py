@@ -50,7 +50,16 @@ def build_weight_only(name: str, linear: nn.Linear, qc: dict, dtype: torch.dtype
                        device="meta")
 
 
-SCHEMES: dict[str, ModuleBuilder] = {"w4a16": build_weight_only, "w8a16": build_weight_only}
+def build_w8a8(name: str, linear: nn.Linear, qc: dict, dtype: torch.dtype) -> nn.Module:
+    """``w8a8``: a :class:`~quantpack.nn_w8a8.W8A8Linear` (int8 ``qweight`` (N, K), float32
+    ``weight_scale`` (N,), bias in ``dtype``)."""
+    from .nn_w8a8 import W8A8Linear
+
+    return W8A8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=dtype,
+                      device="meta")
+
+
+SCHEMES: dict[str, ModuleBuilder] = {"w4a16": build_weight_only, "w8a16": build_weight_only, "w8a8": build_w8a8}
 
 
 def register_scheme(scheme: str, builder: ModuleBuilder) -> None:
@@ -153,7 +162,9 @@ def _check_manifest_layers(root: Path, qc: dict, tensors: dict[str, TensorInfo])
                         f"quantization_config gives bits={bits}")
         n, k = layer.get("shape", (None, None))
         qshape = tensors[name + ".qweight"].shape
-        if n is not None and qshape != ((k // 2, n) if bits == 4 else (k, n)):
+        # W8A8 keeps nn.Linear's (N, K); the weight-only layouts store (K/2, N) or (K, N).
+        want = (n, k) if qc["scheme"] == "w8a8" else (k // 2, n) if bits == 4 else (k, n)
+        if n is not None and qshape != want:
             raise _fail(f"tensor {name}.qweight: shape {list(qshape)} does not match the layer shape [{n}, {k}] "
                         f"in {checkpoint.MANIFEST_NAME}")
 
@@ -306,7 +317,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
 
     # The skeleton on meta. Buffers computed in __init__ (rotary tables) are real, on the CPU.
     stored_floats = [i.dtype for n, i in tensors.items() if i.dtype.is_floating_point
-                     and not n.endswith((".scales", ".zeros"))]
+                     and not n.endswith((".scales", ".zeros", ".weight_scale"))]
     build_dtype = dtype or (max(set(stored_floats), key=stored_floats.count) if stored_floats else torch.float32)
     plain_config = copy.deepcopy(config)
     if hasattr(plain_config, "quantization_config"):
@@ -315,8 +326,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         model = model_class_for(config)._from_config(plain_config, dtype=build_dtype)
 
     def compute_dtype(module: str) -> torch.dtype:
-        # Quantized layers keep the scales/zeros (and bias) dtype they were quantized with.
-        info = tensors.get(module + ".scales")
+        # Quantized layers keep the scales/zeros (and bias) dtype they were quantized with (W8A8 layers,
+        # whose scales are always float32, the dtype of their bias).
+        info = tensors.get(module + ".scales") or tensors.get(module + ".bias")
         return info.dtype if info is not None and info.dtype.is_floating_point else build_dtype
 
     quantized = linear_modules_to_convert(model, qc)

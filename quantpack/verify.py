@@ -44,6 +44,7 @@ from . import __version__, checkpoint
 from .checkpoint import CheckpointError, TensorInfo
 from .format import LAYOUT_VERSION, unpack
 from .nn import QuantLinear
+from .nn_w8a8 import W8A8Linear
 
 SCHEMA_VERSION = 1
 # Kinds of problems in the files, in the order they are reported (the first is the CLI's error line).
@@ -384,6 +385,9 @@ class ModuleType:
       would have stored: a list of (tensor name, reason). ``read(tensor_name)`` returns a stored
       tensor; ``module`` is the module as the loader builds it, on the meta device (its layout
       without data). ``None``: the scheme cannot tell, and the file is named instead.
+    * ``stored_dtypes``: floating-point tensors the scheme always stores in one dtype, by
+      state-dict key (W8A8's float32 ``weight_scale``); other floating-point tensors must have
+      the conversion's output dtype.
     """
 
     layout: Callable[[nn.Module], dict]
@@ -391,6 +395,7 @@ class ModuleType:
     oracle: Callable[[nn.Module, torch.Tensor], torch.Tensor]
     tolerance: Callable[[nn.Module, torch.dtype], float]
     locate: Callable | None = None
+    stored_dtypes: dict = field(default_factory=dict)
 
 
 MODULE_TYPES: dict[type, ModuleType] = {}
@@ -472,6 +477,70 @@ register_module_type(QuantLinear, ModuleType(
     oracle=_dequantized_oracle,
     tolerance=_half_tolerance,
     locate=_locate_quant_linear,
+))
+
+
+def _w8a8_oracle(module: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The exact result on the same quantized values, as float32: per-token int8 activations
+    (:func:`quantize_activations_reference`, the definition the kernel reproduces bit for bit) times
+    the int8 weight with exact integer accumulation, scaled in float64. The forward may differ from
+    it only by its float32 epilogue and the final cast."""
+    from .quantize_w8a8 import int8_matmul_exact, quantize_activations_reference
+
+    x_q, x_scale = quantize_activations_reference(x.reshape(-1, x.shape[-1]))
+    out = int8_matmul_exact(x_q, module.qweight).double() * x_scale.double()[:, None]
+    out = out * module.weight_scale.double()[None, :]
+    if module.bias is not None:
+        out = out + module.bias.double()
+    return out.float().reshape(*x.shape[:-1], module.out_features)
+
+
+def _w8a8_tolerance(module: nn.Module, dtype: torch.dtype) -> float:
+    # The output is cast to `dtype` (half an ulp) after a float32 epilogue of at most four roundings
+    # (int32 -> float32, two scale products, the bias): for a float32 output 4 * 2**-24 = 2 eps.
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.finfo(dtype).eps / 2 + 2 * torch.finfo(torch.float32).eps
+    return 2 * torch.finfo(torch.float32).eps
+
+
+def _locate_w8a8(read: Callable[[str], torch.Tensor], name: str, module: W8A8Linear, weight: torch.Tensor,
+                 settings: dict) -> list[tuple[str, str]]:
+    """Which of ``<name>.qweight`` / ``<name>.weight_scale`` changed since conversion from ``weight``.
+
+    Both are pure functions of the weight, computed with correctly rounded float32 operations on
+    every device (``weight_scale = max |W[n]| / 127``, ``qweight = clamp(round(W / weight_scale),
+    -127, 127)``), so re-quantizing the reference weight reproduces the untouched one bit for bit.
+    When both differ, the layer is named.
+    """
+    from .quantize_w8a8 import quantize_weight_w8a8
+
+    qweight, weight_scale = read(f"{name}.qweight"), read(f"{name}.weight_scale")
+    n, k = module.out_features, module.in_features
+    if qweight.dtype != torch.int8 or tuple(qweight.shape) != (n, k) or weight_scale.dtype != torch.float32 \
+            or tuple(weight_scale.shape) != (n,):
+        return []  # the shape and dtype checks report it
+    want_q, want_scale = quantize_weight_w8a8(weight)
+    bad_codes = int((qweight != want_q).sum())
+    bad_scales = int((weight_scale.view(torch.uint8) != want_scale.view(torch.uint8)).sum())
+    if bad_scales and not bad_codes:
+        return [(f"{name}.weight_scale", f"{bad_scales} of {weight_scale.numel() * 4} bytes differ from "
+                                         f"max |W| / 127 of the reference weight")]
+    if bad_codes and not bad_scales:
+        return [(f"{name}.qweight", f"{bad_codes} of {qweight.numel()} codes differ from round(W / weight_scale) "
+                                    f"of the reference weight")]
+    if bad_codes:
+        return [(name, f"{bad_codes} of {qweight.numel()} codes and {bad_scales} scale bytes disagree with the "
+                       f"reference weight: {name}.qweight and .weight_scale changed")]
+    return []
+
+
+register_module_type(W8A8Linear, ModuleType(
+    layout=lambda m: {"scheme": "w8a8", "bits": 8},
+    dequantize=lambda m: m.dequantize(torch.float32),
+    oracle=_w8a8_oracle,
+    tolerance=_w8a8_tolerance,
+    locate=_locate_w8a8,
+    stored_dtypes={"weight_scale": torch.float32},
 ))
 
 
@@ -634,6 +703,8 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
                                     file=checkpoint.CONFIG_NAME))
     if expected is not None:
         out_dtype = ((manifest or {}).get("settings") or {}).get("dtype")
+        fixed_dtypes = {f"{name}.{key}": dt for name, module in quantized_modules(skeleton)
+                        for key, dt in MODULE_TYPES[type(module)].stored_dtypes.items()}
         held_by_missing = {t for f in missing_files for t in in_file.get(f, [])}
         for tname, info in sorted(tensors.items()):
             want = expected.get(tname)
@@ -647,7 +718,9 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
                 problems.append(Problem("shape", f"tensor {tname} in {info.file.name}: shape {list(info.shape)}, expected "
                                                  f"{list(want.shape)} from config.json and quantization_config",
                                         file=info.file.name, tensor=tname))
-            if want.is_floating_point():
+            if tname in fixed_dtypes:
+                ok, wanted = info.dtype == fixed_dtypes[tname], checkpoint.dtype_name(fixed_dtypes[tname])
+            elif want.is_floating_point():
                 ok = info.dtype.is_floating_point and (out_dtype is None or checkpoint.dtype_name(info.dtype) == out_dtype)
                 wanted = out_dtype or "a floating-point dtype"
             else:
@@ -785,7 +858,8 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
                              f"{list(deq.shape)}; pass the checkpoint it was converted from")
         err = float(torch.linalg.vector_norm(deq - w) / torch.linalg.vector_norm(w).clamp_min(1e-30))
         rec = recorded.get(name, {})
-        items.append({"name": name, "shape": list(deq.shape), "bits": getattr(module, "bits", None),
+        bits = getattr(module, "bits", None) or MODULE_TYPES[type(module)].layout(module).get("bits")
+        items.append({"name": name, "shape": list(deq.shape), "bits": bits,
                       "group_size": getattr(module, "group_size", None), "rel_error": err,
                       "manifest_rel_error": rec.get("rel_error")})
         del deq, w
@@ -802,9 +876,10 @@ def kernel_errors(model: nn.Module, rows=KERNEL_ROWS, seed: int = KERNEL_SEED) -
     """For each distinct quantized layout: the module's forward against its float32 oracle on
     random inputs (``rows`` rows each); the relative error is the largest over ``rows``."""
     groups: dict[tuple, list[tuple[str, nn.Module]]] = {}
+    model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     for name, module in quantized_modules(model):
         mt = MODULE_TYPES[type(module)]
-        dtype = _module_dtype(module)
+        dtype = _module_dtype(module, model_dtype)
         key = (type(module).__name__, module.out_features, module.in_features, str(dtype),
                tuple(sorted(mt.layout(module).items())), getattr(module, "bias", None) is not None)
         groups.setdefault(key, []).append((name, module))
@@ -813,7 +888,7 @@ def kernel_errors(model: nn.Module, rows=KERNEL_ROWS, seed: int = KERNEL_SEED) -
     for key, members in groups.items():
         name, module = members[0]
         mt = MODULE_TYPES[type(module)]
-        dtype = _module_dtype(module)
+        dtype = _module_dtype(module, model_dtype)
         device = next(t.device for t in module.buffers())
         if device.type == "cuda":
             path = "triton"  # quantized modules run their fused kernels on CUDA tensors
@@ -832,11 +907,12 @@ def kernel_errors(model: nn.Module, rows=KERNEL_ROWS, seed: int = KERNEL_SEED) -
     return {"path": path, "rows": list(rows), "seed": seed, "items": items}
 
 
-def _module_dtype(module: nn.Module) -> torch.dtype:
+def _module_dtype(module: nn.Module, default: torch.dtype = torch.float32) -> torch.dtype:
     """The compute dtype of a quantized module: that of its floating-point buffers other than
-    float32 per-channel scales (W8A8 keeps those in float32), else float32."""
+    float32 per-channel scales (W8A8 keeps those in float32), else ``default`` (the model's dtype:
+    a W8A8 layer without bias holds no other floating-point tensor)."""
     floats = [b.dtype for n, b in module.named_buffers() if b.is_floating_point() and b.dtype != torch.float32]
-    return floats[0] if floats else torch.float32
+    return floats[0] if floats else default
 
 
 # ----------------------------------------------------------------------------------------------
