@@ -5,8 +5,9 @@ quantizer registry (``AutoHfQuantizer``), so after ``import quantpack``::
 
     model = AutoModelForCausalLM.from_pretrained("Llama-3.1-8B-qp4g128", device_map="auto")
 
-builds the model with :class:`~quantpack.nn.QuantLinear` layers (the same ones
-:func:`quantpack.load` builds) and transformers' own loader fills them from the shards.
+builds the model with :class:`~quantpack.nn.QuantLinear` layers (:class:`~quantpack.nn_w8a8.W8A8Linear`
+for ``w8a8`` checkpoints: the same ones :func:`quantpack.load` builds) and transformers' own loader
+fills them from the shards.
 Registration is idempotent. :class:`QuantLinearLora` and :func:`lora_config` let peft put LoRA
 adapters on a frozen quantized base.
 """
@@ -99,14 +100,18 @@ class QuantpackHfQuantizer(HfQuantizer):
 
 
 def _stored_scales_dtypes(checkpoint_files) -> dict[str, torch.dtype]:
-    out: dict[str, torch.dtype] = {}
+    """Module name -> the compute dtype its checkpoint stores: that of ``.scales``, or for W8A8
+    layers (whose ``weight_scale`` is always float32) that of ``.bias``."""
+    infos: dict = {}
     for f in checkpoint_files or []:
-        if not str(f).endswith(".safetensors"):
-            continue
-        infos, _ = checkpoint.read_safetensors_header(f)
-        for name, info in infos.items():
-            if name.endswith(".scales"):
-                out[name[: -len(".scales")]] = info.dtype
+        if str(f).endswith(".safetensors"):
+            infos.update(checkpoint.read_safetensors_header(f)[0])
+    out: dict[str, torch.dtype] = {}
+    for name, info in infos.items():
+        if name.endswith(".scales"):
+            out[name[: -len(".scales")]] = info.dtype
+        elif name.endswith(".weight_scale") and name[: -len("weight_scale")] + "bias" in infos:
+            out[name[: -len(".weight_scale")]] = infos[name[: -len("weight_scale")] + "bias"].dtype
     return out
 
 

@@ -286,6 +286,30 @@ def test_from_pretrained_gives_the_same_logits_as_load(w8a8, prompt):
         assert torch.equal(got, want)
 
 
+def test_encoder_with_biases_both_routes(tiny_encoder_dir, tmp_path):
+    """Biases of W8A8 layers keep their stored dtype on both loading routes; verify passes."""
+    from transformers import AutoModel
+
+    out = tmp_path / "encoder-w8a8"
+    convert(tiny_encoder_dir, out, scheme="w8a8", progress=False)
+    with checkpoint.PackedCheckpoint(out) as packed:
+        name = "encoder.layer.0.attention.output.dense"
+        qweight, scale, bias = packed.w8a8_layer(name)
+        assert bias is not None and bias.dtype == torch.bfloat16 and qweight.shape == (128, 128)
+    hf = AutoModel.from_pretrained(out, dtype=torch.float32)
+    ours = quantpack.load(out, device="cpu", dtype=torch.float32)
+    for model in (hf, ours):
+        layer = model.get_submodule(name)
+        assert isinstance(layer, W8A8Linear) and layer.bias.dtype == torch.bfloat16
+        assert layer.weight_scale.dtype == torch.float32
+    ids = torch.tensor([[2, 10, 20, 30, 3]])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).last_hidden_state, ours(ids).last_hidden_state)
+    r = verify(out, device="cpu")
+    assert r.verdict == "pass" and all(x["bias"] for x in r.kernels["items"]), r.format_table()
+    assert r.end_to_end["metrics"]["cosine_mean"] > 0.999
+
+
 def test_load_names_the_tensor_of_a_wrong_dtype_or_shape(w8a8, tmp_path):
     for tensor, change, match in (
         ("model.layers.0.mlp.up_proj.qweight", lambda t: t.view(torch.uint8), "dtype uint8, expected int8"),
