@@ -2,15 +2,19 @@
 
 ``mixed_mm(x, qweight, scales, zeros, group_size=...)`` computes ``x @ W.T`` for the packed (N, K)
 weight W without materializing it; ``transposed=True`` computes ``x @ W`` (the input gradient of
-the forward) from the same buffer. Three kernel shapes, picked per (M bucket, N, K) from a tuned
-config table (``configs/<gpu>.json``) so first use never autotunes:
+the forward) from the same buffer. Kernel paths, picked per (M bucket, N, K) from a tuned config
+table (``configs/<gpu>.json``) so first use never autotunes:
 
-* ``fma``: small M (decode). Bandwidth-bound GEMV: split-K over the packed rows so every SM
-  streams weights; the group's scale/zero are applied once per tile column
-  (``s * (sum x*q) - z*s * sum x``) so the inner loop is one FMA per weight element.
+* ``fma``: small M (decode). CUDA-core GEMV, split-K over the packed rows so every SM streams
+  weights; the group's scale/zero are applied once per tile column (``s * sum(x q) - z s * sum(x)``).
+  ``words=True`` (M = 1, 4-bit) reads int32 words of 4 columns and turns each nibble into a float
+  with one shift and one LOP3.
 * ``dot`` / ``dot_t``: tensor-core tiles; ``dot_t`` computes ``C^T = W x^T`` (dequantized weight
-  as the A operand, the M tile as the narrow N of the MMA), which suits M of 16..64.
-* ``dq``: dequantize into a scratch buffer, then cuBLAS; for large M where a fused kernel loses.
+  as the A operand, the M tile as the narrow N of the MMA). ``rawq=True`` runs the MMA on the raw
+  integers (OR-ed into the bits of 128.0 / 1024.0, unpacked by inline PTX) and rescales per group.
+* ``dq``: dequantize into a scratch buffer, then cuBLAS; for large M where the fused kernels lose.
+
+benchmarks/NOTES.md records what each variant measured on an H200.
 
 Split-K partial sums go to an fp32 workspace; the last program to finish a tile (an atomic
 counter, which it resets) sums them and writes the output, so one launch does it all.
@@ -397,21 +401,47 @@ def m_bucket(m: int) -> int:
     return min(4096, 1 << max(0, (m - 1).bit_length()))
 
 
+_device_names: dict = {}
+
+
 def device_key(device: torch.device | None = None) -> str:
+    """Config-file stem for a device: its name in lower case, non-alphanumerics as '_'
+    (``nvidia_h200``, ``nvidia_h100_80gb_hbm3``); ``interpreter`` for CPU under TRITON_INTERPRET."""
     if interpreting() and (device is None or device.type == "cpu"):
         return "interpreter"
-    name = torch.cuda.get_device_name(device)
-    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    key = _device_names.get(index)
+    if key is None:
+        name = torch.cuda.get_device_name(index)
+        key = _device_names[index] = "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+    return key
 
 
 def config_key(transposed: bool, bits: int, n: int, k: int, m: int) -> str:
     return f"{'tr' if transposed else 'fwd'}|b{bits}|n{n}|k{k}|m{m_bucket(m)}"
 
 
+def _capability(dev_key: str):
+    if dev_key == "interpreter" or not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        if device_key(torch.device("cuda", index)) == dev_key:
+            return list(torch.cuda.get_device_capability(index))
+    return None
+
+
 def _table(dev_key: str) -> dict:
+    """Config table of a device: its shipped file, else a shipped file tuned on a GPU of the same
+    compute capability (e.g. H200 configs on an H100: same SM count and architecture), else empty.
+    Autotuned entries are added to it in memory."""
     table = _tables.get(dev_key)
     if table is None:
         path = _CONFIG_DIR / f"{dev_key}.json"
+        if not path.is_file():
+            cap = _capability(dev_key)
+            same_arch = [p for p in sorted(_CONFIG_DIR.glob("*.json"))
+                         if cap is not None and json.loads(p.read_text()).get("capability") == cap]
+            path = same_arch[0] if same_arch else path
         table = {}
         if path.is_file():
             table = {k: KernelConfig(**v) for k, v in json.loads(path.read_text())["configs"].items()}
@@ -450,10 +480,13 @@ def _fill_split(tiles: int, reduce_steps: int, sms: int, waves: float = 2.0) -> 
 
 
 def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
-    """A reasonable config without tuning: FMA GEMV for tiny M, split tensor-core tiles for
-    small M, large tensor-core tiles beyond."""
+    """A config without tuning, following what tuning chose on an H200 (benchmarks/NOTES.md): the
+    FMA GEMV for M <= 8, split tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the
+    fused large-M kernels lost to it by 2-10x there)."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
+    if m > 64 and device.type == "cuda":
+        return KernelConfig(path="dq")
     if transposed:
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         cfg = KernelConfig(path="dot", block_m=bm, block_n=64, block_r=64 if m > 64 else 32,
@@ -461,19 +494,19 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         tiles = triton.cdiv(m, bm) * triton.cdiv(kh, cfg.block_r)
         reduce_steps = triton.cdiv(n, cfg.block_n)
     elif m <= 8:
-        cfg = KernelConfig(path="fma", block_m=m_bucket(m), block_n=128, block_r=32, num_warps=4)
-        tiles = triton.cdiv(n, 128)
-        reduce_steps = triton.cdiv(kh, 32)
-    elif m <= 64:
-        cfg = KernelConfig(path="dot_t", block_m=max(16, m_bucket(m)), block_n=64, block_r=32, num_warps=4,
-                           num_stages=3)
+        cfg = KernelConfig(path="fma", block_m=m_bucket(m), block_n=64, block_r=64, num_warps=2)
         tiles = triton.cdiv(n, 64)
-        reduce_steps = triton.cdiv(kh, 32)
+        reduce_steps = triton.cdiv(kh, 64)
+    elif m <= 64:
+        cfg = KernelConfig(path="dot", block_m=max(16, m_bucket(m)), block_n=64, block_r=64, num_warps=4,
+                           num_stages=3)
+        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, 64)
+        reduce_steps = triton.cdiv(kh, 64)
     else:
         cfg = KernelConfig(path="dot", block_m=128, block_n=128, block_r=32, num_warps=8, num_stages=3)
         tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
         reduce_steps = triton.cdiv(kh, 32)
-    return replace(cfg, split=_fill_split(tiles, reduce_steps, sms))
+    return replace(cfg, split=_fill_split(tiles, reduce_steps, sms, 4.0 if m <= 8 else 2.0))
 
 
 def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
@@ -585,7 +618,8 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
 def save_table(path: str | os.PathLike, device: torch.device | None = None) -> None:
     """Write this process's config table (shipped plus autotuned) as JSON, atomically."""
     dev_key = device_key(device)
-    data = {"device": dev_key, "configs": {k: asdict(v) for k, v in sorted(_table(dev_key).items())}}
+    data = {"device": dev_key, "capability": _capability(dev_key),
+            "configs": {k: asdict(v) for k, v in sorted(_table(dev_key).items())}}
     path = Path(path)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")

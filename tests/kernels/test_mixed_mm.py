@@ -204,3 +204,19 @@ def test_reference_fallback_without_triton(monkeypatch):
     outt = mixed_mm(torch.randn(3, 72, dtype=torch.float16).to(DEV), pw.qweight, pw.scales, pw.zeros, group_size=32,
                     transposed=True)
     assert outt.shape == (3, 160)
+
+
+def test_shipped_table_loads_and_same_arch_fallback(monkeypatch):
+    """The shipped H200 table parses into configs, and a GPU without its own file but of the same
+    compute capability (an H100) uses it rather than untuned heuristics."""
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    h200 = mm_mod._table("nvidia_h200")
+    assert h200 and all(isinstance(c, KernelConfig) for c in h200.values())
+    assert mm_mod.config_key(False, 4, 4096, 4096, 1) in h200
+    monkeypatch.setattr(mm_mod, "_capability", lambda key: [9, 0])
+    assert mm_mod._table("nvidia_h100_80gb_hbm3") == h200
+    monkeypatch.setattr(mm_mod, "_capability", lambda key: [8, 0])
+    assert mm_mod._table("nvidia_a100_sxm4_80gb") == {}
+    # nearest tuned entry for an untuned shape/M: same direction and bits, closest M bucket first
+    near = mm_mod._nearest(h200, False, 4, 5120, 4096, 2)
+    assert near is not None and near == h200[mm_mod.config_key(False, 4, 4096, 4096, 1)]
