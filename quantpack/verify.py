@@ -10,8 +10,9 @@ A report in four sections, each building on the one before:
 * **layers**: each quantized layer dequantized and compared with the reference weight
   (relative Frobenius error), worst layers first.
 * **kernels**: for each distinct quantized layer layout, the module's forward on the device (the
-  fused Triton kernel on a GPU, the reference path on the CPU) on random inputs against a float32
-  matmul with the dequantized weight.
+  fused Triton kernel on a GPU, the reference path on the CPU) on random inputs against its
+  scheme's float32 oracle (a float32 matmul with the dequantized weight; for W8A8 the exact
+  result on the same int8 values).
 * **end_to_end**: the packed and the reference model on the same text: for causal LMs the
   perplexity of both, mean and 99th-percentile KL divergence of the next-token distributions and
   top-1 agreement; for encoders the cosine similarity of mean-pooled embeddings.
@@ -332,7 +333,7 @@ class VerifyReport:
                              f"{shape:>11}  {x['rel_error']:>9.4f}")
         if self.kernels:
             k = self.kernels
-            lines.append(f"kernels    {k['path']} path vs float32 matmul, rows {', '.join(map(str, k['rows']))}")
+            lines.append(f"kernels    {k['path']} path vs float32 oracle, rows {', '.join(map(str, k['rows']))}")
             for x in k["items"]:
                 shape = "x".join(str(d) for d in x["shape"])
                 layout = ", ".join(f"{key}={val}" for key, val in x["layout"].items())
