@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
                       meta_rowwise, triton_usable)
@@ -678,20 +679,32 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     else:
         ws = cnt = out  # never touched
     grid = (tiles, split)
-    if transposed:
-        _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
-                         x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-                         BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd, DOT_PREC=prec,
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT=split,
-                         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        path = {"fma": 0, "dot": 1, "dot_t": 2}[cfg.path]
-        _fwd_kernel[grid](x2, qweight, scales, zeros, bias if bias is not None else out, out, ws, cnt,
-                          m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-                          BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
-                          DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset,
-                          USE_ASM=not interpreting(), WORDS=words, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-                          SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    def launch(num_stages):
+        if transposed:
+            _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
+                             x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+                             BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd, DOT_PREC=prec,
+                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT=split,
+                             GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
+        else:
+            path = {"fma": 0, "dot": 1, "dot_t": 2}[cfg.path]
+            _fwd_kernel[grid](x2, qweight, scales, zeros, bias if bias is not None else out, out, ws, cnt,
+                              m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+                              BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
+                              DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset,
+                              USE_ASM=not interpreting(), WORDS=words, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                              SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
+
+    # A config whose pipeline does not fit this GPU's shared memory (a forced or borrowed table entry)
+    # runs with fewer stages instead of failing.
+    for stages in range(cfg.num_stages, 0, -1):
+        try:
+            launch(stages)
+            return out
+        except OutOfResources:
+            if stages == 1:
+                raise
     return out
 
 

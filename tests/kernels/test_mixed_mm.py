@@ -220,3 +220,30 @@ def test_shipped_table_loads_and_same_arch_fallback(monkeypatch):
     # nearest tuned entry for an untuned shape/M: same direction and bits, closest M bucket first
     near = mm_mod._nearest(h200, False, 4, 5120, 4096, 2)
     assert near is not None and near == h200[mm_mod.config_key(False, 4, 4096, 4096, 1)]
+
+
+def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatch):
+    """A config whose pipeline does not fit (seen on an H200: a 3-stage 8-bit tile needing 240 KB)
+    is launched again with fewer stages instead of failing."""
+    from triton.runtime.errors import OutOfResources
+
+    real = mm_mod._fwd_kernel
+    tried = []
+
+    class TooBigAboveOneStage:
+        def __getitem__(self, grid):
+            def run(*args, num_stages, **kwargs):
+                tried.append(num_stages)
+                if num_stages > 1:
+                    raise OutOfResources(245760, 232448, "shared memory")
+                return real[grid](*args, num_stages=num_stages, **kwargs)
+            return run
+
+    monkeypatch.setattr(mm_mod, "_fwd_kernel", TooBigAboveOneStage())
+    pw = quantize(torch.randn(40, 64), bits=8, group_size=32, dtype=torch.float16)
+    x = torch.randn(3, 64, dtype=torch.float16)
+    out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32, bits=8,
+                   config=KernelConfig("dot", 16, 32, 16, num_stages=3))
+    assert tried == [3, 2, 1]
+    ref = reference.matmul(x.float(), pw)
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-3
