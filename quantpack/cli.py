@@ -65,7 +65,7 @@ def _group_size(value: str):
 
 @cli.command("convert")
 @click.argument("source")
-@click.option("-o", "--output", type=click.Path(file_okay=False), help="Output directory [default: <model-name>-qp<bits>g<group>].")
+@click.option("-o", "--output", type=click.Path(file_okay=False), help="Output directory [default: <model-name>-qp<bits>g<group>, or <model-name>-qpw8a8].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
 @click.option("--group-size", default="128", show_default=True, metavar="N|none",
               help="Weights per scale/zero group; 'none' for per-channel.")
