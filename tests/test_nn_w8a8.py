@@ -178,3 +178,20 @@ def test_w8a8_tiny_llama_kl_below_4bit():
     _swap_linears(w4, lambda lin: QuantLinear.from_linear(lin, bits=4, group_size=128, dtype=torch.float32))
     kl_w8a8, kl_w4 = kl(w8a8), kl(w4)
     assert 0 < kl_w8a8 < kl_w4, (kl_w8a8, kl_w4)
+
+
+def test_w8a8_input_gradient_is_straight_through():
+    """The weight is frozen; the input gradient passes straight through the activation rounding."""
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 24, bias=True)
+    layer = W8A8Linear.from_linear(lin, dtype=torch.float32)
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    out = layer(x)
+    assert out.requires_grad
+    with torch.no_grad():
+        assert torch.equal(out, layer(x))  # same forward with and without autograd
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    expected = grad_out @ layer.dequantize(torch.float32)
+    assert torch.allclose(x.grad, expected, rtol=1e-5, atol=1e-6)
+    assert not any(b.requires_grad for b in layer.buffers())
