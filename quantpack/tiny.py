@@ -40,8 +40,8 @@ LICENSE_TEXT = "Tiny test checkpoint made by quantpack.tiny; random weights, no 
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
-    """Silence transformers' progress bars and info logs while saving."""
+def quiet_transformers():
+    """Silence transformers' progress bars and info logs (while saving, loading a reference...)."""
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -99,14 +99,14 @@ def _save_sharded(model, path: Path, num_shards: int) -> None:
     files (a single ``model.safetensors`` when ``num_shards == 1``)."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     if num_shards == 1:
-        with _quiet_transformers():
+        with quiet_transformers():
             model.save_pretrained(path, max_shard_size=2 * total + (1 << 20))
         return
     # save_pretrained splits greedily; search a shard size that gives the requested count.
     lo, hi = 1, total
     for _ in range(40):
         size = (lo + hi) // 2
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp, _quiet_transformers():
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp, quiet_transformers():
             model.save_pretrained(tmp, max_shard_size=size)
             count = sum(1 for f in os.listdir(tmp) if f.endswith(".safetensors"))
             if count == num_shards:

@@ -27,7 +27,6 @@ how to find which of its stored tensors changed.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -46,6 +45,7 @@ from .checkpoint import CheckpointError, TensorInfo
 from .format import LAYOUT_VERSION, unpack
 from .nn import QuantLinear
 from .nn_w8a8 import W8A8Linear
+from .tiny import quiet_transformers
 
 SCHEMA_VERSION = 1
 # Kinds of problems in the files, in the order they are reported (the first is the CLI's error line).
@@ -1211,22 +1211,6 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
     return report
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """No transformers progress bars or info logs (they would land in the report's stderr)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def _end_to_end(model, ref_dir: Path, root: Path, dev: torch.device, text: str, text_desc: str,
                 context_length: int, max_tokens: int) -> dict | None:
     from transformers import AutoTokenizer
@@ -1252,7 +1236,7 @@ def _end_to_end(model, ref_dir: Path, root: Path, dev: torch.device, text: str, 
     ref_config = AutoConfig.from_pretrained(ref_dir)
     # On the CPU the reference runs in float32 (half-precision CPU matmuls are slow and no more exact).
     ref_dtype = torch.float32 if dev.type == "cpu" else "auto"
-    with _quiet_transformers():
+    with quiet_transformers():
         reference_model = model_class_for(ref_config).from_pretrained(ref_dir, dtype=ref_dtype).to(dev).eval()
     limit = getattr(model.config, "max_position_embeddings", None)
     ctx = min(context_length, limit) if isinstance(limit, int) and limit > 1 else context_length
