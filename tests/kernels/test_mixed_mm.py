@@ -128,8 +128,9 @@ def test_bf16_fp32_inputs_bias_and_out_dtype():
     bias = torch.randn(72).to(torch.bfloat16).to(DEV)
     x = torch.randn(3, 160).to(DEV)
     ref = x @ w.t() + bias.float()
-    for cfg in (FWD_CONFIGS["fma_split"](3), FWD_CONFIGS["dot_split"](3), FWD_CONFIGS["rawq_t"](3)):
-        out32 = run(x, pw, cfg, bias=bias)  # fp32 activations: fp32 ("ieee") dot, fp32 out
+    for cfg in (FWD_CONFIGS["fma_split"](3), FWD_CONFIGS["dot_split"](3), FWD_CONFIGS["rawq_t"](3),
+                KernelConfig("dq")):
+        out32 = run(x, pw, cfg, bias=bias)  # fp32 activations: fp32 ("ieee") dot or fp32 weight, fp32 out
         assert out32.dtype == torch.float32 and rel_err(out32, ref) <= 1e-5
         outb = run(x.to(torch.bfloat16), pw, cfg, bias=bias, out_dtype=torch.float32)
         assert outb.dtype == torch.float32
