@@ -22,6 +22,7 @@ import json
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ W8A8_CONFIG = {"bits": 8, "group_size": None, "axis": 1, "method": "absmax"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz")
 LFS_POINTER_PREFIX = b"version https://git-lfs.github.com/spec/v1"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+_THREADED_DIGEST_BYTES = 1 << 20  # smaller tensors are hashed inline: a thread hand-off costs more
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -361,12 +363,14 @@ class SourceCheckpoint:
 
 
 def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
-                      *, fsync: bool = True) -> tuple[str, int]:
+                      *, fsync: bool = True, digests: dict[str, str] | None = None) -> tuple[str, int]:
     """Write ``tensors`` as a safetensors file at ``path``, atomically (``<path>.tmp`` then rename).
 
     Tensors go largest-itemsize first (so every tensor's data is aligned to its element size) and by
     name, streaming each tensor's bytes straight from memory and hashing as they are written.
     Returns (sha256 hex digest, file size). The output is a pure function of the arguments.
+    ``digests``: a dict to fill with name -> sha256 of each tensor's data bytes (what
+    :func:`sha256_tensor_data` reads back), hashed from the same memory as it is written.
     """
     path = Path(path)
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
@@ -384,6 +388,9 @@ def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str
     raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned
     tmp = path.with_name(path.name + ".tmp")
     h = hashlib.sha256()
+    # A tensor's own digest is computed on a second thread while the same bytes are written and
+    # added to the file's hash (hashlib and file writes release the GIL), so it costs no extra time.
+    digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qp-digest") if digests is not None else None
     try:
         with open(tmp, "wb") as f:
             for chunk in (struct.pack("<Q", len(raw)), raw):
@@ -391,18 +398,54 @@ def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str
                 h.update(chunk)
             for name in order:
                 t = tensors[name].detach().to("cpu").contiguous()
-                if t.numel():
-                    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+                pending = None
+                if digester is not None and len(data) >= _THREADED_DIGEST_BYTES:
+                    pending = digester.submit(_sha256_hex, data)
+                elif digester is not None:
+                    digests[name] = _sha256_hex(data)
+                if len(data):
                     f.write(data)
                     h.update(data)
+                if pending is not None:
+                    digests[name] = pending.result()
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)  # never leave a half-written file behind (e.g. disk full)
         raise
+    finally:
+        if digester is not None:
+            digester.shutdown(wait=True)
     os.replace(tmp, path)
     return h.hexdigest(), 8 + len(raw) + offset
+
+
+def _sha256_hex(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_tensor_data(info: TensorInfo, handle=None, chunk_size: int = 1 << 20) -> str:
+    """sha256 of one tensor's data bytes as stored in its file (positioned reads, ``chunk_size`` at
+    a time): what :func:`write_safetensors` records in ``digests``."""
+    h = hashlib.sha256()
+    buf = bytearray(min(chunk_size, max(info.nbytes, 1)))
+    view = memoryview(buf)
+    f = handle or open(info.file, "rb", buffering=0)
+    try:
+        f.seek(info.offset)
+        left = info.nbytes
+        while left:
+            n = f.readinto(view[:min(left, len(buf))])
+            if not n:
+                raise CheckpointError(f"{info.file}: ended early while reading {info.name!r}; the file is truncated")
+            h.update(view[:n])
+            left -= n
+    finally:
+        if handle is None:
+            f.close()
+    return h.hexdigest()
 
 
 def safetensors_size(shapes_dtypes: dict[str, tuple[tuple[int, ...], torch.dtype]], metadata=None) -> int:

@@ -6,9 +6,9 @@ tensor plus one output shard. Which tensors are quantized comes from the model's
 (its transformers class built on the meta device: the ``nn.Linear`` modules), not from names.
 
 Crash safety: the output is built in ``<parent>/.<name>.qp-partial`` and renamed when complete; the
-manifest is written last. ``progress.json`` there records each finished shard's sha256, so a re-run
-with the same source and settings re-checks those shards and resumes after them, producing a
-byte-identical result. See docs/format.md for everything written.
+manifest is written last. ``progress.json`` there records each finished shard's sha256 (and its
+tensors' digests), so a re-run with the same source and settings re-checks those shards and resumes
+after them, producing a byte-identical result. See docs/format.md for everything written.
 """
 from __future__ import annotations
 
@@ -600,7 +600,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 "manifest_version": MANIFEST_VERSION, "quantpack_version": __version__,
                 "layout_version": LAYOUT_VERSION,
                 "source": {"repo": resolved.repo, "revision": resolved.revision, "local": resolved.local},
-                "settings": settings,
+                "settings": {**settings, "device": dev.type},  # the device kind the codes were computed on
                 "files": {"inputs": inputs, "outputs": dict(sorted(outputs.items()))},
                 "layers": [{"name": layer.name, "bits": layer.bits, "group_size": layer.group_size,
                             "shape": list(layer.shape), "rel_error": layer.rel_error} for layer in summary.quantized],
@@ -650,7 +650,9 @@ def _resume_state(partial: Path, fingerprint: str, names: list[str]) -> dict:
     if state.get("fingerprint") == fingerprint:
         for name, entry in state.get("shards", {}).items():
             f = partial / name
-            if name in names and f.is_file() and f.stat().st_size == entry["size"] and sha256_file(f) == entry["sha256"]:
+            # A shard without its tensors' digests (progress written before they existed) is redone.
+            if (name in names and isinstance(entry.get("tensors"), dict) and f.is_file()
+                    and f.stat().st_size == entry["size"] and sha256_file(f) == entry["sha256"]):
                 done[name] = entry
     for f in partial.iterdir():
         if f.name not in done and f.name != PROGRESS_NAME:
@@ -704,10 +706,11 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
                 bar.update(src.info(unit.source).nbytes)
                 del tensor
             t = time.perf_counter()
-            sha, size = write_safetensors(partial / names[i], tensors, SHARD_METADATA)
+            digests: dict[str, str] = {}
+            sha, size = write_safetensors(partial / names[i], tensors, SHARD_METADATA, digests=digests)
             timings["write"] += time.perf_counter() - t
             del tensors
-            done[names[i]] = {"sha256": sha, "size": size, "layers": layers}
+            done[names[i]] = {"sha256": sha, "size": size, "tensors": dict(sorted(digests.items())), "layers": layers}
             _write_progress(partial, fingerprint, done)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)

@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from quantpack.checkpoint import (
     SHARD_METADATA, CheckpointError, PackedCheckpoint, SourceCheckpoint, make_quantization_config, parse_size,
-    read_quantization_config, read_safetensors_header, safetensors_size, sha256_file, shard_name, write_safetensors,
+    read_quantization_config, read_safetensors_header, safetensors_size, sha256_file, sha256_tensor_data, shard_name,
+    write_safetensors,
 )
 
 
@@ -64,6 +65,37 @@ def test_write_safetensors_roundtrip_and_alignment(tmp_path, dtype):
     sha2, _ = write_safetensors(tmp_path / "y.safetensors", dict(reversed(list(tensors.items()))), SHARD_METADATA)
     assert sha2 == sha
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_write_safetensors_digests_are_the_sha256_of_each_tensors_stored_bytes(tmp_path, monkeypatch):
+    import hashlib
+
+    import quantpack.checkpoint as checkpoint_mod
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"big": torch.randn(300, 1000, generator=g).to(torch.bfloat16),  # 600 KB: hashed on the second thread
+               "strided": torch.randn(6, 8, generator=g).t(),  # not contiguous: stored (and hashed) contiguous
+               "codes": torch.randint(0, 256, (33, 5), dtype=torch.uint8, generator=g),
+               "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5)}
+    monkeypatch.setattr(checkpoint_mod, "_THREADED_DIGEST_BYTES", 1 << 19)
+    digests = {}
+    sha, size = write_safetensors(tmp_path / "d.safetensors", tensors, SHARD_METADATA, digests=digests)
+    # The file is the one written without digests.
+    assert (sha, size) == write_safetensors(tmp_path / "plain.safetensors", tensors, SHARD_METADATA)
+    assert set(digests) == set(tensors)
+    infos, _ = read_safetensors_header(tmp_path / "d.safetensors")
+    for name, t in tensors.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert digests[name] == hashlib.sha256(raw).hexdigest() == sha256_tensor_data(infos[name]), name
+    assert digests["empty"] == hashlib.sha256(b"").hexdigest()
+    # One flipped byte changes that tensor's digest and no other.
+    info = infos["codes"]
+    with open(info.file, "r+b") as f:
+        f.seek(info.offset + 7)
+        byte = f.read(1)[0]
+        f.seek(info.offset + 7)
+        f.write(bytes([byte ^ 0x40]))
+    assert [n for n, i in infos.items() if sha256_tensor_data(i) != digests[n]] == ["codes"]
 
 
 def test_reader_reads_files_written_by_safetensors(tmp_path):

@@ -8,7 +8,7 @@ import torch
 import quantpack.convert as convert_mod
 from quantpack.checkpoint import (
     CheckpointError, PackedCheckpoint, SourceCheckpoint, check_index, check_manifest_files, read_safetensors_header,
-    sha256_file, shard_name, write_safetensors,
+    sha256_file, sha256_tensor_data, shard_name, write_safetensors,
 )
 from quantpack.convert import convert
 from quantpack.reference import dequantize
@@ -43,6 +43,13 @@ def check_output(src_dir, out, *, dtype=torch.bfloat16, max_error=0.15):
         assert sha256_file(src_dir / rel) == entry["sha256"]
     for rel in src.other_files():
         assert (out / rel).read_bytes() == (src_dir / rel).read_bytes()
+    for rel, entry in manifest["files"]["outputs"].items():  # each shard's per-tensor digests
+        if rel.endswith(".safetensors"):
+            infos, _ = read_safetensors_header(out / rel)
+            assert entry["tensors"] == {n: sha256_tensor_data(i) for n, i in infos.items()}, rel
+        else:
+            assert "tensors" not in entry, rel
+    assert manifest["settings"]["device"] == "cpu"
     errors = {layer["name"]: layer["rel_error"] for layer in manifest["layers"]}
     with PackedCheckpoint(out) as packed:
         assert sorted(packed.quantized_modules) == sorted(errors)
@@ -207,6 +214,11 @@ def test_interrupted_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, m
     assert not out.exists()  # nothing that looks complete
     partial = tmp_path / ".out.qp-partial"
     assert sorted(p.name for p in partial.iterdir()) == [shard_name(1, n), shard_name(2, n), "progress.json"]
+    # progress.json carries the finished shards' tensor digests, so the resumed manifest has them too.
+    finished = json.loads((partial / "progress.json").read_text())["shards"]
+    fresh_outputs = json.loads((fresh / "quantpack.json").read_text())["files"]["outputs"]
+    assert [finished[shard_name(i, n)]["tensors"] for i in (1, 2)] == \
+        [fresh_outputs[shard_name(i, n)]["tensors"] for i in (1, 2)]
     # A corrupted finished shard is detected by its checksum and redone.
     data = bytearray((partial / shard_name(2, n)).read_bytes())
     data[-1] ^= 0xFF
@@ -215,6 +227,35 @@ def test_interrupted_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, m
     assert summary.num_shards == n and summary.resumed_shards == 1
     same_tree(fresh, out)
     assert not partial.exists()
+
+
+def test_progress_without_tensor_digests_redoes_the_shard(tiny_llama_dir, tmp_path, monkeypatch):
+    """A finished shard recorded by a quantpack that wrote no per-tensor digests is converted again
+    (its manifest entry would lack them), the others resume."""
+    fresh = tmp_path / "fresh"
+    convert(tiny_llama_dir, fresh, max_shard_size="150KB", method="rtn", progress=False)
+    out = tmp_path / "out"
+    real_write = convert_mod.write_safetensors
+    calls = []
+
+    def crash_third(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(convert_mod, "write_safetensors", crash_third)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False)
+    monkeypatch.undo()
+    progress_file = tmp_path / ".out.qp-partial" / "progress.json"
+    progress = json.loads(progress_file.read_text())
+    first = sorted(progress["shards"])[0]
+    del progress["shards"][first]["tensors"]
+    progress_file.write_text(json.dumps(progress))
+    summary = convert(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False)
+    assert summary.resumed_shards == 1
+    same_tree(fresh, out)
 
 
 def test_changed_settings_do_not_resume(tiny_llama_dir, tmp_path, monkeypatch):
