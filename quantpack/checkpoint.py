@@ -5,8 +5,9 @@
   every header up front (truncation, LFS pointers, missing shards) and then reads one tensor at a
   time with plain positioned reads, so memory holds only the tensor asked for (no mmap pages of
   whole shards count against the process).
-* Writing: :func:`write_safetensors` streams tensors to disk, hashing as it writes, under a
-  temporary name that is renamed when the file is complete.
+* Writing: :func:`write_safetensors` streams tensors to disk, hashing as it writes (the file, and
+  optionally each tensor's data for the manifest), under a temporary name that is renamed when the
+  file is complete.
 * Packed checkpoints: ``quantization_config`` (:func:`make_quantization_config`,
   :func:`read_quantization_config`), the manifest ``quantpack.json``, index validation
   (:func:`check_index`) and :class:`PackedCheckpoint` to get a layer back as a

@@ -5,8 +5,9 @@ A report in four sections, each building on the one before:
 * **integrity**: ``config.json`` and its ``quantization_config`` (layout version, scheme), the
   manifest ``quantpack.json`` (every output file's size and sha256), the shard index against the
   shard headers, every tensor's shape and dtype against the model the config describes, and every
-  floating-point value finite. A file whose checksum differs is searched for the tensor that
-  changed (by comparing with the reference weights, when there is a reference).
+  floating-point value finite. A file whose checksum differs is searched for the tensors that
+  changed: by the per-tensor sha256 the manifest records (no reference needed), or, for manifests
+  written before those existed, by comparing with the reference weights when there is a reference.
 * **layers**: each quantized layer dequantized and compared with the reference weight
   (relative Frobenius error), worst layers first.
 * **kernels**: for each distinct quantized layer layout, the module's forward on the device (the
@@ -429,8 +430,9 @@ def _locate_quant_linear(read: Callable[[str], torch.Tensor], name: str, module:
     The codes are a pure function of the weight and the stored scales and zeros
     (``round(W / scale + zero)`` clamped, see :func:`quantpack.quantize.quantize`), so codes that
     disagree mean one of the three changed. Re-quantizing the weight with the recorded settings tells
-    which: on the kind of device the conversion ran on (not recorded: each available one is tried)
-    it reproduces the untouched tensors bit for bit. When no re-quantization does, the layer is named.
+    which: on the kind of device the conversion ran on (not recorded in the manifests that need this
+    fallback, those without per-tensor digests: each available one is tried) it reproduces the
+    untouched tensors bit for bit. When no re-quantization does, the layer is named.
     """
     from .format import PackedWeight
     from .quantize import _grouped, _ungrouped, quantize
@@ -655,6 +657,7 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
 
     # -- shards: present, parseable, layout version in their metadata; index against headers
     tensors: dict[str, TensorInfo] = {}
+    file_tensors: dict[str, dict[str, TensorInfo]] = {}  # shard -> its header's tensors
     in_file: dict[str, list[str]] = {}
     for name, shard in (weight_map or {}).items():
         in_file.setdefault(shard, []).append(name)
@@ -669,6 +672,7 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
             problems.append(Problem("checksum", f"file {fname}: {str(e).removeprefix(str(f) + ': ')}", file=fname))
             bad_checksum = [b for b in bad_checksum if b != fname]
             continue
+        file_tensors[fname] = infos
         version = meta.get("quantpack_layout_version")
         if version is not None and version != str(LAYOUT_VERSION):
             problems.append(Problem("layout", f"file {fname}: quantpack_layout_version={version!r} in its metadata; this "
@@ -757,27 +761,55 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
             f.close()
 
     # -- a changed file: say which tensor changed
+    reported: set[str] = set()
     for fname in bad_checksum:
-        located = {t: why for t, why in nonfinite.items() if tensors[t].file.name == fname}
-        if reference is not None and skeleton is not None and not located:
-            located = _locate_changes(skeleton, fname, tensors, reference, (manifest or {}).get("settings") or {})
+        recorded = outputs[fname].get("tensors")
+        if isinstance(recorded, dict) and fname in file_tensors:  # per-tensor digests: exact, and no reference needed
+            located = _changed_by_digest(file_tensors[fname], recorded)
+            located = {t: nonfinite.get(t, why) for t, why in located.items()}
+            hint = " (every tensor's data matches its sha256 there: the header changed)"
+        else:  # a manifest from before per-tensor digests
+            located = {t: why for t, why in nonfinite.items() if tensors[t].file.name == fname}
+            if reference is not None and skeleton is not None and not located:
+                located = _locate_changes(skeleton, fname, tensors, reference, (manifest or {}).get("settings") or {})
+            hint = "" if reference is not None else " (verify with a reference to find the tensor)"
         if located:
             for tname, why in located.items():
+                reported.add(tname)
                 problems.append(Problem("checksum", f"tensor {tname} in {fname}: {why}; the file's sha256 differs from "
                                                     f"{checkpoint.MANIFEST_NAME}: it is corrupt or modified, download it "
                                                     f"again", file=fname, tensor=tname))
         else:
-            hint = "" if reference is not None else " (verify with a reference to find the tensor)"
             problems.append(Problem("checksum", f"file {fname}: sha256 differs from {checkpoint.MANIFEST_NAME}; the file is "
                                                 f"corrupt or modified, download it again{hint}", file=fname))
     for tname, why in nonfinite.items():
-        if tensors[tname].file.name not in bad_checksum:
+        if tname not in reported:
             problems.append(Problem("values", f"tensor {tname} in {tensors[tname].file.name}: {why}",
                                     file=tensors[tname].file.name, tensor=tname))
 
     problems.sort(key=lambda p: PROBLEM_KINDS.index(p.kind))  # stable: file order within a kind
     summary["tensors_checked"] = len(tensors)
     return summary, problems, qc
+
+
+def _changed_by_digest(infos: dict[str, TensorInfo], recorded: dict[str, str]) -> dict[str, str]:
+    """Tensors of one shard (``infos``, from its header) whose data's sha256 differs from the digest
+    the manifest records for it (``recorded``), or that only one side has: {name: why}."""
+    changed = {}
+    handle = open(next(iter(infos.values())).file, "rb", buffering=0) if infos else None
+    try:
+        for tname, info in sorted(infos.items(), key=lambda kv: kv[1].offset):
+            want = recorded.get(tname)
+            if want is None:
+                changed[tname] = f"not among the tensors {checkpoint.MANIFEST_NAME} records for this file"
+            elif checkpoint.sha256_tensor_data(info, handle) != want:
+                changed[tname] = f"its data's sha256 differs from the one {checkpoint.MANIFEST_NAME} records"
+    finally:
+        if handle is not None:
+            handle.close()
+    for tname in sorted(set(recorded) - set(infos)):
+        changed[tname] = f"{checkpoint.MANIFEST_NAME} records it in this file, but the file no longer holds it"
+    return changed
 
 
 def _reference_name(ref: checkpoint.SourceCheckpoint, name: str, prefix: str = "") -> str | None:

@@ -110,6 +110,17 @@ def flip_byte(root: Path, tensor: str, offset: int = 0, mask: int = 0x01, data: 
     raise AssertionError(f"{tensor} not found")
 
 
+def strip_digests(root: Path) -> None:
+    """Make ``root``'s manifest one written before per-tensor digests (and the device kind) were
+    recorded (the manifest lists no checksum of itself, so the files stay consistent)."""
+    path = root / checkpoint.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    for entry in manifest["files"]["outputs"].values():
+        entry.pop("tensors", None)
+    manifest["settings"].pop("device")
+    checkpoint.write_json(path, manifest)
+
+
 # --------------------------------------------------------------------------------------------------
 # A minimal JSON-schema validator (the subset REPORT_SCHEMA uses), so the schema test needs no
 # extra dependency; jsonschema cross-checks it where installed.
@@ -378,19 +389,62 @@ def test_a_scheme_plugs_in_through_register_module_type(ckpt):
 def test_flipped_byte_names_the_tensor(ckpt, tmp_path, tensor, offset, mask):
     root = copy_of(ckpt("q4"), tmp_path)
     shard = flip_byte(root, tensor, offset, mask)
+    # The manifest's per-tensor digests name it, with or without a reference.
+    for reference in (None, False):
+        r = verify(root, device="cpu", reference=reference)
+        assert r.verdict == "corrupt" and r.exit_code == 2
+        assert [(p.kind, p.tensor, p.file) for p in r.problems] == [("checksum", tensor, shard)], r.format_table()
+        assert r.problems[0].message == (f"tensor {tensor} in {shard}: its data's sha256 differs from the one "
+                                         f"quantpack.json records; the file's sha256 differs from quantpack.json: it "
+                                         f"is corrupt or modified, download it again")
+        assert r.layers is None and r.end_to_end is None and r.checks == []
+        assert set(r.skipped) == {"layers", "kernels", "end_to_end"}
+        assert_matches_schema(r.to_dict())
+    # A manifest without digests (older quantpack): found through the reference, as before
+    strip_digests(root)
     r = verify(root, device="cpu")
-    assert r.verdict == "corrupt" and r.exit_code == 2
     first = r.problems[0]
     assert first.kind == "checksum" and first.tensor == tensor and first.file == shard
     assert first.message.startswith(f"tensor {tensor} in {shard}:") and "sha256" in first.message
+    assert "records" not in first.message  # not the digest message
     assert len(r.problems) == 1, [p.message for p in r.problems]
-    assert r.layers is None and r.end_to_end is None and r.checks == []
-    assert set(r.skipped) == {"layers", "kernels", "end_to_end"}
-    assert_matches_schema(r.to_dict())
-    # Without a reference the file is still caught, by its checksum
+    # ... and without a reference only the file is named, by its checksum
     r = verify(root, device="cpu", reference=False)
     assert r.exit_code == 2 and r.problems[0].file == shard and r.problems[0].tensor is None
-    assert "sha256 differs" in r.problems[0].message
+    assert "sha256 differs" in r.problems[0].message and "verify with a reference" in r.problems[0].message
+
+
+def test_digests_name_every_changed_tensor_of_a_shard_without_a_reference(ckpt, tmp_path):
+    """Two tensors of one shard changed, including both tensors of one layer (which re-quantizing
+    a reference cannot tell apart): each is named; the command line says the first in one line."""
+    from click.testing import CliRunner
+
+    from quantpack.cli import cli
+
+    root = copy_of(ckpt("q8"), tmp_path)
+    module = next(n.removesuffix(".qweight") for f in sorted(root.glob("*.safetensors"))
+                  for infos in [checkpoint.read_safetensors_header(f)[0]] for n in infos
+                  if n.endswith(".qweight") and n.removesuffix(".qweight") + ".scales" in infos)
+    shard = flip_byte(root, f"{module}.qweight", 9, 0x20)
+    assert flip_byte(root, f"{module}.scales", 1, 0x01) == shard
+    r = verify(root, device="cpu", reference=False)
+    assert sorted((p.kind, p.tensor, p.file) for p in r.problems) == [
+        ("checksum", f"{module}.qweight", shard), ("checksum", f"{module}.scales", shard)], r.format_table()
+    result = CliRunner().invoke(cli, ["verify", str(root), "--no-reference", "--device", "cpu"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: tensor {module}.") and f" in {shard}: " in lines[0]
+
+
+def test_changed_header_with_unchanged_tensor_data_names_the_file(ckpt, tmp_path):
+    root = copy_of(ckpt("q4"), tmp_path)
+    shard = sorted(root.glob("*.safetensors"))[0]
+    infos, meta = checkpoint.read_safetensors_header(shard)
+    tensors = {n: checkpoint.read_tensor(i) for n, i in infos.items()}
+    checkpoint.write_safetensors(shard, tensors, {**meta, "note": "edited"}, fsync=False)
+    r = verify(root, device="cpu", reference=False)
+    assert [(p.kind, p.tensor, p.file) for p in r.problems] == [("checksum", None, shard.name)]
+    assert r.problems[0].message.endswith("(every tensor's data matches its sha256 there: the header changed)")
 
 
 def test_changed_layer_is_named_when_requantization_cannot_reproduce_it(ckpt, tmp_path, monkeypatch):
@@ -406,6 +460,7 @@ def test_changed_layer_is_named_when_requantization_cannot_reproduce_it(ckpt, tm
 
     monkeypatch.setattr(quantize_mod, "quantize", elsewhere)
     root = copy_of(ckpt("q4"), tmp_path)
+    strip_digests(root)  # the re-quantization fallback serves manifests without digests
     shard = flip_byte(root, "model.layers.0.mlp.down_proj.qweight", 100, 0x11)
     r = verify(root, device="cpu")
     assert r.exit_code == 2 and len(r.problems) == 1

@@ -23,7 +23,7 @@ from quantpack.cli import cli
 from quantpack.convert import convert
 from quantpack.nn_w8a8 import W8A8Linear
 from quantpack.verify import verify
-from test_verify import ckpt, copy_of, flip_byte, report4  # noqa: F401 (fixtures)
+from test_verify import ckpt, copy_of, flip_byte, report4, strip_digests  # noqa: F401 (fixtures)
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -433,6 +433,9 @@ def test_both_tensors_of_a_layer_changed_names_the_layer(w8a8, tmp_path):
     name = "model.layers.1.mlp.up_proj"
     shard = flip_byte(root, f"{name}.qweight", 40, 0x02)
     assert flip_byte(root, f"{name}.weight_scale", 0, 0x01) == shard
+    r = verify(root, device="cpu", reference=False)  # the manifest's per-tensor digests name both
+    assert sorted((p.tensor, p.file) for p in r.problems) == [(f"{name}.qweight", shard), (f"{name}.weight_scale", shard)]
+    strip_digests(root)  # without digests, re-quantizing the reference cannot tell them apart
     r = verify(root, device="cpu")
     assert r.exit_code == 2 and [(p.tensor, p.file) for p in r.problems] == [(name, shard)]
     assert "1 of 32768 codes" in r.problems[0].message
