@@ -436,6 +436,15 @@ def test_digests_name_every_changed_tensor_of_a_shard_without_a_reference(ckpt, 
     assert len(lines) == 1 and lines[0].startswith(f"Error: tensor {module}.") and f" in {shard}: " in lines[0]
 
 
+def test_manifest_without_digests_still_verifies_and_loads(ckpt, tmp_path):
+    root = copy_of(ckpt("q4"), tmp_path)
+    strip_digests(root)
+    r = verify(root, device="cpu", reference=False)  # loads the model for the kernel checks
+    assert r.verdict == "pass" and r.kernels["items"] and not r.problems, r.format_table()
+    import quantpack
+    assert quantpack.load(root, device="cpu") is not None
+
+
 def test_changed_header_with_unchanged_tensor_data_names_the_file(ckpt, tmp_path):
     root = copy_of(ckpt("q4"), tmp_path)
     shard = sorted(root.glob("*.safetensors"))[0]
