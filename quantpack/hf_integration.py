@@ -8,121 +8,81 @@ quantizer registry (``AutoHfQuantizer``), so after ``import quantpack``::
 builds the model with :class:`~quantpack.nn.QuantLinear` layers (:class:`~quantpack.nn_w8a8.W8A8Linear`
 for ``w8a8`` checkpoints: the same ones :func:`quantpack.load` builds) and transformers' own loader
 fills them from the shards.
-Registration is idempotent. :class:`QuantLinearLora` and :func:`lora_config` let peft put LoRA
-adapters on a frozen quantized base.
+Registration is idempotent, and lazy: importing transformers' quantizer registry takes seconds, so
+when it is not loaded yet the entries are written the moment it is (an import hook), and
+``import quantpack`` (and ``quantpack --help``) stay fast. :class:`QuantpackConfig` and
+:class:`QuantpackHfQuantizer` (in :mod:`quantpack._hf_quantizer`) are attributes of this module
+as before. :class:`QuantLinearLora` and :func:`lora_config` let peft put LoRA adapters on a frozen
+quantized base.
 """
 from __future__ import annotations
 
-import json
-from typing import Any
+import importlib.abc
+import sys
 
 import torch
 from torch import nn
-from transformers.quantizers import HfQuantizer
-from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
-from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from . import checkpoint
-from .loader import QUANT_METHOD, linear_modules_to_convert, read_quantization_config, replace_linear_layers
 from .nn import QuantLinear
 
-_CONFIG_FIELDS = ("layout_version", "bits", "group_size", "axis", "method", "modules_not_converted",
-                  "bits_overrides", "quantpack_version", "scheme")
-
-
-class QuantpackConfig(QuantizationConfigMixin):
-    """``config.json["quantization_config"]`` of a quantpack checkpoint, as transformers sees it.
-
-    Validated on construction (layout version, bits, axis, scheme), with the message of
-    :class:`~quantpack.checkpoint.CheckpointError`.
-    """
-
-    def __init__(self, quant_method: str = QUANT_METHOD, **fields: Any):
-        self.quant_method = quant_method
-        extra = sorted(set(fields) - set(_CONFIG_FIELDS))
-        if extra:
-            raise checkpoint.CheckpointError(f"config.json: quantization_config has unknown field {extra[0]!r}; "
-                                             f"this quantpack does not know it: upgrade quantpack")
-        self.validated = read_quantization_config({"quantization_config": {"quant_method": quant_method, **fields}})
-        self._stored = dict(fields)  # serialized back exactly as read
-        for key in _CONFIG_FIELDS:
-            setattr(self, key, self.validated.get(key))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": self.quant_method, **json.loads(json.dumps(self._stored))}
-
-
-class QuantpackHfQuantizer(HfQuantizer):
-    """Loads pre-quantized quantpack checkpoints: swaps converted linear layers for
-    :class:`~quantpack.nn.QuantLinear` before transformers reads the weights."""
-
-    requires_calibration = True  # quantpack checkpoints come from `quantpack convert`, not on-the-fly quantization
-    quantization_config: QuantpackConfig
-
-    def validate_environment(self, *args, **kwargs):
-        device_map = kwargs.get("device_map")
-        if isinstance(device_map, dict) and "disk" in device_map.values():
-            raise ValueError("device_map: disk offload is not supported for quantpack checkpoints; give the model "
-                             "more GPU or CPU memory (max_memory)")
-
-    def _process_model_before_weight_loading(self, model, **kwargs):
-        qc = self.quantization_config.validated
-        dtype = kwargs.get("dtype") or getattr(model.config, "dtype", None) or torch.float32
-        # transformers casts each stored scale to the dtype of the module buffer it fills; build the
-        # buffers in the dtype the checkpoint stores them in (when the shard headers say), so that a
-        # float32 model keeps its bf16 scales exact, and an explicit `dtype=` still applies to the rest.
-        scales_dtypes = _stored_scales_dtypes(kwargs.get("checkpoint_files"))
-        replace_linear_layers(model, qc, linear_modules_to_convert(model, qc),
-                              lambda name: scales_dtypes.get(name, dtype))
-        return model
-
-    def _process_model_after_weight_loading(self, model, **kwargs):
-        return model
-
-    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        return False  # already quantized on disk
-
-    def is_serializable(self, *args, **kwargs) -> bool:
-        # save_pretrained would write shards but no manifest; `quantpack convert` makes checkpoints.
-        return False
-
-    @property
-    def is_trainable(self) -> bool:
-        return True  # adapters (peft LoRA) train on top of the frozen QuantLinear layers
-
-    @property
-    def is_qat_trainable(self) -> bool:
-        return False
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
-
-
-def _stored_scales_dtypes(checkpoint_files) -> dict[str, torch.dtype]:
-    """Module name -> the compute dtype its checkpoint stores: that of ``.scales``, or for W8A8
-    layers (whose ``weight_scale`` is always float32) that of ``.bias``."""
-    infos: dict = {}
-    for f in checkpoint_files or []:
-        if str(f).endswith(".safetensors"):
-            infos.update(checkpoint.read_safetensors_header(f)[0])
-    out: dict[str, torch.dtype] = {}
-    for name, info in infos.items():
-        if name.endswith(".scales"):
-            out[name[: -len(".scales")]] = info.dtype
-        elif name.endswith(".weight_scale") and name[: -len("weight_scale")] + "bias" in infos:
-            out[name[: -len(".weight_scale")]] = infos[name[: -len("weight_scale")] + "bias"].dtype
-    return out
+_REGISTRY_MODULE = "transformers.quantizers.auto"
+_TRANSFORMERS_CLASSES = ("QuantpackConfig", "QuantpackHfQuantizer")
 
 
 def register() -> None:
-    """Register the ``quantpack`` quantization method with transformers (safe to call repeatedly)."""
-    # transformers' register_* decorators refuse a second registration: write the mappings directly.
-    AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = QuantpackConfig
-    AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = QuantpackHfQuantizer
+    """Register the ``quantpack`` quantization method with transformers (safe to call repeatedly).
+
+    Imports transformers' quantizer registry; ``import quantpack`` does this for you when (and
+    only when) transformers loads it.
+    """
+    from . import _hf_quantizer
+
+    _hf_quantizer.register()
 
 
-register()
+class _RegisterAfterExec(importlib.abc.Loader):
+    """Wraps the loader of transformers' quantizer registry: runs it, then :func:`register`."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        register()
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
+        return getattr(self._inner, name)
+
+
+class _RegistryImportHook(importlib.abc.MetaPathFinder):
+    """One-shot finder: hands transformers' quantizer registry to its real finder, with
+    :class:`_RegisterAfterExec` around the loader."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _REGISTRY_MODULE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisterAfterExec(spec.loader)
+                return spec
+        return None
+
+
+def _register_when_transformers_loads() -> None:
+    if _REGISTRY_MODULE in sys.modules:
+        register()
+    elif not any(isinstance(f, _RegistryImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegistryImportHook())
+
+
+_register_when_transformers_loads()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,8 +154,13 @@ _LORA_CLASS = None
 
 
 def __getattr__(name: str):
-    # peft is optional: build the LoRA layer class on first use only.
+    # transformers' registry and peft load slowly: import them on first use only.
     global _LORA_CLASS
+    if name in _TRANSFORMERS_CLASSES:  # importing them registers them too (register() is idempotent)
+        from . import _hf_quantizer
+
+        _hf_quantizer.register()
+        return getattr(_hf_quantizer, name)
     if name == "QuantLinearLora":
         if _LORA_CLASS is None:
             _LORA_CLASS = _lora_layer_class()

@@ -1,0 +1,53 @@
+"""``import quantpack`` stays fast (no transformers) yet ``from_pretrained`` still finds the quantizer.
+
+Each case runs in a fresh interpreter: the import order is what is being tested.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from test_loader import llama_src, packed_llama  # noqa: F401
+
+
+def _run(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_import_quantpack_and_its_cli_do_not_import_transformers():
+    out = _run("""
+        import sys
+        import quantpack, quantpack.cli, quantpack.hf_integration
+        print(sorted(m for m in sys.modules if m == "transformers" or m.startswith("transformers.")))
+    """)
+    assert out.strip() == "[]"
+
+
+def test_quantpack_first_then_from_pretrained(packed_llama):
+    out = _run(f"""
+        import sys
+        import quantpack
+        assert "transformers" not in sys.modules
+        from transformers import AutoModelForCausalLM
+        from quantpack.nn import QuantLinear
+        model = AutoModelForCausalLM.from_pretrained({str(packed_llama)!r})
+        print(type(model.config.quantization_config).__name__,
+              sum(isinstance(m, QuantLinear) for m in model.modules()))
+    """)
+    name, quantized = out.split()[-2:]
+    assert name == "QuantpackConfig" and int(quantized) > 0
+
+
+def test_transformers_registry_first_then_quantpack():
+    out = _run("""
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+        assert "quantpack" not in AUTO_QUANTIZER_MAPPING
+        import quantpack.hf_integration as hf
+        assert AUTO_QUANTIZER_MAPPING["quantpack"] is hf.QuantpackHfQuantizer
+        assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantpack"] is hf.QuantpackConfig
+        print("ok")
+    """)
+    assert out.strip() == "ok"
