@@ -54,20 +54,30 @@ def main(argv=None):
     cli.main(args=argv, prog_name="quantpack")
 
 
-def _group_size(value: str):
-    if value.lower() in ("none", "channel", "per-channel"):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not an integer or 'none'") from None
+class GroupSize(click.ParamType):
+    """``--group-size``: a positive integer, or ``none`` (per-channel) -> ``None``."""
+
+    name = "group size"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int):
+            return value
+        if value.lower() in ("none", "channel", "per-channel"):
+            return None
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if size <= 0:  # as a param type, click names the option in the message
+            self.fail(f"{value!r} is not a positive integer or 'none'", param, ctx)
+        return size
 
 
 @cli.command("convert")
 @click.argument("source")
 @click.option("-o", "--output", type=click.Path(file_okay=False), help="Output directory [default: <model-name>-qp<bits>g<group>, or <model-name>-qpw8a8].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
-@click.option("--group-size", default="128", show_default=True, metavar="N|none",
+@click.option("--group-size", type=GroupSize(), default="128", show_default=True, metavar="N|none",
               help="Weights per scale/zero group; 'none' for per-channel.")
 @click.option("--axis", type=click.Choice(["1", "0"]), default="1", show_default=True,
               help="1: groups along in-features; 0: along out-features.")
@@ -122,7 +132,7 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
                                f"channel); drop {'them' if len(refused) > 1 else 'it'}")
     try:
         summary = convert(source, output, bits=int(bits) if "bits" in given else None,
-                          group_size=_group_size(group_size), axis=int(axis),
+                          group_size=group_size, axis=int(axis),
                           method=method if "method" in given else None, scheme=scheme, dtype=dtype, device=device,
                           skip=skip, bits_for=bits_for,
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
@@ -146,7 +156,7 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
 @cli.command("demo")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where to build the model and its packed copy [default: a new temporary directory].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
-@click.option("--group-size", default="32", show_default=True, metavar="N|none", help="Weights per group; 'none' for per-channel.")
+@click.option("--group-size", type=GroupSize(), default="32", show_default=True, metavar="N|none", help="Weights per group; 'none' for per-channel.")
 @click.option("--method", type=click.Choice(["hqq", "rtn"]), default="hqq", show_default=True, help="Quantization method.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where to quantize and run.")
 def demo_command(workdir, bits, group_size, method, device):
@@ -161,7 +171,7 @@ def demo_command(workdir, bits, group_size, method, device):
     from .demo import run_demo
 
     try:
-        result = run_demo(workdir, bits=int(bits), group_size=_group_size(group_size), method=method, device=device)
+        result = run_demo(workdir, bits=int(bits), group_size=group_size, method=method, device=device)
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
     click.echo(result.conversion.format_table() + "\n")
