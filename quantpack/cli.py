@@ -73,7 +73,7 @@ class GroupSize(click.ParamType):
         return size
 
 
-@cli.command("convert")
+@cli.command("convert", short_help="Convert a hub repo or local checkpoint to packed 4/8-bit weights.")
 @click.argument("source")
 @click.option("-o", "--output", type=click.Path(file_okay=False), help="Output directory [default: <model-name>-qp<bits>g<group>, or <model-name>-qpw8a8].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
@@ -153,7 +153,7 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
         click.echo(summary.format_table())
 
 
-@cli.command("demo")
+@cli.command("demo", short_help="Build a small Llama, convert it and verify it, offline.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where to build the model and its packed copy [default: a new temporary directory].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
 @click.option("--group-size", type=GroupSize(), default="32", show_default=True, metavar="N|none", help="Weights per group; 'none' for per-channel.")
@@ -181,7 +181,7 @@ def demo_command(workdir, bits, group_size, method, device):
         sys.exit(result.report.exit_code)
 
 
-@cli.command("verify")
+@cli.command("verify", short_help="Check a packed checkpoint's files and accuracy against its source.")
 @click.argument("packed")
 @click.option("--reference", metavar="SRC", help="The original checkpoint (hub repo id or directory) "
               "[default: the source recorded in quantpack.json].")

@@ -14,3 +14,10 @@ def test_bad_group_size_names_the_option(command, value):
     assert result.output.strip().splitlines() == [
         f"Error: Invalid value for '--group-size': {value!r} is not a positive integer or 'none' "
         f"(see 'quantpack {command} --help')"]
+
+
+def test_command_list_is_not_truncated():
+    result = CliRunner().invoke(cli, ["--help"], terminal_width=80)
+    assert result.exit_code == 0
+    commands = result.output.split("Commands:")[1].strip().splitlines()
+    assert len(commands) == 3 and not any(line.rstrip().endswith("...") for line in commands), commands
