@@ -79,10 +79,19 @@ def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 12
     wg = _grouped(weight.float(), group_size, axis)
     wmin = wg.amin(dim=1, keepdim=True)
     wmax = wg.amax(dim=1, keepdim=True)
-    # Inverse scale, as hqq works with it; a flat group gets scale 1 (any q then reconstructs it).
-    denom = wmax - wmin
-    inv_scale = torch.where(denom.abs() <= 1e-4, torch.ones_like(denom), qmax / denom).clamp(max=2e4)
-    zero = -wmin * inv_scale
+    # Inverse scale, as hqq works with it. The scale is range/qmax, with two floors and no absolute
+    # one (a fixed floor blurred small weights: 8-bit groups narrower than ~0.013, 4-bit narrower
+    # than ~1e-3): the smallest scale the storage dtype holds with full precision (float16: 2**-15,
+    # a subnormal with 9 significant bits), and absmax * 2**-15 so that the zero point
+    # (-wmin/scale, in the integer domain) stays within +-2**15 even for a flat or offset group
+    # (finite in float16, exact enough in float32 arithmetic). Where a floor holds, the group's
+    # midpoint lands on the middle integer (a flat group then reconstructs exactly).
+    floor = 2.0 ** -15 if dtype == torch.float16 else torch.finfo(dtype).tiny
+    absmax = torch.maximum(wmin.abs(), wmax.abs())
+    min_scale = torch.clamp(absmax * 2.0 ** -15, min=floor)
+    floored = wmax - wmin < min_scale * qmax
+    inv_scale = qmax / torch.where(floored, min_scale * qmax, wmax - wmin)
+    zero = torch.where(floored, (qmax // 2) - (wmin + wmax) / 2 * inv_scale, -wmin * inv_scale)
     if method == "hqq":
         from hqq.core.optimize import optimize_weights_proximal
 

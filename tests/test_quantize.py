@@ -120,3 +120,44 @@ def test_invalid_weights():
             quantize(w, group_size=32)
     with pytest.raises(ValueError, match="weight: expected a 2-D"):
         quantize(torch.randn(4, 8, 16), group_size=16)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("power", [-7, -14])
+def test_rtn_is_scale_equivariant_for_small_weights(bits, axis, power):
+    """Scaling a weight by 2**power scales its bf16 scales by 2**power and changes no q (no
+    absolute floor on the scale: it used to blur 8-bit groups narrower than 0.013, 4-bit ones
+    narrower than 7.5e-4, and collapse groups narrower than 1e-4 to a single value)."""
+    w = _weight(64, 128, seed=11)
+    big = quantize(w, bits=bits, group_size=32, axis=axis, method="rtn", dtype=torch.bfloat16)
+    small = quantize(w * 2.0 ** power, bits=bits, group_size=32, axis=axis, method="rtn", dtype=torch.bfloat16)
+    assert torch.equal(small.qweight, big.qweight)
+    assert torch.equal(small.zeros, big.zeros)
+    assert torch.equal(small.scales, big.scales * 2.0 ** power)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("std", [1e-3, 1e-5])
+def test_hqq_error_does_not_grow_for_small_weights(bits, std):
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    ref = _rel(dequantize(quantize(w * 0.02, bits=bits, group_size=32, dtype=torch.bfloat16)).float(), w * 0.02)
+    got = _rel(dequantize(quantize(w * std, bits=bits, group_size=32, dtype=torch.bfloat16)).float(), w * std)
+    assert got <= ref * 1.1, (got, ref)
+
+
+@pytest.mark.parametrize("method", ["hqq", "rtn"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_offset_and_flat_groups_stay_finite_and_accurate(method, dtype):
+    """Groups far from zero (|w| / range large): the zero point must stay finite in the storage dtype
+    (float16 used to overflow to inf), and a flat group is reproduced exactly."""
+    g = torch.Generator().manual_seed(2)
+    w = 10 + torch.rand(8, 64, generator=g) * 1e-3
+    w[:, :32] = 0.75  # flat groups
+    pw = quantize(w, bits=4, group_size=32, method=method, dtype=dtype)
+    got = dequantize(pw, torch.float32)
+    assert bool(torch.isfinite(pw.zeros).all()) and bool(torch.isfinite(got).all())
+    assert torch.equal(got[:, :32], w[:, :32])
+    assert _rel(got[:, 32:], w[:, 32:]) < 1e-4
+    zero = torch.zeros(4, 32)
+    assert torch.equal(dequantize(quantize(zero, group_size=32, method=method, dtype=dtype), torch.float32), zero)
