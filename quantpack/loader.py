@@ -272,6 +272,25 @@ def _resolve_device_map(model, device_map, max_memory) -> dict:
     return device_map
 
 
+def _check_device(device, what: str = "device") -> torch.device:
+    """``device`` as a torch.device that exists here; else a one-line ValueError naming ``what``
+    (torch's own errors are an AssertionError or a RuntimeError listing every backend)."""
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) else \
+            torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what}={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type in ("meta", "disk"):
+        raise ValueError(f"{what}={device!r}: the model needs real memory; use 'cpu', 'cuda' or 'cuda:N'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}={device!r}: no CUDA GPU is available here; use 'cpu' (the reference path)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{what}={device!r}: there are only {torch.cuda.device_count()} CUDA device(s); "
+                             f"use 'cuda:0' to 'cuda:{torch.cuda.device_count() - 1}'")
+    return dev
+
+
 def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, device_map=None,
          revision: str | None = None, token: str | None = None, max_memory: dict | None = None,
          verify: bool = True) -> nn.Module:
@@ -301,6 +320,15 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         raise ValueError("device and device_map: pass one of them, not both")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r}: pass a floating-point torch.dtype such as torch.bfloat16")
+    if device is not None:
+        device = _check_device(device)
+    if isinstance(device_map, dict):
+        for module, dev in device_map.items():
+            if dev not in ("disk", "meta"):  # refused below with the offload message
+                _check_device(dev, f"device_map[{module!r}]")
+    elif device_map is not None and (not isinstance(device_map, str) or device_map in ("cpu", "cuda")
+                                     or device_map.startswith("cuda:")):
+        _check_device(device_map, "device_map")
     root = resolve_checkpoint(path_or_repo_id, revision=revision, token=token)
     if not (root / checkpoint.CONFIG_NAME).is_file():
         raise _fail(f"{root}: no config.json; not a packed checkpoint directory")
@@ -338,7 +366,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     _check_tensors(model, expected, aliases, tensors, quantized, qc)
 
     if device_map is None:
-        placement = {"": torch.device(device) if device is not None else
+        placement = {"": device if device is not None else
                      (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                       else torch.device("cpu"))}
     else:
