@@ -5,7 +5,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert import ConvertSummary, convert
+from .convert import ConvertSummary, convert, default_output_name
 from .tiny import make_tiny_llama
 from .verify import DEFAULT_TEXT, VerifyReport, verify
 
@@ -31,7 +31,7 @@ def run_demo(workdir=None, *, bits: int = 4, group_size: int | None = 32, method
     if source.exists():
         raise ValueError(f"workdir: {source} already exists; pass an empty or new directory")
     make_tiny_llama(source, train_steps=DEMO_TRAIN_STEPS, train_text=DEFAULT_TEXT)
-    packed = workdir / f"tiny-llama-qp{bits}g{group_size or 'ch'}"
+    packed = workdir / default_output_name(source.name, bits, group_size)  # as `quantpack convert` names it
     conversion = convert(source, packed, bits=bits, group_size=group_size, method=method, device=device,
                          progress=progress)
     report = verify(packed, reference=source, device=device)

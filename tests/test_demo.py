@@ -23,3 +23,14 @@ def test_demo_refuses_a_used_workdir(tmp_path):
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         f"Error: workdir: {tmp_path / 'tiny-llama'} already exists; pass an empty or new directory"]
+
+
+def test_demo_names_the_packed_copy_as_convert_does(tmp_path, monkeypatch):
+    import quantpack.demo as demo
+
+    calls = {}
+    monkeypatch.setattr(demo, "make_tiny_llama", lambda path, **kw: calls.setdefault("source", path))
+    monkeypatch.setattr(demo, "convert", lambda source, packed, **kw: calls.setdefault("packed", packed))
+    monkeypatch.setattr(demo, "verify", lambda packed, **kw: None)
+    result = demo.run_demo(tmp_path, bits=8, group_size=None, progress=False)
+    assert result.packed == calls["packed"] == tmp_path / "tiny-llama-qp8pc"  # was tiny-llama-qp8gch
