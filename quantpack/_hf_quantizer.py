@@ -7,6 +7,7 @@ quantpack`` registers these classes only once transformers loads that registry (
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint
 from .loader import QUANT_METHOD, linear_modules_to_convert, read_quantization_config, replace_linear_layers
+
+logger = logging.getLogger(__name__)
 
 _CONFIG_FIELDS = ("layout_version", "bits", "group_size", "axis", "method", "modules_not_converted",
                   "bits_overrides", "quantpack_version", "scheme")
@@ -77,6 +80,10 @@ class QuantpackHfQuantizer(HfQuantizer):
 
     def is_serializable(self, *args, **kwargs) -> bool:
         # save_pretrained would write shards but no manifest; `quantpack convert` makes checkpoints.
+        # transformers' refusal says "check out the warnings from the logger": give it one.
+        logger.warning("quantpack: save_pretrained cannot write a packed checkpoint (it would lack the "
+                       "quantpack.json manifest); convert the original model with `quantpack convert`, or save "
+                       "LoRA adapters with the peft model's save_pretrained")
         return False
 
     @property

@@ -1,6 +1,5 @@
-"""``import quantpack`` stays fast (no transformers) yet ``from_pretrained`` still finds the quantizer.
-
-Each case runs in a fresh interpreter: the import order is what is being tested.
+"""``import quantpack`` stays fast (no transformers) yet ``from_pretrained`` still finds the quantizer
+(each import-order case runs in a fresh interpreter), and the quantizer explains its refusals.
 """
 from __future__ import annotations
 
@@ -51,3 +50,17 @@ def test_transformers_registry_first_then_quantpack():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_save_pretrained_refusal_says_why(packed_llama, tmp_path, caplog):
+    """transformers refuses with "check out the warnings from the logger": there must be one."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    import quantpack  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(packed_llama)
+    with caplog.at_level("WARNING", logger="quantpack"), pytest.raises(ValueError, match="not serializable"):
+        model.save_pretrained(tmp_path / "resaved")
+    assert "quantpack convert" in caplog.text and "manifest" in caplog.text
+    assert not (tmp_path / "resaved").exists() or not any((tmp_path / "resaved").iterdir())
