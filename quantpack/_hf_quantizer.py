@@ -2,7 +2,8 @@
 
 Kept apart because importing it imports transformers' quantizer registry (seconds): ``import
 quantpack`` registers these classes only once transformers loads that registry (see
-:func:`quantpack.hf_integration._register_when_transformers_loads`).
+:func:`quantpack.hf_integration._register_when_transformers_loads`). Importing this module
+registers them.
 """
 from __future__ import annotations
 
@@ -120,3 +121,6 @@ def register() -> None:
     # transformers' register_* decorators refuse a second registration: write the mappings directly.
     AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = QuantpackConfig
     AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = QuantpackHfQuantizer
+
+
+register()  # importing this module registers it (the import hook relies on that)

@@ -40,6 +40,15 @@ def register() -> None:
     _hf_quantizer.register()
 
 
+def _register_from_hook() -> None:
+    module = sys.modules.get(__name__.rpartition(".")[0] + "._hf_quantizer")
+    if module is None:
+        from . import _hf_quantizer  # noqa: F401  registers itself on import
+    elif hasattr(module, "register"):
+        module.register()
+    # else: _hf_quantizer's own import loaded the registry; it registers itself when it finishes
+
+
 class _RegisterAfterExec(importlib.abc.Loader):
     """Wraps the loader of transformers' quantizer registry: runs it, then :func:`register`."""
 
@@ -51,7 +60,7 @@ class _RegisterAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        register()
+        _register_from_hook()
 
     def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
         return getattr(self._inner, name)
@@ -77,7 +86,7 @@ class _RegistryImportHook(importlib.abc.MetaPathFinder):
 
 def _register_when_transformers_loads() -> None:
     if _REGISTRY_MODULE in sys.modules:
-        register()
+        _register_from_hook()
     elif not any(isinstance(f, _RegistryImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegistryImportHook())
 
@@ -156,10 +165,9 @@ _LORA_CLASS = None
 def __getattr__(name: str):
     # transformers' registry and peft load slowly: import them on first use only.
     global _LORA_CLASS
-    if name in _TRANSFORMERS_CLASSES:  # importing them registers them too (register() is idempotent)
+    if name in _TRANSFORMERS_CLASSES:  # importing them registers them too
         from . import _hf_quantizer
 
-        _hf_quantizer.register()
         return getattr(_hf_quantizer, name)
     if name == "QuantLinearLora":
         if _LORA_CLASS is None:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from test_loader import llama_src, packed_llama  # noqa: F401
 
 
@@ -52,9 +54,27 @@ def test_transformers_registry_first_then_quantpack():
     assert out.strip() == "ok"
 
 
+@pytest.mark.parametrize("first", [
+    "from quantpack.hf_integration import QuantpackConfig",
+    "import quantpack.hf_integration as hf; hf.register(); hf.register()",
+    "import quantpack._hf_quantizer",
+])
+def test_first_use_in_a_fresh_interpreter_registers(first):
+    """Whatever loads transformers' registry first (including quantpack's own quantizer module,
+    whose import triggers the hook mid-import), the entries end up written."""
+    out = _run(f"""
+        {first}
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+        import quantpack.hf_integration as hf
+        assert AUTO_QUANTIZER_MAPPING["quantpack"] is hf.QuantpackHfQuantizer
+        assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantpack"] is hf.QuantpackConfig
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 def test_save_pretrained_refusal_says_why(packed_llama, tmp_path, caplog):
     """transformers refuses with "check out the warnings from the logger": there must be one."""
-    import pytest
     from transformers import AutoModelForCausalLM
 
     import quantpack  # noqa: F401
