@@ -148,11 +148,7 @@ class ConvertSummary:
 
     def format_table(self) -> str:
         """The human summary printed at the end of ``quantpack convert``."""
-        def size(n):
-            for unit in ("B", "KB", "MB", "GB", "TB"):
-                if abs(n) < 1000 or unit == "TB":
-                    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-                n /= 1000
+        size = format_size
 
         rows = [("source", self.source + (f" @ {self.revision[:12]}" if self.revision else "")),
                 ("output", self.output + ("  (dry run: nothing written)" if self.dry_run else "")),
@@ -326,6 +322,14 @@ def _resolve_device(device: str) -> torch.device:
 def _natural_key(name: str) -> list:
     """``layers.2`` before ``layers.10``."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def format_size(n: float) -> str:
+    """Bytes for people: 512 B, 354.51 KB, 5.81 GB."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
 
 
 def default_output_name(model_name: str, bits: int, group_size: int | None, scheme: str | None = None) -> str:
@@ -543,11 +547,16 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             probe = probe.parent
         if not probe.is_dir():
             raise CheckpointError(f"output: cannot create {out_path}: {probe} is not a directory; choose another --output")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise CheckpointError(f"output: cannot create {out_path}: {probe} is not writable; choose another --output")
+        if resolved.local and out_path.is_relative_to(resolved.path):
+            raise CheckpointError(f"output: {out_path} is inside the source checkpoint {resolved.path}; "
+                                  f"choose an --output outside it")
         summary.disk_free = shutil.disk_usage(probe).free
         already = sum(f.stat().st_size for f in partial.glob("*.safetensors")) if partial.is_dir() else 0
         if summary.disk_free + already < needed:
-            raise CheckpointError(f"output: needs about {needed / 1e9:.2f} GB free on {probe} but only "
-                                  f"{summary.disk_free / 1e9:.2f} GB is available; free space or choose another --output")
+            raise CheckpointError(f"output: needs about {format_size(needed)} free on {probe} but only "
+                                  f"{format_size(summary.disk_free)} is available; free space or choose another --output")
         summary.timings["plan"] = time.perf_counter() - t0
         if dry_run:
             summary.seconds = time.perf_counter() - t0

@@ -1,5 +1,6 @@
 """convert(): end to end on tiny real checkpoints, layer selection, options, resume, bad input."""
 import json
+import os
 import shutil
 
 import pytest
@@ -176,8 +177,27 @@ def test_dry_run_writes_nothing_and_estimates_exactly(tiny_llama_dir, tmp_path):
 
 def test_dry_run_checks_disk_space(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
-    with pytest.raises(CheckpointError, match=r"output: needs about .* GB free .* but only 0.00 GB"):
+    with pytest.raises(CheckpointError, match=r"output: needs about [\d.]+ MB free on .* but only 1.00 KB is available"):
         convert(tiny_llama_dir, tmp_path / "x", dry_run=True, progress=False)
+
+
+def test_output_inside_the_source_is_refused(tiny_llama_dir, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_dir, src)
+    before = sorted(p.name for p in src.iterdir())
+    monkeypatch.chdir(src)  # `quantpack convert .` from inside the model directory
+    with pytest.raises(CheckpointError, match=r"output: .*src/src-qp4g128 is inside the source checkpoint .*src; "
+                                              r"choose an --output outside it"):
+        convert(".", progress=False)
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unwritable_output_parent_is_refused_before_work(tiny_llama_dir, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(CheckpointError, match=r"output: cannot create .* is not writable"):
+        convert(tiny_llama_dir, locked / "out", progress=False)
 
 
 def test_existing_output_needs_overwrite(tiny_llama_dir, tmp_path):
