@@ -496,6 +496,15 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             if layer_bits != bits:
                 bits_overrides[name] = layer_bits
         summary.layers.sort(key=lambda layer: _natural_key(layer.name))
+        # A pattern that selects nothing is almost always a typo: say so (and stop under --strict).
+        for option, patterns in (("--skip", skip_patterns), ("--bits-for", [p for p, _ in bits_rules])):
+            for pattern in patterns:
+                if not any(pattern.search(name) for name in linears):
+                    message = f"{option} {pattern.pattern} matches no linear layer"
+                    if strict:
+                        raise ValueError(f"{message} (--strict); check the pattern against the layer names "
+                                         f"(--dry-run lists them)")
+                    summary.warnings.append(message)
         if not quant_plan:
             raise ValueError(f"nothing to quantize: all {len(summary.layers)} linear layers are skipped "
                              f"({summary.layers[0].skipped if summary.layers else 'no linear layers found'}); "

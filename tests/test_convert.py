@@ -376,3 +376,13 @@ def test_source_path_or_repo_id(source, is_path):
     from quantpack.hub import looks_like_path
 
     assert looks_like_path(source) is is_path
+
+
+def test_patterns_that_match_no_layer_warn_or_fail_under_strict(tiny_llama_dir, tmp_path):
+    plan = convert(tiny_llama_dir, tmp_path / "d", skip=["q_prj"], bits_for=["down_proj=8", "dwn=8"],
+                   dry_run=True, progress=False)
+    assert "--skip q_prj matches no linear layer" in plan.warnings
+    assert "--bits-for dwn matches no linear layer" in plan.warnings
+    assert not any("down_proj" in w for w in plan.warnings)
+    with pytest.raises(ValueError, match=r"--skip q_prj matches no linear layer \(--strict\)"):
+        convert(tiny_llama_dir, tmp_path / "d", skip=["q_prj"], strict=True, dry_run=True, progress=False)
