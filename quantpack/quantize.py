@@ -29,8 +29,8 @@ def _check_weight(weight: torch.Tensor) -> None:
 
 
 def resolve_group_size(group_size: int | None, shape, axis: int) -> int:
-    """``None`` (or 0/-1) means per-channel: one group spanning the whole grouped axis."""
-    if group_size is None or group_size in (0, -1):
+    """``None`` means per-channel: one group spanning the whole grouped axis."""
+    if group_size is None:
         return shape[1] if axis == 1 else shape[0]
     return group_size
 

@@ -98,6 +98,8 @@ def test_constant_group_is_reproduced():
 @pytest.mark.parametrize("kwargs,match", [
     ({"group_size": 48}, "group_size"),
     ({"group_size": 100}, "group_size"),
+    ({"group_size": 0}, "group_size=0"),
+    ({"group_size": -1}, "group_size=-1"),
     ({"bits": 3}, "bits"),
     ({"method": "gptq"}, "method"),
     ({"axis": 3}, "axis"),
