@@ -1199,7 +1199,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         report.checks.append(Check(f"kernel {item['module_type']} {shape} {item['dtype']}", item["rel_error"],
                                    item["tolerance"], "<=", item["passed"]))
     if ref_dir is None:
-        report.skipped["layers"] = report.skipped["end_to_end"] = "no reference (reference=False)"
+        report.skipped["layers"] = report.skipped["end_to_end"] = "no reference (--no-reference / reference=False)"
         report.seconds = time.perf_counter() - t0
         return report
 
