@@ -59,6 +59,13 @@ class PackedWeight:
         for name, t in (("scales", self.scales), ("zeros", self.zeros)):
             if not t.is_floating_point():
                 raise ValueError(f"{name}: dtype {t.dtype}, expected a floating-point dtype")
+        if self.zeros.dtype != self.scales.dtype:
+            raise ValueError(f"zeros: dtype {self.zeros.dtype} differs from scales' {self.scales.dtype}; "
+                             f"both are stored in the compute dtype")
+        devices = {t.device for t in (self.qweight, self.scales, self.zeros)}
+        if len(devices) > 1:
+            raise ValueError(f"qweight, scales and zeros are on different devices ({sorted(map(str, devices))}); "
+                             f"move them to one device")
 
 
 def _is_pow2(v: int) -> bool:

@@ -68,3 +68,11 @@ def test_validate_reports_wrong_tensor():
     pw = PackedWeight(torch.zeros(32, 8, dtype=torch.int8), torch.zeros(2, 8), torch.zeros(2, 8), 4, 32, 1, (8, 64))
     with pytest.raises(ValueError, match="qweight: dtype"):
         pw.validate()
+    pw = PackedWeight(torch.zeros(32, 8, dtype=torch.uint8), torch.zeros(2, 8, dtype=torch.bfloat16),
+                      torch.zeros(2, 8, dtype=torch.float16), 4, 32, 1, (8, 64))
+    with pytest.raises(ValueError, match="zeros: dtype torch.float16 differs from scales' torch.bfloat16"):
+        pw.validate()
+    pw = PackedWeight(torch.zeros(32, 8, dtype=torch.uint8), torch.zeros(2, 8), torch.zeros(2, 8, device="meta"),
+                      4, 32, 1, (8, 64))
+    with pytest.raises(ValueError, match="different devices"):
+        pw.validate()
