@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import importlib  # noqa: E402
 
 from quantpack.kernels import dequantize  # noqa: E402
+from timing import graph_time as _graph_time, median_ms  # noqa: E402  (benchmarks/timing.py)
 
 mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module (the package exports a function of that name)
 dq_mod = importlib.import_module("quantpack.kernels.dequant")
@@ -49,31 +50,12 @@ def log(*a):
 
 
 def med(fn):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=10, rep=60, return_mode="median")
+    return median_ms(fn, warmup=10, rep=60)
 
 
 def graph_time(calls):
-    """Median ms per call over CUDA-graph replays of ``calls`` (eager if capture fails)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            for c in calls:
-                c()
-        torch.cuda.synchronize()
-        return med(g.replay) / len(calls), "graph"
-    except Exception:
-        torch.cuda.synchronize()
-        return med(lambda: [c() for c in calls]) / len(calls), "eager"
+    """Median ms per call over CUDA-graph replays of ``calls`` (eager if capture fails), and the mode."""
+    return _graph_time(calls, warmup=10, rep=60)
 
 
 def random_packed(n, k, bits, dtype, gen_seed=0, axis=1, gs=GS):

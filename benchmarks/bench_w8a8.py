@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from quantpack.quantize_w8a8 import quantize_activations_reference, quantize_weight_w8a8  # noqa: E402
 
+from timing import graph_time, median_ms  # noqa: E402  (benchmarks/timing.py)
+
 kw = importlib.import_module("quantpack.kernels.w8a8")
 
 SHAPES = [(4096, 4096), (14336, 4096)]  # (N out, K in)
@@ -46,28 +48,9 @@ def log(*a):
     print(*a, flush=True)
 
 
-def median_ms(fn):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def graph_ms(calls):
-    """Median ms per call over CUDA-graph replays of ``calls`` (one per replica)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    return median_ms(g.replay) / len(calls)
+    """Median ms per call over CUDA-graph replays of ``calls`` (one per replica); capture must work."""
+    return graph_time(calls, eager_fallback=False)[0]
 
 
 def ceilings():
