@@ -88,3 +88,26 @@ def hub_cache(tiny_llama_dir, tmp_path, monkeypatch) -> HubCache:
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache_dir))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return HubCache(cache_dir=cache_dir, repo_id=repo_id, commit=commit, env={**os.environ, **env})
+
+
+@pytest.fixture
+def convert_interrupted(monkeypatch):
+    """``convert(...)`` interrupted (KeyboardInterrupt) as it starts writing output shard ``at``,
+    as Ctrl-C would; the partial output stays for a resume."""
+    import quantpack.convert as convert_mod
+
+    def run(*args, at: int = 3, **kwargs):
+        real_write = convert_mod.write_safetensors
+        calls = []
+
+        def crash(path, *a, **kw):
+            calls.append(path)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+            return real_write(path, *a, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(convert_mod, "write_safetensors", crash)
+            with pytest.raises(KeyboardInterrupt):
+                convert_mod.convert(*args, **kwargs)
+    return run

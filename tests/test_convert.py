@@ -212,25 +212,13 @@ def test_existing_output_needs_overwrite(tiny_llama_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
 
 
-def test_interrupted_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, convert_interrupted):
     fresh = tmp_path / "fresh"
     n = convert(tiny_llama_dir, fresh, max_shard_size="60KB", method="rtn", progress=False).num_shards
     assert n >= 4
 
     out = tmp_path / "out"
-    real_write = convert_mod.write_safetensors
-    calls = []
-
-    def crash_on_third_shard(path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_write(path, *args, **kwargs)
-
-    monkeypatch.setattr(convert_mod, "write_safetensors", crash_on_third_shard)
-    with pytest.raises(KeyboardInterrupt):
-        convert(tiny_llama_dir, out, max_shard_size="60KB", method="rtn", progress=False)
-    monkeypatch.undo()
+    convert_interrupted(tiny_llama_dir, out, max_shard_size="60KB", method="rtn", progress=False, at=3)
     assert not out.exists()  # nothing that looks complete
     partial = tmp_path / ".out.qp-partial"
     assert sorted(p.name for p in partial.iterdir()) == [shard_name(1, n), shard_name(2, n), "progress.json"]
@@ -249,25 +237,13 @@ def test_interrupted_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, m
     assert not partial.exists()
 
 
-def test_progress_without_tensor_digests_redoes_the_shard(tiny_llama_dir, tmp_path, monkeypatch):
+def test_progress_without_tensor_digests_redoes_the_shard(tiny_llama_dir, tmp_path, convert_interrupted):
     """A finished shard recorded by a quantpack that wrote no per-tensor digests is converted again
     (its manifest entry would lack them), the others resume."""
     fresh = tmp_path / "fresh"
     convert(tiny_llama_dir, fresh, max_shard_size="150KB", method="rtn", progress=False)
     out = tmp_path / "out"
-    real_write = convert_mod.write_safetensors
-    calls = []
-
-    def crash_third(path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_write(path, *args, **kwargs)
-
-    monkeypatch.setattr(convert_mod, "write_safetensors", crash_third)
-    with pytest.raises(KeyboardInterrupt):
-        convert(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False)
-    monkeypatch.undo()
+    convert_interrupted(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False, at=3)
     progress_file = tmp_path / ".out.qp-partial" / "progress.json"
     progress = json.loads(progress_file.read_text())
     first = sorted(progress["shards"])[0]
@@ -278,22 +254,9 @@ def test_progress_without_tensor_digests_redoes_the_shard(tiny_llama_dir, tmp_pa
     same_tree(fresh, out)
 
 
-def test_changed_settings_do_not_resume(tiny_llama_dir, tmp_path, monkeypatch):
+def test_changed_settings_do_not_resume(tiny_llama_dir, tmp_path, convert_interrupted):
     out = tmp_path / "out"
-
-    real_write = convert_mod.write_safetensors
-    calls = []
-
-    def crash_second(path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_write(path, *args, **kwargs)
-
-    monkeypatch.setattr(convert_mod, "write_safetensors", crash_second)
-    with pytest.raises(KeyboardInterrupt):
-        convert(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False)
-    monkeypatch.undo()
+    convert_interrupted(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False, at=2)
     summary = convert(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", bits=8, progress=False)
     assert summary.resumed_shards == 0
     assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8

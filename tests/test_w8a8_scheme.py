@@ -115,30 +115,15 @@ def test_dry_run_plan_and_default_output_name(ckpt, tmp_path, monkeypatch):
     assert f"{ckpt('llama').name}-qpw8a8" in result.stdout and not list(tmp_path.iterdir())
 
 
-def test_interrupted_w8a8_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, monkeypatch):
+def test_interrupted_w8a8_run_resumes_to_identical_output(tiny_llama_dir, tmp_path, convert_interrupted):
     """Byte-identical to an uninterrupted run (manifest errors included); a weight-only partial of the
     same source is not resumed into a w8a8 output."""
-    import quantpack.convert as convert_mod
-
     fresh = tmp_path / "fresh"
     n = convert(tiny_llama_dir, fresh, scheme="w8a8", max_shard_size="100KB", progress=False).num_shards
     assert n >= 3
-    real_write = convert_mod.write_safetensors
-    calls = []
-
-    def crash_on_third_shard(path, *args, **kwargs):
-        calls.append(path)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_write(path, *args, **kwargs)
-
     out = tmp_path / "out"
     for kwargs in (dict(bits=8, method="rtn"), dict(scheme="w8a8")):
-        calls.clear()
-        monkeypatch.setattr(convert_mod, "write_safetensors", crash_on_third_shard)
-        with pytest.raises(KeyboardInterrupt):
-            convert(tiny_llama_dir, out, max_shard_size="100KB", progress=False, **kwargs)
-        monkeypatch.undo()
+        convert_interrupted(tiny_llama_dir, out, max_shard_size="100KB", progress=False, at=3, **kwargs)
     summary = convert(tiny_llama_dir, out, scheme="w8a8", max_shard_size="100KB", progress=False)
     assert summary.resumed_shards == 2 and summary.num_shards == n
     files = sorted(p.name for p in fresh.iterdir())
