@@ -143,7 +143,7 @@ def tune(ms, tr_ms, dtype_name, l2, out_dir):
         ranked = sorted(times.items(), key=lambda kv: kv[1])
         results[key] = [(c.__dict__, t) for c, t in ranked[:6]]
         log(f"tune {key}: best {times[best]:.1f}us {best}  | next: " +
-            "; ".join(f"{t:.1f}us {c.path}{'/raw' if c.rawq else ''}/{c.block_m}x{c.block_n}x{c.block_r}/s{c.split}/w{c.num_warps}"
+            "; ".join(f"{t:.1f}us {c.path}{'/raw' if c.rawq else ''}{'/words' if c.words else ''}/{c.block_m}x{c.block_n}x{c.block_r}/s{c.split}/w{c.num_warps}"
                       for c, t in ranked[1:4]))
         del qw, s, z, x
     torch.cuda.empty_cache()
@@ -259,7 +259,8 @@ def bench(ms, dtypes, bw, peak):
                     extra = (f" | {(nbytes4 + 2 * m * k + 2 * m * n) / (q * 1e-6) / 1e12:5.2f} "
                              f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
                 cfg = mm.pick_config(False, 4, m, n, k, x.device)
-                extra += f"  [{cfg.path}{'/rawq' if cfg.rawq else ''} {cfg.block_m}x{cfg.block_n}x{cfg.block_r} s{cfg.split}]"
+                extra += (f"  [{cfg.path}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''} "
+                          f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} s{cfg.split} w{cfg.num_warps}]")
                 log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)
                 for nm in names:
                     if line.get(nm + "_fail"):
@@ -289,7 +290,7 @@ def bench_transposed(ms, dtype, peak, bw):
             tc, _ = graph_time([lambda i=i: x @ ws[i] for i in range(r16)])
             cfg = mm.pick_config(True, 4, m, n, k, x.device)
             log(f"N={n:5d} K={k:5d} M={m:5d}: quantpack {tq * 1e3:8.1f}us ({2 * m * n * k / tq / 1e9:6.1f} TFLOP/s) "
-                f"cuBLAS {tc * 1e3:8.1f}us  x{tc / tq:.2f}  err {err:.1e}  [{cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_r}]")
+                f"cuBLAS {tc * 1e3:8.1f}us  x{tc / tq:.2f}  err {err:.1e}  [{cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_r} s{cfg.split}]")
             rows.append({"N": n, "K": k, "M": m, "quantpack": tq * 1e3, "cublas": tc * 1e3, "err": err})
     return rows
 

@@ -462,18 +462,19 @@ def test_fused_kernel_matches_dequantized_source_on_gpu(packed_llama, llama_src,
     assert {b.device.type for b in model.buffers()} == {"cuda"}
     oracle = dequantized_source(llama_src, packed_llama)
     ids = prompt_ids(packed_llama)
+    gpu_ids = {k: v.to("cuda") for k, v in ids.items()}  # (BatchEncoding.to moves in place)
     with torch.no_grad():
         want = oracle(**ids).logits
         # the reference path must not run: every quantized layer goes through the Triton kernel
         monkeypatch.setattr(quantpack.reference, "matmul", lambda *a, **k: pytest.fail("reference path ran on GPU"))
-        got = model(**ids.to("cuda")).logits.float().cpu()
+        got = model(**gpu_ids).logits.float().cpu()
     err = rel_err(got, want)
     print(f"fused kernel vs dequantized source, {dtype}: max rel err {err:.2e}")
     assert err <= GPU_RTOL[dtype]
     if dtype == torch.float32:
         kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
         with torch.no_grad():
-            assert torch.equal(model.generate(**ids.to("cuda"), **kw).cpu(), oracle.generate(**ids, **kw))
+            assert torch.equal(model.generate(**gpu_ids, **kw).cpu(), oracle.generate(**ids, **kw))
 
 
 @pytest.mark.gpu

@@ -5,10 +5,11 @@ weight W without materializing it; ``transposed=True`` computes ``x @ W`` (the i
 the forward) from the same buffer. Kernel paths, picked per (M bucket, N, K) from a tuned config
 table (``configs/<gpu>.json``) so first use never autotunes:
 
-* ``fma``: small M (decode). CUDA-core GEMV, split-K over the packed rows so every SM streams
-  weights; the group's scale/zero are applied once per tile column (``s * sum(x q) - z s * sum(x)``).
-  ``words=True`` (M = 1, 4-bit) reads int32 words of 4 columns and turns each nibble into a float
-  with one shift and one LOP3.
+* ``gemv``: decode (M = 1 and a few rows), groups along K. CUDA-core GEMV in ``gemv.py``:
+  split-K, next step's loads issued before this step's math, nibbles turned into floats with one
+  shift and one LOP3, ``words=True`` reads int32 words of 4 columns.
+* ``fma``: small M, any layout (axis 0, groups narrower than a tile). CUDA-core tiles, split-K; the
+  group's scale/zero are applied once per tile column (``s * sum(x q) - z s * sum(x)``).
 * ``dot`` / ``dot_t``: tensor-core tiles; ``dot_t`` computes ``C^T = W x^T`` (dequantized weight
   as the A operand, the M tile as the narrow N of the MMA). ``rawq=True`` runs the MMA on the raw
   integers (OR-ed into the bits of 128.0 / 1024.0, unpacked by inline PTX) and rescales per group.
@@ -34,12 +35,13 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from .gemv import gemv_grid, launch_gemv
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
                       meta_rowwise, triton_usable)
 from .. import reference
 from ..format import PackedWeight
 
-PATHS = ("fma", "dot", "dot_t", "dq")
+PATHS = ("gemv", "fma", "dot", "dot_t", "dq")
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
@@ -61,7 +63,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
-    words: bool = False  # fma path, M = 1, 4-bit, N % 4 == 0: int32-word nibble unpack
+    words: bool = False  # gemv path, 4-bit, N % 4 == 0: int32-word nibble unpack
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -105,31 +107,11 @@ def _unpack_magic(byte, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _nibble_f32(w, SHIFT: tl.constexpr):
-    """16 + (4-bit field of ``w`` that lands on bits 19..22 after shifting by SHIFT), as float32:
-    0x41800000 is 16.0, whose mantissa LSB weighs 2**-19."""
-    if SHIFT >= 0:
-        v = w << SHIFT
-    else:
-        v = w >> (-SHIFT)
-    return ((v & 0x00780000) | 0x41800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _words_step(a, w, xe, xo, sx, s_ptr, z_ptr, meta_off, c_mask, SHIFT_LO: tl.constexpr, SHIFT_HI: tl.constexpr):
-    part = tl.sum(xe[:, None] * _nibble_f32(w, SHIFT_LO) + xo[:, None] * _nibble_f32(w, SHIFT_HI), axis=0)
-    s = tl.load(s_ptr + meta_off, mask=c_mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + meta_off, mask=c_mask, other=0.0).to(tl.float32)
-    return a + s * part - s * (z + 16.0) * sx
-
-
-@triton.jit
 def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 M, N, K, G, N_META, stride_xm, stride_xk, stride_om, stride_on,
                 BITS: tl.constexpr, AXIS: tl.constexpr, META_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                 PATH: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
                 RAWQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, USE_ASM: tl.constexpr,
-                WORDS: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 SPLIT: tl.constexpr, GROUP_M: tl.constexpr):
     """out (M, N) = x (M, K) @ W.T. PATH 0: FMA (small M), 1: dot(x, W^T), 2: dot(W, x^T)^T."""
@@ -159,32 +141,6 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WORDS:
-        # M = 1, 4-bit, tile in one group: read qweight as int32 words (4 columns each) and turn
-        # each nibble into the float 16 + q with one shift and one LOP3 (no byte extraction, no
-        # FADD); 16 * sum(x) is taken off with the zero once per column. Column 4c + j of the
-        # tile accumulates in a_j.
-        c = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
-        c_mask = c < N // 4
-        a0 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
-        a1 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
-        a2 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
-        a3 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
-        for r0 in range(r_begin, r_end, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = r < KH
-            xe = tl.load(x_ptr + (2 * r) * stride_xk, mask=r_mask, other=0.0).to(tl.float32)
-            xo = tl.load(x_ptr + (2 * r + 1) * stride_xk, mask=r_mask, other=0.0).to(tl.float32)
-            w = tl.load(qw_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (N // 4) + c[None, :],
-                        mask=r_mask[:, None] & c_mask[None, :], other=0)
-            sx = tl.sum(xe + xo, axis=0)
-            g = (2 * r0) // G
-            a0 = _words_step(a0, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 0, c_mask, 19, 15)
-            a1 = _words_step(a1, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 1, c_mask, 11, 7)
-            a2 = _words_step(a2, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 2, c_mask, 3, -1)
-            a3 = _words_step(a3, w, xe, xo, sx, s_ptr, z_ptr, g * N + 4 * c + 3, c_mask, -5, -9)
-        acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_M, BLOCK_N))  # [c, i, p] -> 4c + 2i + p
-        r_end = r_begin  # the generic loop below is skipped
     for r0 in range(r_begin, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_mask = r < KH
@@ -482,7 +438,7 @@ def _fill_split(tiles: int, reduce_steps: int, sms: int, waves: float = 2.0) -> 
 
 def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
     """A config without tuning, following what tuning chose on an H200 (benchmarks/NOTES.md): the
-    FMA GEMV for M <= 8, split tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the
+    GEMV for M <= 8, split tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the
     fused large-M kernels lost to it by 2-10x there)."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
@@ -495,9 +451,12 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         tiles = triton.cdiv(m, bm) * triton.cdiv(kh, cfg.block_r)
         reduce_steps = triton.cdiv(n, cfg.block_n)
     elif m <= 8:
-        cfg = KernelConfig(path="fma", block_m=m_bucket(m), block_n=64, block_r=64, num_warps=2)
-        tiles = triton.cdiv(n, 64)
-        reduce_steps = triton.cdiv(kh, 64)
+        # GEMV (what tuning picked on an H200 at M = 1: 1-warp programs, ~8 programs per SM);
+        # _fix_config turns it into `fma` where the layout does not allow `gemv`
+        cfg = KernelConfig(path="gemv", block_m=1, block_n=128, block_r=32, num_warps=1,
+                           words=n % 4 == 0)
+        tiles = m * triton.cdiv(n, 128)
+        reduce_steps = triton.cdiv(kh, 32)
     elif m <= 64:
         cfg = KernelConfig(path="dot", block_m=max(16, m_bucket(m)), block_n=64, block_r=64, num_warps=4,
                            num_stages=3)
@@ -507,7 +466,7 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         cfg = KernelConfig(path="dot", block_m=128, block_n=128, block_r=32, num_warps=8, num_stages=3)
         tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
         reduce_steps = triton.cdiv(kh, 32)
-    return replace(cfg, split=_fill_split(tiles, reduce_steps, sms, 4.0 if m <= 8 else 2.0))
+    return replace(cfg, split=_fill_split(tiles, reduce_steps, sms, 8.0 if m <= 8 else 2.0))
 
 
 def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
@@ -539,13 +498,17 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                         waves=(1.0, 2.0) if mb <= 64 else (1.0,))
         return out
     if mb <= 8:
-        for bn, br, warps in ((64, 64, 2), (128, 64, 4), (32, 64, 1), (512, 16, 1), (1024, 16, 2), (256, 32, 1)):
+        # gemv: programs are (column tile, K range) per row of x; the sweep in benchmarks/NOTES.md (v4)
+        # found 1-2 warp programs at 8-16 programs per SM best on an H200
+        for bn, br, warps in ((64, 32, 1), (128, 32, 1), (128, 16, 1), (256, 32, 2), (128, 32, 2), (256, 16, 1)):
+            for words in (False, True):
+                gcfg = KernelConfig("gemv", 1, bn, br, num_warps=warps, num_stages=1, words=words)
+                for w in (4.0, 8.0, 16.0):
+                    c = replace(gcfg, split=_fill_split(m * triton.cdiv(n, bn), triton.cdiv(kh, br), sms, w))
+                    if c not in out:
+                        out.append(c)
+        for bn, br, warps in ((64, 64, 2), (128, 64, 4), (32, 64, 1)):
             add(KernelConfig("fma", mb, bn, br, num_warps=warps, num_stages=2), waves=(2.0, 4.0, 16.0))
-        if mb == 1:
-            for bn, br, warps in ((512, 16, 1), (256, 16, 1), (1024, 16, 2), (512, 32, 1), (256, 32, 1),
-                                  (1024, 32, 4)):
-                add(KernelConfig("fma", 1, bn, br, num_warps=warps, num_stages=2, words=True),
-                    waves=(2.0, 4.0, 8.0, 16.0))
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3)):
             add(KernelConfig("dot_t", 16, bn, br, num_warps=warps, num_stages=stages, rawq=True),
                 waves=(2.0, 4.0, 8.0))
@@ -633,11 +596,13 @@ def save_table(path: str | os.PathLike, device: torch.device | None = None) -> N
 
 def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_size: int) -> KernelConfig:
     """Clamp a (possibly nearest-shape) config to what this call can run."""
+    if cfg.path == "gemv" and (transposed or axis != 1 or group_size % (2 * cfg.block_r) or m > 8):
+        cfg = replace(cfg, path="fma", words=False)  # the general CUDA-core tiles
     if transposed and cfg.path == "fma":
         cfg = replace(cfg, path="dot")
     if cfg.path == "fma":  # GEMV tiles cover all of M (at most 8 rows each)
         cfg = replace(cfg, block_m=min(m_bucket(m), 8))
-    if cfg.path != "fma":
+    if cfg.path in ("dot", "dot_t"):
         cfg = replace(cfg, block_m=max(16, cfg.block_m), block_r=max(16, cfg.block_r))
     return cfg
 
@@ -659,25 +624,31 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     dd = _dot_dtype(x2.dtype)
     prec = "ieee" if dd == tl.float32 else "tf32"  # fp32 activations get full-precision dots
     rawq = cfg.rawq and meta_row and not transposed and cfg.path != "fma"
-    words = (cfg.words and cfg.path == "fma" and meta_row and bits == 4 and m == 1 and n % 4 == 0
-             and cfg.block_m == 1 and qweight.storage_offset() % 4 == 0)
     magic, offset = 0, 0.0
     if rawq and dd == tl.float16:
         magic, offset = 0x6400, 1024.0  # fp16 1024.0: 10 mantissa bits hold any q < 1024
     elif rawq and dd == tl.bfloat16 and bits == 4:
         magic, offset = 0x4300, 128.0  # bf16 128.0: 7 mantissa bits hold q < 16
-    if transposed:
+    split = cfg.split
+    if cfg.path == "gemv":
+        _, split, tiles_n = gemv_grid(m, n, k, cfg.block_n, cfg.block_r, split)
+        tiles = m * tiles_n
+    elif transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    split = cfg.split
     if split > 1 and tiles > _COUNTER_SLOTS:
         split = 1
     if split > 1:
-        ws = _alloc((split, m, out_cols), torch.float32, x2.device)
+        # gemv keeps each row's partials together: (M, split, N)
+        ws = _alloc((m, split, out_cols) if cfg.path == "gemv" else (split, m, out_cols), torch.float32, x2.device)
         cnt = _counter_slice(x2.device, tiles)
     else:
         ws = cnt = out  # never touched
+    if cfg.path == "gemv":
+        launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
+                    block_n=cfg.block_n, block_r=cfg.block_r, split=split, words=cfg.words, num_warps=cfg.num_warps)
+        return out
     grid = (tiles, split)
 
     def launch(num_stages):
@@ -693,7 +664,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
                               m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
                               BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
                               DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset,
-                              USE_ASM=not interpreting(), WORDS=words, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                              USE_ASM=not interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
                               SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
 
     # A config whose pipeline does not fit this GPU's shared memory (a forced or borrowed table entry)

@@ -53,7 +53,8 @@ PATHS = {
     "dot_split": KernelConfig("dot", 64, 128, 64, split=4, num_warps=4, num_stages=3),
     "rawq_t": KernelConfig("dot_t", 16, 128, 64, split=4, rawq=True),
     "rawq": KernelConfig("dot", 64, 128, 64, split=2, rawq=True),
-    "words": KernelConfig("fma", 1, 512, 16, split=16, num_warps=1, words=True),
+    "gemv": KernelConfig("gemv", 1, 64, 32, split=16, num_warps=1),
+    "gemv_words": KernelConfig("gemv", 1, 256, 16, split=32, num_warps=2, words=True),
     "dq": KernelConfig("dq"),
 }
 
@@ -68,7 +69,7 @@ def test_full_size_forward_and_transposed(n, k, gs, bits, dtype):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.float() @ w.t()
         for name, cfg in PATHS.items():
-            if (name == "fma" and m > 17) or (name == "words" and m > 1):
+            if name in ("fma", "gemv", "gemv_words") and m > 17:
                 continue
             out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg)
             assert rel(out, ref) <= TOL[dtype], (name, m)

@@ -62,8 +62,10 @@ FWD_CONFIGS = {
     "rawq_t": lambda m: KernelConfig("dot_t", block_m=16 if m <= 16 else 32, block_n=32, block_r=16, split=2,
                                      rawq=True),
     "rawq": lambda m: KernelConfig("dot", block_m=16, block_n=64, block_r=16, split=1, rawq=True),
-    # M = 1 GEMV reading int32 words of 4 packed columns (4-bit; 8-bit runs the byte path)
-    "fma_words": lambda m: KernelConfig("fma", block_m=1, block_n=64, block_r=16, split=3, words=True),
+    # decode GEMV: byte tiles, and int32 words of 4 packed columns (4-bit; 8-bit runs the byte path);
+    # split 3 becomes 4 programs over 3 or fewer steps' worth of rows (some programs get none)
+    "gemv": lambda m: KernelConfig("gemv", block_n=32, block_r=16, split=3, num_warps=1),
+    "gemv_words": lambda m: KernelConfig("gemv", block_n=64, block_r=16, split=2, words=True),
 }
 TR_CONFIGS = {
     "dot_split": lambda m: KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=2),
@@ -82,7 +84,7 @@ def test_forward_matches_reference(m, n, k, gs, bits):
     x = torch.randn(m, k, generator=g, dtype=torch.float16).to(DEV)
     ref = x.float() @ w.t()
     names = ["dot_split", "dot_t", "rawq_t" if m <= 17 else "rawq"] + (["fma_split"] if m <= 17 else ["dot_big"])
-    names += ["fma_words"] if m == 1 else []
+    names += ["gemv", "gemv_words"] if m <= 17 else []  # (M > 8 falls back to fma)
     for name in names:
         out = run(x, pw, FWD_CONFIGS[name](m))
         assert out.shape == (m, n) and out.dtype == torch.float16
@@ -129,7 +131,7 @@ def test_bf16_fp32_inputs_bias_and_out_dtype():
     x = torch.randn(3, 160).to(DEV)
     ref = x @ w.t() + bias.float()
     for cfg in (FWD_CONFIGS["fma_split"](3), FWD_CONFIGS["dot_split"](3), FWD_CONFIGS["rawq_t"](3),
-                KernelConfig("dq")):
+                FWD_CONFIGS["gemv"](3), FWD_CONFIGS["gemv_words"](3), KernelConfig("dq")):
         out32 = run(x, pw, cfg, bias=bias)  # fp32 activations: fp32 ("ieee") dot or fp32 weight, fp32 out
         assert out32.dtype == torch.float32 and rel_err(out32, ref) <= 1e-5
         outb = run(x.to(torch.bfloat16), pw, cfg, bias=bias, out_dtype=torch.float32)
@@ -142,7 +144,7 @@ def test_leading_dims_and_noncontiguous_x():
     base = torch.randn(2, 3, 320, dtype=torch.float16).to(DEV)
     x = base[..., ::2]  # (2, 3, 160), stride 2 along K
     assert not x.is_contiguous()
-    for cfg in (FWD_CONFIGS["fma_split"](6), FWD_CONFIGS["dot_t"](6)):
+    for cfg in (FWD_CONFIGS["fma_split"](6), FWD_CONFIGS["dot_t"](6), FWD_CONFIGS["gemv_words"](6)):
         out = run(x, pw, cfg)
         assert out.shape == (2, 3, 72)
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
@@ -160,22 +162,49 @@ def test_dequant_then_matmul_path():
     assert rel_err(run(xt, pw, dq, transposed=True), xt.float() @ w) <= 1e-3
 
 
-def test_split_counters_reset_and_repeatable():
+@pytest.mark.parametrize("cfg", [KernelConfig("fma", block_m=4, block_n=32, block_r=16, split=4),
+                                 KernelConfig("gemv", block_n=32, block_r=16, split=4, words=True)], ids=str)
+def test_split_counters_reset_and_repeatable(cfg):
     pw, w = packed(72, 384, 4, 128)
     x = torch.randn(3, 384, dtype=torch.float16).to(DEV)
-    cfg = KernelConfig("fma", block_m=4, block_n=32, block_r=16, split=4)
     first = run(x, pw, cfg)
     second = run(x, pw, cfg)
     assert torch.equal(first, second)
     assert int(mm_mod._counter_buffer(x.device).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("words", [False, True])
+def test_gemv_exact_tiles(bits, words):
+    """Tiles that cover N and K exactly compile without masks (EVEN): same results."""
+    pw, w = packed(128, 256, bits, 64)
+    x = torch.randn(2, 256, dtype=torch.float16).to(DEV)
+    for split in (1, 4):
+        cfg = KernelConfig("gemv", block_n=32, block_r=16, split=split, words=words)
+        assert rel_err(run(x, pw, cfg), x.float() @ w.t()) <= 1e-3
+
+
+def test_gemv_falls_back_where_the_layout_does_not_allow_it():
+    """axis 0, groups narrower than a step, and the transposed product run the general tiles."""
+    cfg = KernelConfig("gemv", block_n=32, block_r=32, split=2)
+    for (n, k, gs, axis) in [(96, 80, 32, 0), (72, 160, 32, 1)]:
+        pw, w = packed(n, k, 4, gs, axis=axis)
+        x = torch.randn(1, k, dtype=torch.float16).to(DEV)
+        assert mm_mod._fix_config(cfg, False, 1, axis, gs).path == "fma"
+        assert rel_err(run(x, pw, cfg), x.float() @ w.t()) <= 1e-3
+    assert mm_mod._fix_config(cfg, True, 1, 1, 128).path == "dot"
+
+
 def test_default_config_dispatch():
     """No forced config: the heuristic/tuned table picks a path for each M and it is right."""
-    pw, w = packed(72, 160, 4, 32)
-    for m in (1, 17):
-        x = torch.randn(m, 160, dtype=torch.float16).to(DEV)
-        assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32), x.float() @ w.t()) <= 1e-3
+    for n, k, gs in [(72, 160, 32), (100, 192, 64)]:
+        pw, w = packed(n, k, 4, gs)
+        for m in (1, 17):
+            x = torch.randn(m, k, dtype=torch.float16).to(DEV)
+            assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs), x.float() @ w.t()) <= 1e-3
+    # untuned decode falls to the GEMV wherever the layout allows it
+    cfg = mm_mod.heuristic_config(False, 1, 4096, 4096, torch.device(DEV))
+    assert cfg.path == "gemv" and mm_mod._fix_config(cfg, False, 1, 1, 128).path == "gemv"
 
 
 def test_bad_input_is_refused():
