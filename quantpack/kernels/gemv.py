@@ -11,7 +11,7 @@ as streaming the bytes, so both must overlap and neither may waste instructions:
   (8-bit: ``256 + q`` on bits 15..22 of 256.0), no int-to-float conversion; the row reduction
   ``d = sum(x (128 + q))`` stays inside each thread (wide tiles, rows in registers), and the group's
   scale and zero are applied once per column: ``s d - s (z + 128) sum(x)``;
-* ``WORDS`` (4-bit, N % 4 == 0) reads int32 words of 4 columns, so no byte extraction either;
+* ``WORDS`` (N % 4 == 0) reads int32 words of 4 columns, so no byte extraction either;
 * split-K over programs: partial rows go to a float32 workspace and the last program of a column
   tile (an arrival counter, reset by that program) sums them in one 2-D load, so results are
   deterministic and one launch does everything (CUDA-graph friendly).
@@ -35,57 +35,96 @@ def _magic_f32(v, SHIFT: tl.constexpr, MASK: tl.constexpr, BASE: tl.constexpr):
 
 
 @triton.jit
-def _load_step(x_row, qw_ptr, s_ptr, z_ptr, r0, n, N, K, stride_xk,
-               BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr, G: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Every load of one step of pair rows ``r0 ..``: the packed tile, x's even and odd in-features,
-    and the group's scale and zero rows."""
-    r = r0 + tl.arange(0, BLOCK_R)
-    ke = 2 * r
-    ko = 2 * r + 1
-    n_mask = n < N
-    g = (2 * r0) // G
-    if BITS == 4:
-        if WORDS:
-            c = tl.program_id(0) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
-            ptrs = qw_ptr.to(tl.pointer_type(tl.int32)) + r[:, None] * (N // 4) + c[None, :]
-            t_mask = (ke < K)[:, None] & (c < N // 4)[None, :]
-        else:
-            ptrs = qw_ptr + r[:, None] * N + n[None, :]
-            t_mask = (ke < K)[:, None] & n_mask[None, :]
-        if EVEN:
-            q_lo = tl.load(ptrs)
-        else:
-            q_lo = tl.load(ptrs, mask=t_mask, other=0)
-        q_hi = q_lo
-    else:  # 8-bit: even and odd in-features are separate byte rows
-        if EVEN:
-            q_lo = tl.load(qw_ptr + ke[:, None] * N + n[None, :])
-            q_hi = tl.load(qw_ptr + ko[:, None] * N + n[None, :])
-        else:
-            q_lo = tl.load(qw_ptr + ke[:, None] * N + n[None, :], mask=(ke < K)[:, None] & n_mask[None, :], other=0)
-            q_hi = tl.load(qw_ptr + ko[:, None] * N + n[None, :], mask=(ko < K)[:, None] & n_mask[None, :], other=0)
+def _load_meta(ptr, g, cols, N, K, r0, EVEN: tl.constexpr):
+    """One group row of scales or zeros at ``cols``; zero for a program whose range ends past K."""
     if EVEN:
-        s = tl.load(s_ptr + g * N + n)
-        z = tl.load(z_ptr + g * N + n)
-        xe = tl.load(x_row + ke * stride_xk)
-        xo = tl.load(x_row + ko * stride_xk)
-    else:
-        # a program whose range ends past K (split rounded up) reads nothing there: s = 0
-        meta_mask = n_mask & (2 * r0 + tl.zeros_like(n) < K)
-        s = tl.load(s_ptr + g * N + n, mask=meta_mask, other=0.0)
-        z = tl.load(z_ptr + g * N + n, mask=meta_mask, other=0.0)
-        xe = tl.load(x_row + ke * stride_xk, mask=ke < K, other=0.0)
-        xo = tl.load(x_row + ko * stride_xk, mask=ko < K, other=0.0)
-    return q_lo, q_hi, s, z, xe, xo
+        return tl.load(ptr + g * N + cols)
+    return tl.load(ptr + g * N + cols, mask=(cols < N) & (2 * r0 + tl.zeros_like(cols) < K), other=0.0)
 
 
 @triton.jit
-def _word_column(q, xe, xo, SH_LO: tl.constexpr, SH_HI: tl.constexpr):
-    """sum over rows of x (128 + q) for column 4c + j of a word tile (lo nibble at bit 8j, hi at 8j + 4)."""
-    v_lo = _magic_f32(q, SH_LO, 0x000F0000, 0x43000000)
-    v_hi = _magic_f32(q, SH_HI, 0x000F0000, 0x43000000)
-    return tl.sum(xe[:, None] * v_lo + xo[:, None] * v_hi, axis=0)
+def _load_step(x_row, qw_ptr, s_ptr, z_ptr, r0, n, N, K, stride_xk,
+               BITS: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr, G: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Every load of one step of pair rows ``r0 ..``: the packed tile(s), x's even and odd
+    in-features, and the group's scale and zero rows (``WORDS``: one per column j of a word, the
+    strided rows at 4c + j; otherwise s0/z0 hold the whole row and the rest repeat it)."""
+    r = r0 + tl.arange(0, BLOCK_R)
+    ke = 2 * r
+    ko = 2 * r + 1
+    g = (2 * r0) // G
+    if WORDS:
+        c = tl.program_id(0) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
+        cols = c
+        row_len = N // 4
+        base = qw_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        cols = n
+        row_len = N
+        base = qw_ptr
+    # 4-bit: pair row r is one packed row; 8-bit: even and odd in-features are byte rows 2r, 2r + 1
+    if BITS == 4:
+        rows_lo = r
+        rows_hi = r
+    else:
+        rows_lo = ke
+        rows_hi = ko
+    if EVEN:
+        q_lo = tl.load(base + rows_lo[:, None] * row_len + cols[None, :])
+    else:
+        q_lo = tl.load(base + rows_lo[:, None] * row_len + cols[None, :],
+                       mask=(ke < K)[:, None] & (cols < row_len)[None, :], other=0)
+    if BITS == 4:
+        q_hi = q_lo
+    elif EVEN:
+        q_hi = tl.load(base + rows_hi[:, None] * row_len + cols[None, :])
+    else:
+        q_hi = tl.load(base + rows_hi[:, None] * row_len + cols[None, :],
+                       mask=(ko < K)[:, None] & (cols < row_len)[None, :], other=0)
+    if WORDS:
+        nw = 4 * c
+        s0 = _load_meta(s_ptr, g, nw, N, K, r0, EVEN)
+        s1 = _load_meta(s_ptr, g, nw + 1, N, K, r0, EVEN)
+        s2 = _load_meta(s_ptr, g, nw + 2, N, K, r0, EVEN)
+        s3 = _load_meta(s_ptr, g, nw + 3, N, K, r0, EVEN)
+        z0 = _load_meta(z_ptr, g, nw, N, K, r0, EVEN)
+        z1 = _load_meta(z_ptr, g, nw + 1, N, K, r0, EVEN)
+        z2 = _load_meta(z_ptr, g, nw + 2, N, K, r0, EVEN)
+        z3 = _load_meta(z_ptr, g, nw + 3, N, K, r0, EVEN)
+    else:
+        s0 = _load_meta(s_ptr, g, n, N, K, r0, EVEN)
+        z0 = _load_meta(z_ptr, g, n, N, K, r0, EVEN)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        z1 = z0
+        z2 = z0
+        z3 = z0
+    if EVEN:
+        xe = tl.load(x_row + ke * stride_xk)
+        xo = tl.load(x_row + ko * stride_xk)
+    else:
+        xe = tl.load(x_row + ke * stride_xk, mask=ke < K, other=0.0)
+        xo = tl.load(x_row + ko * stride_xk, mask=ko < K, other=0.0)
+    return q_lo, q_hi, s0, s1, s2, s3, z0, z1, z2, z3, xe, xo
+
+
+@triton.jit
+def _word_column(acc, q_lo, q_hi, xe, xo, sx, s, z, J: tl.constexpr, BITS: tl.constexpr):
+    """Column 4c + J of a word tile, scaled and added to ``acc``: 4-bit, its nibbles (lo at bit 8J,
+    hi at 8J + 4 of the same word) onto bits 16..19 of 128.0; 8-bit, byte J of the even and odd
+    rows' words onto bits 15..22 of 256.0."""
+    if BITS == 4:
+        v_lo = _magic_f32(q_lo, 16 - 8 * J, 0x000F0000, 0x43000000)
+        v_hi = _magic_f32(q_hi, 12 - 8 * J, 0x000F0000, 0x43000000)
+        offset = 128.0
+    else:
+        v_lo = _magic_f32(q_lo, 15 - 8 * J, 0x007F8000, 0x43800000)
+        v_hi = _magic_f32(q_hi, 15 - 8 * J, 0x007F8000, 0x43800000)
+        offset = 256.0
+    d = tl.sum(xe[:, None] * v_lo + xo[:, None] * v_hi, axis=0)
+    s = s.to(tl.float32)
+    return acc + s * d - (z.to(tl.float32) + offset) * s * sx
 
 
 @triton.jit
@@ -103,19 +142,16 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr
     r_begin = pid_s * STEPS * BLOCK_R
     x_row = x_ptr + pid_m * stride_xm
     if WORDS:
-        BW: tl.constexpr = BLOCK_N // 4
-        # column 4c + j accumulates in a_j; its scale/zero are the strided rows s[4c + j]
-        nw = pid_n * BLOCK_N + 4 * tl.arange(0, BW)
-        a0 = tl.zeros((BW,), dtype=tl.float32)
-        a1 = tl.zeros((BW,), dtype=tl.float32)
-        a2 = tl.zeros((BW,), dtype=tl.float32)
-        a3 = tl.zeros((BW,), dtype=tl.float32)
+        # column 4c + j of the tile accumulates in a_j
+        a0 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N // 4,), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     nxt = _load_step(x_row, qw_ptr, s_ptr, z_ptr, r_begin, n, N, K, stride_xk, BITS, WORDS, EVEN, G, BLOCK_N, BLOCK_R)
     for i in range(STEPS):
-        r0 = r_begin + i * BLOCK_R
-        q_lo, q_hi, s, z, xe, xo = nxt
+        q_lo, q_hi, s0, s1, s2, s3, z0, z1, z2, z3, xe, xo = nxt
         # the next step's loads go out before this step's math (the last step re-reads itself)
         nxt = _load_step(x_row, qw_ptr, s_ptr, z_ptr, r_begin + tl.minimum(i + 1, STEPS - 1) * BLOCK_R, n, N, K,
                          stride_xk, BITS, WORDS, EVEN, G, BLOCK_N, BLOCK_R)
@@ -123,24 +159,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr
         xo = xo.to(tl.float32)
         sx = tl.sum(xe + xo, axis=0)
         if WORDS:
-            g_row = (2 * r0) // G * N + nw
-            wm = (nw < N) & (2 * r0 + tl.zeros_like(nw) < K)
-            d0 = _word_column(q_lo, xe, xo, 16, 12)
-            d1 = _word_column(q_lo, xe, xo, 8, 4)
-            d2 = _word_column(q_lo, xe, xo, 0, -4)
-            d3 = _word_column(q_lo, xe, xo, -8, -12)
-            s0 = tl.load(s_ptr + g_row, mask=wm, other=0.0).to(tl.float32)
-            s1 = tl.load(s_ptr + g_row + 1, mask=wm, other=0.0).to(tl.float32)
-            s2 = tl.load(s_ptr + g_row + 2, mask=wm, other=0.0).to(tl.float32)
-            s3 = tl.load(s_ptr + g_row + 3, mask=wm, other=0.0).to(tl.float32)
-            z0 = tl.load(z_ptr + g_row, mask=wm, other=0.0).to(tl.float32)
-            z1 = tl.load(z_ptr + g_row + 1, mask=wm, other=0.0).to(tl.float32)
-            z2 = tl.load(z_ptr + g_row + 2, mask=wm, other=0.0).to(tl.float32)
-            z3 = tl.load(z_ptr + g_row + 3, mask=wm, other=0.0).to(tl.float32)
-            a0 += s0 * d0 - (z0 + OFFSET) * s0 * sx
-            a1 += s1 * d1 - (z1 + OFFSET) * s1 * sx
-            a2 += s2 * d2 - (z2 + OFFSET) * s2 * sx
-            a3 += s3 * d3 - (z3 + OFFSET) * s3 * sx
+            a0 = _word_column(a0, q_lo, q_hi, xe, xo, sx, s0, z0, 0, BITS)
+            a1 = _word_column(a1, q_lo, q_hi, xe, xo, sx, s1, z1, 1, BITS)
+            a2 = _word_column(a2, q_lo, q_hi, xe, xo, sx, s2, z2, 2, BITS)
+            a3 = _word_column(a3, q_lo, q_hi, xe, xo, sx, s3, z3, 3, BITS)
         else:
             q_lo = q_lo.to(tl.int32)
             q_hi = q_hi.to(tl.int32)
@@ -151,8 +173,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr
                 v_lo = _magic_f32(q_lo, 15, 0x007F8000, 0x43800000)  # 256 + byte
                 v_hi = _magic_f32(q_hi, 15, 0x007F8000, 0x43800000)
             d = tl.sum(xe[:, None] * v_lo + xo[:, None] * v_hi, axis=0)
-            s = s.to(tl.float32)
-            acc += s * d - (z.to(tl.float32) + OFFSET) * s * sx
+            s0 = s0.to(tl.float32)
+            acc += s0 * d - (z0.to(tl.float32) + OFFSET) * s0 * sx
     if WORDS:
         acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_N,))  # [c, i, p] -> 4c + 2i + p
     out_row = out_ptr + pid_m * stride_om
@@ -197,7 +219,7 @@ def launch_gemv(x2, qweight, scales, zeros, bias, out, workspace, counters, *, n
     m = x2.shape[0]
     steps, split_, tiles_n = gemv_grid(m, n, k, block_n, block_r, split)
     assert split_ == split, "split must come from gemv_grid"
-    words = words and bits == 4 and n % 4 == 0 and qweight.storage_offset() % 4 == 0
+    words = words and n % 4 == 0 and qweight.storage_offset() % 4 == 0
     even = n % block_n == 0 and k == 2 * block_r * steps * split  # tiles cover N and K exactly: no masks
     _gemv_kernel[(tiles_n, split, m)](
         x2, qweight, scales, zeros, bias if bias is not None else out, out, workspace, counters,

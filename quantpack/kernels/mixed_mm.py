@@ -63,7 +63,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
-    words: bool = False  # gemv path, 4-bit, N % 4 == 0: int32-word nibble unpack
+    words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
 
     def __post_init__(self):
         if self.path not in PATHS:
