@@ -270,8 +270,8 @@ def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatc
             return run
 
     monkeypatch.setattr(mm_mod, "_fwd_kernel", TooBigAboveOneStage())
-    pw = quantize(torch.randn(40, 64), bits=8, group_size=32, dtype=torch.float16)
-    x = torch.randn(3, 64, dtype=torch.float16)
+    pw = quantize(torch.randn(40, 64), bits=8, group_size=32, dtype=torch.float16).to(DEV)
+    x = torch.randn(3, 64, dtype=torch.float16).to(DEV)
     out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32, bits=8,
                    config=KernelConfig("dot", 16, 32, 16, num_stages=3))
     assert tried == [3, 2, 1]
