@@ -35,11 +35,27 @@ def _magic_f32(v, SHIFT: tl.constexpr, MASK: tl.constexpr, BASE: tl.constexpr):
 
 
 @triton.jit
-def _load_meta(ptr, g, cols, N, K, r0, EVEN: tl.constexpr):
-    """One group row of scales or zeros at ``cols``; zero for a program whose range ends past K."""
+def _load_meta(s_ptr, z_ptr, g, cols, N, K, r0, EVEN: tl.constexpr):
+    """Scale and zero of group row ``g`` at ``cols``; zero for a program whose range ends past K."""
     if EVEN:
-        return tl.load(ptr + g * N + cols)
-    return tl.load(ptr + g * N + cols, mask=(cols < N) & (2 * r0 + tl.zeros_like(cols) < K), other=0.0)
+        s = tl.load(s_ptr + g * N + cols)
+        z = tl.load(z_ptr + g * N + cols)
+    else:
+        mask = (cols < N) & (2 * r0 + tl.zeros_like(cols) < K)
+        s = tl.load(s_ptr + g * N + cols, mask=mask, other=0.0)
+        z = tl.load(z_ptr + g * N + cols, mask=mask, other=0.0)
+    return s, z
+
+
+@triton.jit
+def _load_tile(base, rows, k_of_rows, row_len, cols, K, EVEN: tl.constexpr):
+    """Packed rows ``rows`` x ``cols``; rows whose in-feature ``k_of_rows`` is past K read as 0."""
+    ptrs = base + rows[:, None] * row_len + cols[None, :]
+    if EVEN:
+        q = tl.load(ptrs)
+    else:
+        q = tl.load(ptrs, mask=(k_of_rows < K)[:, None] & (cols < row_len)[None, :], other=0)
+    return q
 
 
 @triton.jit
@@ -64,42 +80,20 @@ def _load_step(x_row, qw_ptr, s_ptr, z_ptr, r0, n, N, K, stride_xk,
         base = qw_ptr
     # 4-bit: pair row r is one packed row; 8-bit: even and odd in-features are byte rows 2r, 2r + 1
     if BITS == 4:
-        rows_lo = r
-        rows_hi = r
-    else:
-        rows_lo = ke
-        rows_hi = ko
-    if EVEN:
-        q_lo = tl.load(base + rows_lo[:, None] * row_len + cols[None, :])
-    else:
-        q_lo = tl.load(base + rows_lo[:, None] * row_len + cols[None, :],
-                       mask=(ke < K)[:, None] & (cols < row_len)[None, :], other=0)
-    if BITS == 4:
+        q_lo = _load_tile(base, r, ke, row_len, cols, K, EVEN)
         q_hi = q_lo
-    elif EVEN:
-        q_hi = tl.load(base + rows_hi[:, None] * row_len + cols[None, :])
     else:
-        q_hi = tl.load(base + rows_hi[:, None] * row_len + cols[None, :],
-                       mask=(ko < K)[:, None] & (cols < row_len)[None, :], other=0)
+        q_lo = _load_tile(base, ke, ke, row_len, cols, K, EVEN)
+        q_hi = _load_tile(base, ko, ko, row_len, cols, K, EVEN)
     if WORDS:
-        nw = 4 * c
-        s0 = _load_meta(s_ptr, g, nw, N, K, r0, EVEN)
-        s1 = _load_meta(s_ptr, g, nw + 1, N, K, r0, EVEN)
-        s2 = _load_meta(s_ptr, g, nw + 2, N, K, r0, EVEN)
-        s3 = _load_meta(s_ptr, g, nw + 3, N, K, r0, EVEN)
-        z0 = _load_meta(z_ptr, g, nw, N, K, r0, EVEN)
-        z1 = _load_meta(z_ptr, g, nw + 1, N, K, r0, EVEN)
-        z2 = _load_meta(z_ptr, g, nw + 2, N, K, r0, EVEN)
-        z3 = _load_meta(z_ptr, g, nw + 3, N, K, r0, EVEN)
+        s0, z0 = _load_meta(s_ptr, z_ptr, g, 4 * c, N, K, r0, EVEN)
+        s1, z1 = _load_meta(s_ptr, z_ptr, g, 4 * c + 1, N, K, r0, EVEN)
+        s2, z2 = _load_meta(s_ptr, z_ptr, g, 4 * c + 2, N, K, r0, EVEN)
+        s3, z3 = _load_meta(s_ptr, z_ptr, g, 4 * c + 3, N, K, r0, EVEN)
     else:
-        s0 = _load_meta(s_ptr, g, n, N, K, r0, EVEN)
-        z0 = _load_meta(z_ptr, g, n, N, K, r0, EVEN)
-        s1 = s0
-        s2 = s0
-        s3 = s0
-        z1 = z0
-        z2 = z0
-        z3 = z0
+        s0, z0 = _load_meta(s_ptr, z_ptr, g, n, N, K, r0, EVEN)
+        s1, s2, s3 = s0, s0, s0  # unused: one row serves every column
+        z1, z2, z3 = z0, z0, z0
     if EVEN:
         xe = tl.load(x_row + ke * stride_xk)
         xo = tl.load(x_row + ko * stride_xk)
