@@ -427,6 +427,12 @@ def _sha256_hex(data) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_of(tensor: torch.Tensor) -> str:
+    """sha256 of a CPU tensor's bytes as stored (what :func:`write_safetensors` records per tensor)."""
+    flat = tensor.reshape(-1)
+    return _sha256_hex(flat.view(torch.uint8).numpy() if flat.numel() else b"")
+
+
 def sha256_tensor_data(info: TensorInfo, handle=None, chunk_size: int = 1 << 20) -> str:
     """sha256 of one tensor's data bytes as stored in its file (positioned reads, ``chunk_size`` at
     a time): what :func:`write_safetensors` records in ``digests``."""

@@ -119,35 +119,49 @@ def resolve_checkpoint(path_or_repo_id, *, revision: str | None = None, token: s
         raise _fail("path_or_repo_id" + message[len("source"):] if message.startswith("source:") else message) from None
 
 
-def read_checkpoint_files(root: Path, *, verify: bool = True) -> dict[str, TensorInfo]:
+def read_checkpoint_files(root: Path, *, verify: bool = True) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Every tensor of a packed checkpoint from the shard headers (no tensor data read), after checking
-    the shards against the index, their layout version, and (``verify``) the manifest's checksums."""
+    the shards against the index, their layout version, and (``verify``) the manifest: sizes, and the
+    sha256 of each file that the manifest has no per-tensor digests for. Returns the tensors and the
+    per-tensor digests still to check ({name: sha256}); the loader checks those as it reads each
+    tensor, so a verified load reads every byte once and a mismatch names the tensor."""
     if not (root / checkpoint.SAFE_INDEX_NAME).exists() and not (root / checkpoint.SAFE_SINGLE_NAME).exists():
         raise _fail(f"{root}: no {checkpoint.SAFE_INDEX_NAME} or {checkpoint.SAFE_SINGLE_NAME}; "
                     f"not a packed checkpoint directory")
+    outputs = {}
     if verify:
         manifest = checkpoint.read_manifest(root)
         if manifest.get("layout_version") != LAYOUT_VERSION:
             raise _fail(f"{checkpoint.MANIFEST_NAME}: layout_version={manifest.get('layout_version')!r}; this "
                         f"quantpack reads layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert")
-        for rel, entry in (manifest.get("files", {}).get("outputs") or {}).items():
+        outputs = manifest.get("files", {}).get("outputs") or {}
+        for rel, entry in outputs.items():
             f = root / rel
             if not f.is_file():
                 raise _fail(f"file {rel}: listed in {checkpoint.MANIFEST_NAME} but missing; download it again")
             if f.stat().st_size != entry["size"]:
                 raise _fail(f"file {rel}: {f.stat().st_size} bytes, {checkpoint.MANIFEST_NAME} says {entry['size']}; "
                             f"the file is truncated or modified: download it again")
-            if checkpoint.sha256_file(f) != entry["sha256"]:
+            if not isinstance(entry.get("tensors"), dict) and checkpoint.sha256_file(f) != entry["sha256"]:
                 raise _fail(f"file {rel}: sha256 differs from {checkpoint.MANIFEST_NAME}; the file is corrupt or "
                             f"modified: download it again (or pass verify=False to skip checksums)")
     tensors = checkpoint.check_index(root)
+    digests = {}
     for fname in sorted({info.file.name for info in tensors.values()}):
         _, meta = checkpoint.read_safetensors_header(root / fname)
         version = meta.get("quantpack_layout_version")
         if version is not None and version != str(LAYOUT_VERSION):
             raise _fail(f"file {fname}: quantpack_layout_version={version!r} in its metadata; this quantpack reads "
                         f"layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert")
-    return tensors
+        recorded = (outputs.get(fname) or {}).get("tensors")
+        if isinstance(recorded, dict):
+            stored = {n for n, info in tensors.items() if info.file.name == fname}
+            for name in sorted(stored ^ set(recorded)):
+                where = "is in the file but not" if name in stored else "is missing from the file but listed"
+                raise _fail(f"tensor {name} in {fname}: {where} in {checkpoint.MANIFEST_NAME}; the file is corrupt "
+                            f"or modified: download it again")
+            digests.update(recorded)
+    return tensors, digests
 
 
 def _check_manifest_layers(root: Path, qc: dict, tensors: dict[str, TensorInfo]) -> None:
@@ -306,7 +320,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
       accelerate), ``"balanced"``, ``"sequential"``, or a ``{module name: device}`` dict. Use
       either ``device`` or ``device_map``.
     * ``revision``, ``token``: for hub repositories.
-    * ``verify``: re-hash the files against the manifest (shapes and dtypes are always checked).
+    * ``verify``: check every tensor's bytes against the manifest's sha256 as it is read (whole files
+      for manifests without per-tensor digests); shapes and dtypes are always checked.
 
     Returns the model of the class ``config.json``'s ``architectures`` names, in eval mode, with
     ``model.config.quantization_config`` and ``model.hf_quantizer`` set as ``from_pretrained`` sets
@@ -339,7 +354,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         if isinstance(exc, CheckpointError):
             raise
         raise _fail(f"{root / checkpoint.CONFIG_NAME}: not valid JSON") from None
-    tensors = read_checkpoint_files(root, verify=verify)
+    tensors, digests = read_checkpoint_files(root, verify=verify)
     if verify:
         _check_manifest_layers(root, qc, tensors)
 
@@ -382,6 +397,10 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
                 continue  # tied: filled by tie_weights below
             f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
             tensor = checkpoint.read_tensor(info, f)
+            if name in digests and checkpoint.sha256_of(tensor) != digests[name]:
+                raise _fail(f"tensor {name} in {info.file.name}: its data's sha256 differs from the one "
+                            f"{checkpoint.MANIFEST_NAME} records; the file is corrupt or modified: download it again "
+                            f"(or pass verify=False to skip checksums)")
             module = name.rpartition(".")[0]
             if tensor.is_floating_point():
                 to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)

@@ -374,14 +374,52 @@ def test_wrong_dtype_names_the_tensor(broken):
     assert f"tensor {Q}.zeros" in (msg := _load_error(broken)) and "expected a floating-point dtype" in msg
 
 
-def test_checksum_mismatch_names_the_file(broken):
-    shard = _shard_of(broken, Q + ".qweight")
+def _flip_data_byte(path: Path, tensor: str) -> Path:
+    """Flip one bit in ``tensor``'s data (same size, headers intact); the shard it is in."""
+    shard = _shard_of(path, tensor)
+    info = checkpoint.read_safetensors_header(shard)[0][tensor]
     data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF  # same size, one flipped byte in the tensor data
+    data[info.offset + info.nbytes // 2] ^= 0x10
     shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_checksum_mismatch_names_the_tensor(broken):
+    shard = _flip_data_byte(broken, Q + ".qweight")
     msg = _load_error(broken)
-    assert f"file {shard.name}: sha256 differs from quantpack.json" in msg
+    assert msg.startswith(f"tensor {Q}.qweight in {shard.name}: its data's sha256 differs from the one quantpack.json")
     assert load(broken, verify=False) is not None  # the headers are intact: only the checksum catches it
+
+
+def test_checksum_mismatch_with_a_manifest_without_tensor_digests_names_the_file(broken):
+    """Manifests written before per-tensor digests: the whole file is hashed and named."""
+    _refresh_manifest(broken)  # rewrites the output entries without per-tensor digests
+    shard = _flip_data_byte(broken, Q + ".qweight")
+    assert f"file {shard.name}: sha256 differs from quantpack.json" in _load_error(broken)
+
+
+def test_tensor_missing_from_the_manifest_record(broken):
+    shard = _shard_of(broken, Q + ".qweight")
+    manifest = checkpoint.read_manifest(broken)
+    del manifest["files"]["outputs"][shard.name]["tensors"][Q + ".zeros"]
+    checkpoint.write_json(broken / checkpoint.MANIFEST_NAME, manifest)
+    assert _load_error(broken) == (f"tensor {Q}.zeros in {shard.name}: is in the file but not in quantpack.json; "
+                                   f"the file is corrupt or modified: download it again")
+
+
+def test_verified_load_reads_each_shard_once(packed_llama, monkeypatch):
+    """With per-tensor digests no shard is hashed as a whole file: every weight byte is read once
+    (config and tokenizer files are still hashed whole)."""
+    real = checkpoint.sha256_file
+    hashed = []
+
+    def sha256_file(path, *a, **k):
+        hashed.append(Path(path).name)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(checkpoint, "sha256_file", sha256_file)
+    assert load(packed_llama) is not None
+    assert hashed and not [name for name in hashed if name.endswith(".safetensors")]
 
 
 def test_truncated_shard(broken):

@@ -409,7 +409,7 @@ def test_corrupted_tensor_fails_verify_naming_it(w8a8, tmp_path, tensor, offset,
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Error: tensor {tensor} in {shard}:") and "sha256" in lines[0]
-    with pytest.raises(CheckpointError, match=f"file {shard}: sha256 differs"):
+    with pytest.raises(CheckpointError, match=f"tensor {tensor} in {shard}: its data's sha256 differs"):
         quantpack.load(root, device="cpu")
 
 
