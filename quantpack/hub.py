@@ -63,7 +63,10 @@ def _download(repo_id: str, *, revision, token, allow_pickle) -> ResolvedSource:
 
     patterns = ALLOW_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
     try:
-        folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns)
+        # local_files_only under HF_HUB_OFFLINE: some huggingface_hub 1.x releases otherwise list the repo
+        # tree online for an explicit commit even when offline
+        folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns,
+                                   local_files_only=bool(constants.HF_HUB_OFFLINE))
     except GatedRepoError:
         raise CheckpointError(f"source: {repo_id} is gated; accept its license on huggingface.co and pass --token "
                               f"or set HF_TOKEN") from None

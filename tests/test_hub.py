@@ -1,0 +1,32 @@
+"""quantpack.hub against a pre-filled Hugging Face cache, offline (the ``hub_cache`` fixture)."""
+import huggingface_hub
+import pytest
+
+from quantpack.checkpoint import CheckpointError
+from quantpack.hub import resolve_source
+
+
+@pytest.mark.parametrize("revision", [None, "main", "commit"])
+def test_offline_cache_hit_at_any_revision(hub_cache, monkeypatch, revision):
+    """Default, branch and explicit commit all resolve from the cache under HF_HUB_OFFLINE, asking
+    huggingface_hub for local files only (some 1.x releases otherwise listed the repo tree online
+    for an explicit commit, and failed offline)."""
+    calls = []
+    real = huggingface_hub.snapshot_download
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording)
+    rev = hub_cache.commit if revision == "commit" else revision
+    resolved = resolve_source(hub_cache.repo_id, revision=rev)
+    assert resolved.path.name == hub_cache.commit and (resolved.path / "config.json").is_file()
+    assert [c["local_files_only"] for c in calls] == [True]
+
+
+def test_offline_cache_miss_is_one_line(hub_cache):
+    with pytest.raises(CheckpointError) as info:
+        resolve_source("nobody/not-cached")
+    assert str(info.value) == ("source: nobody/not-cached (revision main) is not in the Hugging Face cache and "
+                               "HF_HUB_OFFLINE is set; download it once online or unset HF_HUB_OFFLINE")
