@@ -69,8 +69,12 @@ class QuantpackHfQuantizer(HfQuantizer):
         # buffers in the dtype the checkpoint stores them in (when the shard headers say), so that a
         # float32 model keeps its bf16 scales exact, and an explicit `dtype=` still applies to the rest.
         scales_dtypes = _stored_scales_dtypes(kwargs.get("checkpoint_files"))
-        replace_linear_layers(model, qc, linear_modules_to_convert(model, qc),
-                              lambda name: scales_dtypes.get(name, dtype))
+        names = linear_modules_to_convert(model, qc)
+        replace_linear_layers(model, qc, names, lambda name: scales_dtypes.get(name, dtype))
+        # A parent's _init_weights may re-initialize its linear children's `.weight` by attribute (GPT-2
+        # scales c_proj.weight): every tensor of a packed checkpoint is stored, so nothing there needs init.
+        for parent in {name.rpartition(".")[0] for name in names} - {""}:
+            model.get_submodule(parent)._is_hf_initialized = True
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

@@ -36,6 +36,7 @@ from .format import (
     LAYOUT_VERSION, MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes,
 )
 from .hub import resolve_source
+from .nn import linear_dims
 from .quantize import METHODS, quantize, resolve_group_size
 from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8
 from .reference import dequantize
@@ -60,11 +61,12 @@ class LayerResult:
     """One linear module: quantized (with its reconstruction error) or skipped (with the reason)."""
 
     name: str
-    shape: tuple[int, int]
+    shape: tuple[int, int]  # (out_features, in_features), as quantized and stored
     bits: int | None = None
     group_size: int | None = None
     rel_error: float | None = None
     skipped: str | None = None  # the reason, when not quantized
+    transposed: bool = False  # the source stores the weight (in, out) (GPT-2's Conv1D)
 
 
 @dataclass
@@ -252,8 +254,9 @@ def _model_structure(config_dict: dict, path: Path):
                                   f"upgrade transformers") from None
 
 
-def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, torch.nn.Linear], set[str], list]:
-    """Map checkpoint module names (``<m>`` of ``<m>.weight``) to the model's nn.Linear modules.
+def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, torch.nn.Module], set[str], list]:
+    """Map checkpoint module names (``<m>`` of ``<m>.weight``) to the model's linear modules
+    (``nn.Linear`` and GPT-2's ``Conv1D``, see :func:`quantpack.nn.linear_dims`).
 
     Returns (linears, output_embedding_names, absent) where absent lists (name, is_output_embeddings)
     of linear modules with no weight in the checkpoint (e.g. a tied lm_head).
@@ -262,7 +265,7 @@ def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, torch.nn.L
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linears, output_names, absent = {}, set(), []
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
+        if linear_dims(module) is None:
             continue
         candidates = [name]
         if prefix:
@@ -445,18 +448,20 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             module = model.get_submodule(name)
             reason = ("tied to the input embeddings (not stored)" if is_output and tied
                       else "no weight in the checkpoint")
-            summary.layers.append(LayerResult(name, (module.out_features, module.in_features), skipped=reason))
+            summary.layers.append(LayerResult(name, linear_dims(module)[:2], skipped=reason))
         experts = _expert_count(config)
         quant_plan: dict[str, LayerResult] = {}
         bits_overrides: dict[str, int] = {}
         for name, module in linears.items():
             info = src.info(name + ".weight")
-            shape = (module.out_features, module.in_features)
-            layer = LayerResult(name, shape)
+            out_features, in_features, transposed = linear_dims(module)
+            shape = (out_features, in_features)
+            layer = LayerResult(name, shape, transposed=transposed)
             summary.layers.append(layer)
-            if tuple(info.shape) != shape:
+            stored = shape[::-1] if transposed else shape
+            if tuple(info.shape) != stored:
                 raise CheckpointError(f"source: {name}.weight has shape {tuple(info.shape)} but the config says "
-                                      f"{shape}; the checkpoint does not match its config.json")
+                                      f"{stored}; the checkpoint does not match its config.json")
             matched = next((p for p in skip_patterns if p.search(name)), None)
             if name in output_names and not quantize_lm_head:
                 layer.skipped = "output embeddings (pass --quantize-lm-head to quantize)"
@@ -464,7 +469,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 layer.skipped = "output embeddings tied to the input embeddings"
             elif matched is not None:
                 layer.skipped = f"matches --skip {matched.pattern}"
-            elif _ROUTER_NAME.search(name) or (experts and module.out_features == experts):
+            elif _ROUTER_NAME.search(name) or (experts and out_features == experts):
                 layer.skipped = "MoE router"
             if layer.skipped:
                 continue
@@ -621,7 +626,9 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 "settings": {**settings, "device": dev.type},  # the device kind the codes were computed on
                 "files": {"inputs": inputs, "outputs": dict(sorted(outputs.items()))},
                 "layers": [{"name": layer.name, "bits": layer.bits, "group_size": layer.group_size,
-                            "shape": list(layer.shape), "rel_error": layer.rel_error} for layer in summary.quantized],
+                            "shape": list(layer.shape), "rel_error": layer.rel_error,
+                            **({"source_transposed": True} if layer.transposed else {})}
+                           for layer in summary.quantized],
                 "skipped": [{"name": layer.name, "reason": layer.skipped} for layer in summary.skipped],
                 "totals": {"source_bytes": summary.source_bytes, "output_bytes": summary.output_bytes,
                            "params_quantized": sum(layer.shape[0] * layer.shape[1] for layer in summary.quantized)},
@@ -718,7 +725,8 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
                     t = time.perf_counter()
                     layer = unit.layer
                     quantize_layer = _quantize_layer_w8a8 if scheme == "w8a8" else _quantize_layer
-                    tensors.update(quantize_layer(tensor, layer, axis, method, dev, out_dtype))
+                    weight = tensor.t().contiguous() if layer.transposed else tensor  # stored as (out, in)
+                    tensors.update(quantize_layer(weight, layer, axis, method, dev, out_dtype))
                     layers.append({"name": layer.name, "rel_error": layer.rel_error})
                     timings["quantize"] += time.perf_counter() - t
                 bar.update(src.info(unit.source).nbytes)

@@ -24,7 +24,7 @@ from torch import nn
 from . import checkpoint
 from .checkpoint import CheckpointError, TensorInfo
 from .format import LAYOUT_VERSION
-from .nn import QuantLinear
+from .nn import QuantLinear, linear_dims
 
 QUANT_METHOD = checkpoint.QUANT_METHOD
 
@@ -37,15 +37,16 @@ def _fail(message: str) -> CheckpointError:
 # Module construction by scheme: the one place that decides what replaces an nn.Linear.
 # --------------------------------------------------------------------------------------------------
 
-# A builder gets (module name, the nn.Linear being replaced (on meta), the validated
+# A builder gets (module name, the nn.Linear (or Conv1D, see nn.linear_dims) being replaced (on meta), the validated
 # quantization_config, the compute dtype) and returns the replacement module on the meta device.
 # Its state-dict keys are the tensor names the checkpoint stores for that module.
-ModuleBuilder = Callable[[str, nn.Linear, dict, torch.dtype], nn.Module]
+ModuleBuilder = Callable[[str, nn.Module, dict, torch.dtype], nn.Module]
 
 
-def build_weight_only(name: str, linear: nn.Linear, qc: dict, dtype: torch.dtype) -> nn.Module:
+def build_weight_only(name: str, linear: nn.Module, qc: dict, dtype: torch.dtype) -> nn.Module:
     """``w4a16`` / ``w8a16``: a :class:`QuantLinear` (packed weight; scales, zeros and bias in ``dtype``)."""
-    return QuantLinear(linear.in_features, linear.out_features, bits=qc["bits_overrides"].get(name, qc["bits"]),
+    out_features, in_features, _ = linear_dims(linear)
+    return QuantLinear(in_features, out_features, bits=qc["bits_overrides"].get(name, qc["bits"]),
                        group_size=qc["group_size"], axis=qc["axis"], bias=linear.bias is not None, dtype=dtype,
                        device="meta")
 
@@ -55,8 +56,8 @@ def build_w8a8(name: str, linear: nn.Linear, qc: dict, dtype: torch.dtype) -> nn
     ``weight_scale`` (N,), bias in ``dtype``)."""
     from .nn_w8a8 import W8A8Linear
 
-    return W8A8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=dtype,
-                      device="meta")
+    out_features, in_features, _ = linear_dims(linear)
+    return W8A8Linear(in_features, out_features, bias=linear.bias is not None, dtype=dtype, device="meta")
 
 
 SCHEMES: dict[str, ModuleBuilder] = {"w4a16": build_weight_only, "w8a16": build_weight_only, "w8a8": build_w8a8}
@@ -77,11 +78,11 @@ def read_quantization_config(config: dict) -> dict:
 
 
 def linear_modules_to_convert(model: nn.Module, qc: dict) -> list[str]:
-    """Names of the ``nn.Linear`` modules a packed checkpoint stores quantized: all but those in
-    ``modules_not_converted`` and those whose weight is tied to another (a tied ``lm_head`` is never
-    quantized, nor stored)."""
+    """Names of the linear modules (``nn.Linear``, GPT-2's ``Conv1D``) a packed checkpoint stores
+    quantized: all but those in ``modules_not_converted`` and those whose weight is tied to another (a
+    tied ``lm_head`` is never quantized, nor stored)."""
     skip = set(qc["modules_not_converted"]) | {n.removesuffix(".weight") for n in _tied_targets(model)}
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+    return [n for n, m in model.named_modules() if linear_dims(m) is not None and n not in skip]
 
 
 def _tied_targets(model) -> set[str]:
@@ -94,13 +95,18 @@ def _tied_targets(model) -> set[str]:
 
 def replace_linear_layers(model: nn.Module, qc: dict, names: list[str],
                           dtype_for: Callable[[str], torch.dtype]) -> None:
-    """Swap each ``nn.Linear`` in ``names`` for the module of ``qc``'s scheme, built on meta.
-    ``dtype_for(name)`` is that module's compute dtype (its scales/zeros/bias)."""
+    """Swap each linear module in ``names`` for the module of ``qc``'s scheme, built on meta.
+    ``dtype_for(name)`` is that module's compute dtype (its scales/zeros/bias). A replaced ``Conv1D``
+    becomes the same ``x @ W.T + b`` module (the checkpoint stores W as (out, in) like any linear);
+    ``source_transposed`` on it records that the source stored (in, out)."""
     builder = SCHEMES[qc["scheme"]]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, builder(name, getattr(parent, child), qc, dtype_for(name)))
+        old = getattr(parent, child)
+        new = builder(name, old, qc, dtype_for(name))
+        new.source_transposed = linear_dims(old)[2]
+        setattr(parent, child, new)
 
 
 # --------------------------------------------------------------------------------------------------

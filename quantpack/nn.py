@@ -1,12 +1,27 @@
 """``QuantLinear``: a drop-in ``nn.Linear`` replacement holding a packed quantized weight."""
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from .format import PackedWeight, packed_shapes, check_layout_args
 from .quantize import quantize, resolve_group_size
 from . import kernels, reference
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int, bool] | None:
+    """``(out_features, in_features, stored_transposed)`` of a module quantpack converts: an
+    ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2 and its relatives: ``y = x @ weight + bias``
+    with ``weight`` stored (in, out), i.e. transposed); ``None`` for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features, False
+    # Conv1D only exists once transformers is imported: no import here (import quantpack stays fast)
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if conv1d is not None and isinstance(module, conv1d):
+        return module.nf, module.nx, True
+    return None
 
 
 class QuantLinear(nn.Module):

@@ -178,6 +178,31 @@ def make_tiny_llama(path, *, num_shards: int = 2, dtype: torch.dtype = torch.flo
     return path
 
 
+def make_tiny_gpt2(path, *, num_shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0,
+                   n_embd: int = 128, n_layer: int = 2, n_head: int = 4, vocab_size: int = 320,
+                   train_steps: int = 0, **config_overrides) -> Path:
+    """Write a tiny ``GPT2LMHeadModel`` checkpoint (byte-level BPE tokenizer) to ``path``: its linear
+    layers are transformers' ``Conv1D``, which stores weights (in, out), and ``lm_head`` is tied.
+    ``train_steps`` as in :func:`make_tiny_llama`. Returns ``path``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _bpe_tokenizer(vocab_size)
+    config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size, n_positions=256,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config)
+    if train_steps:
+        _fit(model, tokenizer, PASSAGE, train_steps, config.n_positions)
+    model = model.to(dtype).eval()
+    _save_sharded(model, path, num_shards)
+    tokenizer.save_pretrained(path)
+    _write_extras(path, "tiny-gpt2")
+    return path
+
+
 def make_tiny_encoder(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
                       hidden_size: int = 128, intermediate_size: int = 256, num_hidden_layers: int = 2,
                       num_attention_heads: int = 4, vocab_size: int = 256, **config_overrides) -> Path:

@@ -859,7 +859,7 @@ def _locate_changes(skeleton: nn.Module, fname: str, tensors: dict[str, TensorIn
             if locate is None or ref_name is None or not all(n in tensors for n in names if not n.endswith(".bias")):
                 continue
             try:
-                found = locate(read, name, module, ref.get(ref_name), settings)
+                found = locate(read, name, module, _reference_weight(ref, ref_name, module), settings)
             except (CheckpointError, ValueError):
                 continue
             located.update(dict(found))
@@ -870,6 +870,12 @@ def _locate_changes(skeleton: nn.Module, fname: str, tensors: dict[str, TensorIn
 
 # ----------------------------------------------------------------------------------------------
 # Per layer and kernels
+
+
+def _reference_weight(reference: checkpoint.SourceCheckpoint, ref_name: str, module: nn.Module) -> torch.Tensor:
+    """The source weight of a quantized module as (out, in): GPT-2's Conv1D stored it (in, out)."""
+    w = reference.get(ref_name)
+    return w.t() if getattr(module, "source_transposed", False) else w
 
 
 @torch.no_grad()
@@ -885,7 +891,7 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
             missing.append(name)
             continue
         deq = MODULE_TYPES[type(module)].dequantize(module).float()
-        w = reference.get(ref_name).to(deq.device, torch.float32)
+        w = _reference_weight(reference, ref_name, module).to(deq.device, torch.float32)
         if tuple(w.shape) != tuple(deq.shape):
             raise ValueError(f"reference: {ref_name} has shape {list(w.shape)} but the packed layer {name} is "
                              f"{list(deq.shape)}; pass the checkpoint it was converted from")

@@ -1,0 +1,107 @@
+"""GPT-2 style checkpoints, whose linear layers are transformers' Conv1D (weights stored (in, out)):
+convert quantizes them as (out, in) linears, load/from_pretrained run them as QuantLinear, verify
+compares them with the transposed source weight."""
+import json
+
+import pytest
+import torch
+
+from quantpack import checkpoint, load
+from quantpack.convert import convert
+from quantpack.nn import QuantLinear, linear_dims
+from quantpack.reference import dequantize
+from quantpack.tiny import make_tiny_gpt2
+from quantpack.verify import verify
+
+CONV1D = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+          "transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_attn", "transformer.h.1.attn.c_proj",
+          "transformer.h.1.mlp.c_fc", "transformer.h.1.mlp.c_proj"]
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt2")
+    src = make_tiny_gpt2(root / "src", n_embd=64, train_steps=20)
+    summary = convert(src, root / "packed", group_size=32, method="rtn")
+    return src, root / "packed", summary
+
+
+def test_linear_dims_reads_conv1d_transposed():
+    from transformers.pytorch_utils import Conv1D
+
+    assert linear_dims(Conv1D(nf=48, nx=16)) == (48, 16, True)
+    assert linear_dims(torch.nn.Linear(16, 48)) == (48, 16, False)
+    assert linear_dims(torch.nn.Embedding(4, 4)) is None
+
+
+def test_convert_quantizes_every_conv1d(gpt2):
+    src, packed, summary = gpt2
+    assert sorted(layer.name for layer in summary.quantized) == CONV1D
+    assert all(layer.transposed for layer in summary.quantized)
+    stored = json.loads((src / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (src / "model.safetensors").read_bytes()[:8], "little")])
+    assert stored["transformer.h.0.mlp.c_fc.weight"]["shape"] == [64, 256]  # (in, out) in the source
+    layers = {x["name"]: x for x in checkpoint.read_manifest(packed)["layers"]}
+    assert layers["transformer.h.0.mlp.c_fc"]["shape"] == [256, 64] and layers["transformer.h.0.mlp.c_fc"]["source_transposed"]
+    with checkpoint.PackedCheckpoint(packed) as pc:
+        pw, _ = pc.layer("transformer.h.0.mlp.c_fc")
+        assert pw.shape == (256, 64) and tuple(pw.qweight.shape) == (32, 256)
+
+
+def _dequantized_source(src, packed):
+    """The source GPT-2 in float32 with each Conv1D weight set to the transposed dequantized weight."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(src, dtype=torch.float32).eval()
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
+        quantized = set(pc.quantized_modules)
+        for name in quantized:
+            pw, bias = pc.layer(name)
+            model.get_submodule(name).weight.copy_(dequantize(pw, torch.float32).t())
+            model.get_submodule(name).bias.copy_(bias.float())
+        for name in pc.source.tensors:  # every other tensor as the packed checkpoint stores it
+            if name.rpartition(".")[0] not in quantized:
+                params[name].copy_(pc.source.get(name).float())
+    return model
+
+
+def test_load_matches_the_dequantized_source_and_generates_the_same(gpt2):
+    from transformers import AutoTokenizer
+
+    src, packed, _ = gpt2
+    model = load(packed, device="cpu", dtype=torch.float32)
+    for name in CONV1D:
+        module = model.get_submodule(name)
+        assert isinstance(module, QuantLinear) and module.source_transposed
+    oracle = _dequantized_source(src, packed)
+    ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
+    with torch.no_grad():
+        got, want = model(**ids).logits, oracle(**ids).logits
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-3
+        kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert torch.equal(model.generate(**ids, **kw), oracle.generate(**ids, **kw))
+
+
+def test_from_pretrained_route(gpt2):
+    import quantpack  # noqa: F401  (registers the quantization method)
+    from transformers import AutoModelForCausalLM
+
+    _, packed, _ = gpt2
+    ids = torch.tensor([[1, 5, 9, 30, 41]])
+    a = AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32)
+    assert isinstance(a.transformer.h[0].mlp.c_fc, QuantLinear)
+    with torch.no_grad():
+        assert torch.allclose(a(ids).logits, load(packed, device="cpu", dtype=torch.float32)(ids).logits,
+                              rtol=0, atol=1e-5)
+
+
+def test_verify_compares_with_the_transposed_source(gpt2):
+    _, packed, summary = gpt2
+    report = verify(packed, device="cpu")
+    assert report.verdict == "pass", report.format_table()
+    recorded = {layer.name: layer.rel_error for layer in summary.quantized}
+    measured = {x["name"]: x["rel_error"] for x in report.layers["items"]}
+    assert measured.keys() == recorded.keys()
+    for name, err in recorded.items():
+        assert measured[name] == pytest.approx(err, rel=1e-3)  # the same weight, not its transpose
