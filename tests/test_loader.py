@@ -527,3 +527,28 @@ def test_device_map_auto_and_from_pretrained_on_gpu(packed_llama):
     assert hf.model.layers[0].self_attn.q_proj.qweight.is_cuda
     with torch.no_grad():
         assert torch.allclose(hf(**ids).logits, model(**ids).logits, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_device_map_across_two_gpus(packed_llama):
+    """A device map over two GPUs (accelerate moves activations between them): same logits and greedy
+    tokens as on one GPU, for load and for from_pretrained."""
+    import quantpack.hf_integration  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+             "model.rotary_emb": 1, "lm_head": 1}
+    ids = {k: v.to("cuda:0") for k, v in prompt_ids(packed_llama).items()}
+    one = load(packed_llama, device="cuda:0", dtype=torch.float16)
+    two = load(packed_llama, device_map=split, dtype=torch.float16)
+    assert {p.device.index for p in two.parameters()} == {0, 1}
+    assert two.model.layers[1].self_attn.q_proj.qweight.device.index == 1
+    hf = AutoModelForCausalLM.from_pretrained(packed_llama, device_map=split, dtype=torch.float16)
+    assert hf.model.layers[1].mlp.down_proj.qweight.device.index == 1
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    with torch.no_grad():
+        want = one(**ids).logits
+        for model in (two, hf):
+            assert torch.allclose(model(**ids).logits.to("cuda:0"), want, rtol=1e-3, atol=1e-3)
+            assert torch.equal(model.generate(**ids, **kw).to("cuda:0"), one.generate(**ids, **kw))
