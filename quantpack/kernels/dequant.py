@@ -9,6 +9,8 @@ multiply ``lo`` and the odd columns multiply ``hi``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 
 import torch
@@ -31,6 +33,12 @@ def interpreting() -> bool:
 def triton_usable(t: torch.Tensor) -> bool:
     """Triton runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
     return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
+def on_device(t: torch.Tensor):
+    """Context making ``t``'s GPU the current device: Triton launches on the current device, which
+    is not the tensors' own when a model is spread over several GPUs."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def infer_layout(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
@@ -227,8 +235,10 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     block_r, block_n, warps = _dequant_block(axis, group_size)
     n_meta = scales.shape[1]
     grid = (triton.cdiv((k + 1) // 2, block_r), triton.cdiv(n, block_n))
-    _dequant_kernel[grid](qweight, scales, zeros, out, n, k, group_size, n_meta, zs, zz,
-                          BITS=bits, AXIS=axis, QUANT_ZERO=quant_zero, META_ROW=meta_rowwise(axis, group_size, block_r),
-                          META_COL=axis == 0 and group_size % block_n == 0, BLOCK_R=block_r, BLOCK_N=block_n,
-                          num_warps=warps)
+    with on_device(qweight):
+        _dequant_kernel[grid](qweight, scales, zeros, out, n, k, group_size, n_meta, zs, zz,
+                              BITS=bits, AXIS=axis, QUANT_ZERO=quant_zero,
+                              META_ROW=meta_rowwise(axis, group_size, block_r),
+                              META_COL=axis == 0 and group_size % block_n == 0, BLOCK_R=block_r, BLOCK_N=block_n,
+                              num_warps=warps)
     return out

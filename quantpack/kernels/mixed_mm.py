@@ -37,7 +37,7 @@ from triton.runtime.errors import OutOfResources
 
 from .gemv import gemv_grid, launch_gemv
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
-                      meta_rowwise, triton_usable)
+                      meta_rowwise, on_device, triton_usable)
 from .. import reference
 from ..format import PackedWeight
 
@@ -719,7 +719,8 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
         config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
-    out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config)
+    with on_device(x2):  # Triton launches on the current device: make it x's (device maps over GPUs)
+        out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config)
     return out.reshape(*lead, out.shape[-1])
 
 

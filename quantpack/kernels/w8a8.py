@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
     TensorDescriptor = None
 
 from ..quantize_w8a8 import ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, quantize_weight_w8a8  # noqa: F401
+from .dequant import on_device
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A row up to this long is quantized from registers in one read; longer rows take two passes.
@@ -120,11 +121,12 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         one_tile = k <= _QUANT_ONE_TILE_MAX_K
         block_k = triton.next_power_of_2(k) if one_tile else _QUANT_LOOP_BLOCK_K
-        _quantize_rows_kernel[(m,)](
-            x2, q, scale, k, x2.stride(0), q.stride(0),
-            AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=QMAX, BLOCK_K=block_k, ONE_TILE=one_tile, USE_RINT=not _interpreting(),
-            num_warps=8 if block_k >= 2048 else 4,
-        )
+        with on_device(x2):
+            _quantize_rows_kernel[(m,)](
+                x2, q, scale, k, x2.stride(0), q.stride(0),
+                AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=QMAX, BLOCK_K=block_k, ONE_TILE=one_tile, USE_RINT=not _interpreting(),
+                num_warps=8 if block_k >= 2048 else 4,
+            )
     return q.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
@@ -358,7 +360,8 @@ def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
         kernel_fn[grid](*args, HAS_BIAS=has_bias, **cfg)
     else:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        tuned_fn[grid](*args, HAS_BIAS=has_bias)
+        with on_device(x_q):  # Triton launches on the current device, not necessarily x's
+            tuned_fn[grid](*args, HAS_BIAS=has_bias)
     return out
 
 
