@@ -254,12 +254,14 @@ def _model_structure(config_dict: dict, path: Path):
                                   f"upgrade transformers") from None
 
 
-def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, torch.nn.Module], set[str], list]:
-    """Map checkpoint module names (``<m>`` of ``<m>.weight``) to the model's linear modules
-    (``nn.Linear`` and GPT-2's ``Conv1D``, see :func:`quantpack.nn.linear_dims`).
+def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, tuple], set[str], list]:
+    """The model's linear modules (``nn.Linear`` and GPT-2's ``Conv1D``, see
+    :func:`quantpack.nn.linear_dims`) with a weight in the checkpoint.
 
-    Returns (linears, output_embedding_names, absent) where absent lists (name, is_output_embeddings)
-    of linear modules with no weight in the checkpoint (e.g. a tied lm_head).
+    Returns (linears, output_embedding_names, absent): linears maps the model's module name to
+    (module, the checkpoint's name for it: the same, or with/without ``base_model_prefix``);
+    absent lists (name, is_output_embeddings) of linear modules with no weight in the checkpoint
+    (e.g. a tied lm_head).
     """
     prefix = getattr(model, "base_model_prefix", "") or ""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -267,17 +269,55 @@ def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, torch.nn.M
     for name, module in model.named_modules():
         if linear_dims(module) is None:
             continue
-        candidates = [name]
-        if prefix:
-            candidates += [f"{prefix}.{name}", name[len(prefix) + 1:] if name.startswith(prefix + ".") else None]
-        found = next((c for c in candidates if c and f"{c}.weight" in weight_names), None)
+        found = next((c for c in _prefix_variants(name, prefix) if f"{c}.weight" in weight_names), None)
         if found is None:
             absent.append((name, module is out_emb))
             continue
-        linears[found] = module
+        linears[name] = (module, found)
         if module is out_emb:
-            output_names.add(found)
+            output_names.add(name)
     return linears, output_names, absent
+
+
+def _prefix_variants(name: str, prefix: str) -> list[str]:
+    """``name`` and its spellings with ``base_model_prefix`` added or removed (checkpoints of a
+    base model and of a model with a head name the same weights differently)."""
+    out = [name]
+    if prefix:
+        out.append(f"{prefix}.{name}")
+        if name.startswith(prefix + "."):
+            out.append(name[len(prefix) + 1:])
+    return out
+
+
+def _canonical_names(model, names) -> tuple[dict[str, str], list[str]]:
+    """Map each checkpoint tensor name to the model's state-dict name (the packed checkpoint always
+    uses those, so loaders need no renaming). Returns (mapping, dropped): dropped are tensors the
+    model ignores when loading (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's stored causal
+    masks). A tensor that is neither cannot be converted: transformers renames or merges it when it
+    loads this architecture (per-expert MoE weights fused into 3-D tensors), which quantpack does
+    not do, and a packed checkpoint holding it would not load."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    keys = set(model.state_dict(keep_vars=True))
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    mapping, dropped, unknown = {}, [], []
+    for name in names:
+        key = next((c for c in _prefix_variants(name, prefix) if c in keys), None)
+        if key is not None:
+            mapping[name] = key
+        elif any(p.search(name) for p in ignore):
+            dropped.append(name)
+        else:
+            unknown.append(name)
+    if unknown:
+        import transformers
+
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise CheckpointError(f"source: tensor {unknown[0]}{more} is not a parameter of {type(model).__name__}: "
+                              f"transformers {transformers.__version__} renames or merges such tensors when it loads "
+                              f"this architecture (e.g. per-expert MoE weights into 3-D tensors), which quantpack "
+                              f"does not support yet; convert a model whose stored names match its parameters")
+    return mapping, dropped
 
 
 def _expert_count(config) -> int | None:
@@ -431,8 +471,9 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                                   f"floating-point checkpoint")
         model, config = _model_structure(config_dict, resolved.path)
         weight_names = set(src.tensors)
+        canonical, dropped = _canonical_names(model, src.tensors)
         linears, output_names, absent = _linear_modules(model, weight_names)
-        out_dtype = _resolve_dtype(dtype, src, linears)
+        out_dtype = _resolve_dtype(dtype, src, [found for _, found in linears.values()])
         settings = {"scheme": scheme, "bits": bits, "group_size": group_size, "axis": axis, "method": method,
                     "dtype": dtype_name(out_dtype), "skip": list(skip),
                     "bits_for": {p.pattern: b for p, b in bits_rules}, "quantize_lm_head": quantize_lm_head,
@@ -452,15 +493,18 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         experts = _expert_count(config)
         quant_plan: dict[str, LayerResult] = {}
         bits_overrides: dict[str, int] = {}
-        for name, module in linears.items():
-            info = src.info(name + ".weight")
+        if dropped:
+            summary.warnings.append(f"dropped {len(dropped)} stored tensors that {type(model).__name__} ignores when "
+                                    f"loading ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''})")
+        for name, (module, src_name) in linears.items():
+            info = src.info(src_name + ".weight")
             out_features, in_features, transposed = linear_dims(module)
             shape = (out_features, in_features)
             layer = LayerResult(name, shape, transposed=transposed)
             summary.layers.append(layer)
             stored = shape[::-1] if transposed else shape
             if tuple(info.shape) != stored:
-                raise CheckpointError(f"source: {name}.weight has shape {tuple(info.shape)} but the config says "
+                raise CheckpointError(f"source: {src_name}.weight has shape {tuple(info.shape)} but the config says "
                                       f"{stored}; the checkpoint does not match its config.json")
             matched = next((p for p in skip_patterns if p.search(name)), None)
             if name in output_names and not quantize_lm_head:
@@ -518,7 +562,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         # -- units in source order, then shards
         units = []
         for tname, info in src.tensors.items():
-            module = tname[: -len(".weight")] if tname.endswith(".weight") else None
+            if tname not in canonical:
+                continue  # dropped: the model ignores it
+            out_name = canonical[tname]
+            module = out_name[: -len(".weight")] if out_name.endswith(".weight") else None
             if module in quant_plan and w8a8:
                 layer = quant_plan[module]
                 units.append(_Unit(tname, {f"{module}.qweight": (layer.shape, torch.int8),
@@ -531,7 +578,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                                            f"{module}.zeros": (shapes["zeros"], out_dtype)}, layer))
             else:
                 out_t = out_dtype if info.dtype.is_floating_point else info.dtype
-                units.append(_Unit(tname, {tname: (info.shape, out_t)}))
+                units.append(_Unit(tname, {out_name: (info.shape, out_t)}))
         shards: list[list[_Unit]] = [[]]
         running = 0
         for unit in units:
@@ -719,8 +766,8 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
                 if j + 1 < len(shard):
                     pending = reader.submit(src.get, shard[j + 1].source)
                 if unit.layer is None:
-                    out_t = unit.outputs[unit.source][1]
-                    tensors[unit.source] = tensor.to(out_t) if tensor.dtype != out_t else tensor
+                    (out_name, (_, out_t)), = unit.outputs.items()
+                    tensors[out_name] = tensor.to(out_t) if tensor.dtype != out_t else tensor
                 else:
                     t = time.perf_counter()
                     layer = unit.layer

@@ -105,3 +105,31 @@ def test_verify_compares_with_the_transposed_source(gpt2):
     assert measured.keys() == recorded.keys()
     for name, err in recorded.items():
         assert measured[name] == pytest.approx(err, rel=1e-3)  # the same weight, not its transpose
+
+
+def test_hub_gpt2_layout_is_stored_under_the_models_names(gpt2, tmp_path):
+    """openai-community/gpt2 stores ``h.0...`` (no ``transformer.`` prefix) plus the causal masks
+    ``h.N.attn.bias`` that transformers ignores: the packed checkpoint uses the model's own names
+    and drops the masks, so it loads and converts exactly like the canonical layout."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+
+    src, packed, _ = gpt2
+    hub = tmp_path / "hub-layout"
+    shutil.copytree(src, hub)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(hub / "model.safetensors").items()
+               if k != "lm_head.weight"}
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 16, 16))
+    save_file(tensors, hub / "model.safetensors", metadata={"format": "pt"})
+    summary = convert(hub, tmp_path / "packed", group_size=32, method="rtn")
+    assert summary.warnings == ["dropped 2 stored tensors that GPT2LMHeadModel ignores when loading "
+                                "(h.0.attn.bias, h.1.attn.bias)"]
+    assert sorted(layer.name for layer in summary.quantized) == CONV1D
+    with checkpoint.PackedCheckpoint(tmp_path / "packed") as a, checkpoint.PackedCheckpoint(packed) as b:
+        assert sorted(a.source.tensors) == sorted(b.source.tensors)
+        for name in a.source.tensors:
+            assert torch.equal(a.source.get(name), b.source.get(name)), name
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.equal(load(tmp_path / "packed", device="cpu")(ids).logits, load(packed, device="cpu")(ids).logits)
