@@ -17,6 +17,18 @@ import torch
 from quantpack.tiny import make_tiny_encoder, make_tiny_llama
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_kernel_config_cache(tmp_path_factory):
+    """Autotuned kernel configs go to a cache the tests own, never the user's ~/.cache/quantpack."""
+    old = os.environ.get("QUANTPACK_CACHE_DIR")
+    os.environ["QUANTPACK_CACHE_DIR"] = str(tmp_path_factory.mktemp("quantpack-cache"))
+    yield
+    if old is None:
+        os.environ.pop("QUANTPACK_CACHE_DIR", None)
+    else:
+        os.environ["QUANTPACK_CACHE_DIR"] = old
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

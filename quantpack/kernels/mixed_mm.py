@@ -387,10 +387,26 @@ def _capability(dev_key: str):
     return None
 
 
+def tuned_cache_path(dev_key: str) -> Path:
+    """Where configs autotuned on this machine (``QUANTPACK_AUTOTUNE=1``) are kept between runs:
+    ``$QUANTPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/quantpack``, else ``~/.cache/quantpack``."""
+    root = os.environ.get("QUANTPACK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "quantpack")
+    return Path(root) / "configs" / f"{dev_key}.json"
+
+
+def _read_configs(path: Path) -> dict:
+    try:
+        return {k: KernelConfig(**v) for k, v in json.loads(path.read_text())["configs"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # a missing or unreadable cache only means tuning again
+
+
 def _table(dev_key: str) -> dict:
     """Config table of a device: its shipped file, else a shipped file tuned on a GPU of the same
-    compute capability (e.g. H200 configs on an H100: same SM count and architecture), else empty.
-    Autotuned entries are added to it in memory."""
+    compute capability (e.g. H200 configs on an H100: same SM count and architecture), else empty;
+    then the configs autotuned earlier on this machine (:func:`tuned_cache_path`) on top.
+    Autotuned entries are added to it in memory (and to that cache)."""
     table = _tables.get(dev_key)
     if table is None:
         path = _CONFIG_DIR / f"{dev_key}.json"
@@ -402,8 +418,28 @@ def _table(dev_key: str) -> dict:
         table = {}
         if path.is_file():
             table = {k: KernelConfig(**v) for k, v in json.loads(path.read_text())["configs"].items()}
+        if dev_key != "interpreter":
+            table.update(_read_configs(tuned_cache_path(dev_key)))
         _tables[dev_key] = table
     return table
+
+
+def _remember(dev_key: str, key: str, cfg: KernelConfig) -> None:
+    """Add an autotuned config to the in-memory table and to this machine's cache file (merged with
+    what other processes wrote, replaced atomically; a cache that cannot be written is skipped)."""
+    _table(dev_key)[key] = cfg
+    if dev_key == "interpreter":
+        return
+    path = tuned_cache_path(dev_key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        configs = {k: asdict(v) for k, v in _read_configs(path).items()}
+        configs[key] = asdict(cfg)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"device": dev_key, "configs": dict(sorted(configs.items()))}, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 def _nearest(table: dict, transposed: bool, bits: int, n: int, k: int, m: int) -> KernelConfig | None:
@@ -549,7 +585,8 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
              weight_copies: int = 1, rep_ms: int = 40) -> tuple[KernelConfig, dict]:
     """Time the candidate configs on this input (CUDA graph replay over ``weight_copies`` copies of
     the weight so repeated runs do not read it from L2), store the fastest under its M-bucketed
-    key for this process, and return it with all timings (microseconds)."""
+    key for this process and in this machine's cache (:func:`tuned_cache_path`, so later runs do
+    not tune again), and return it with all timings (microseconds)."""
     from triton.testing import do_bench
 
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
@@ -575,7 +612,7 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             if os.environ.get("QUANTPACK_TUNE_VERBOSE"):
                 print("config failed", cfg, repr(exc)[:200])
     best = min(times, key=times.get)
-    _table(device_key(x.device))[config_key(transposed, bits, n, k, m)] = best
+    _remember(device_key(x.device), config_key(transposed, bits, n, k, m), best)
     return best, times
 
 

@@ -252,6 +252,27 @@ def test_shipped_table_loads_and_same_arch_fallback(monkeypatch):
     assert near is not None and near == h200[mm_mod.config_key(False, 4, 4096, 4096, 1)]
 
 
+def test_autotuned_configs_are_cached_for_later_processes(tmp_path, monkeypatch):
+    """What QUANTPACK_AUTOTUNE=1 picks is kept in the machine's cache and read back by a new process
+    (on top of the shipped table); a damaged cache is ignored, not fatal."""
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    monkeypatch.setattr(mm_mod, "_capability", lambda key: None)
+    first = (mm_mod.config_key(False, 4, 5120, 4096, 1), KernelConfig("gemv", block_n=64, block_r=16, split=8))
+    second = (mm_mod.config_key(True, 4, 5120, 4096, 1024), KernelConfig("dq"))
+    mm_mod._remember("some_gpu", *first)
+    mm_mod._remember("some_gpu", *second)
+    path = mm_mod.tuned_cache_path("some_gpu")
+    assert path == tmp_path / "configs" / "some_gpu.json" and path.is_file()
+    monkeypatch.setattr(mm_mod, "_tables", {})  # as a new process sees it
+    assert mm_mod._table("some_gpu") == dict([first, second])
+    path.write_text("{not json")
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    assert mm_mod._table("some_gpu") == {}
+    h200 = mm_mod._table("nvidia_h200")  # shipped entries stay underneath the cache
+    assert mm_mod.config_key(False, 4, 4096, 4096, 1) in h200
+
+
 def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatch):
     """A config whose pipeline does not fit (seen on an H200: a 3-stage 8-bit tile needing 240 KB)
     is launched again with fewer stages instead of failing."""
