@@ -133,3 +133,21 @@ def test_hub_gpt2_layout_is_stored_under_the_models_names(gpt2, tmp_path):
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         assert torch.equal(load(tmp_path / "packed", device="cpu")(ids).logits, load(packed, device="cpu")(ids).logits)
+
+
+def test_w8a8_scheme_on_conv1d(gpt2, tmp_path):
+    """The int8 scheme takes the same (out, in) orientation: its logits track the source model."""
+    from transformers import GPT2LMHeadModel
+    from quantpack.nn_w8a8 import W8A8Linear
+
+    src, _, _ = gpt2
+    convert(src, tmp_path / "w8a8", scheme="w8a8")
+    model = load(tmp_path / "w8a8", device="cpu", dtype=torch.float32)
+    assert isinstance(model.transformer.h[0].mlp.c_fc, W8A8Linear)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        got = model(ids).logits
+        want = GPT2LMHeadModel.from_pretrained(src, dtype=torch.float32).eval()(ids).logits
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"w8a8 gpt2 logits rel err {err:.4f}")
+    assert err < 0.05  # a transposed weight would be far off
