@@ -292,24 +292,22 @@ def _prefix_variants(name: str, prefix: str) -> list[str]:
 
 def _canonical_names(model, names) -> tuple[dict[str, str], list[str]]:
     """Map each checkpoint tensor name to the model's state-dict name (the packed checkpoint always
-    uses those, so loaders need no renaming). Returns (mapping, dropped): dropped are tensors the
-    model ignores when loading (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's stored causal
-    masks). A tensor that is neither cannot be converted: transformers renames or merges it when it
-    loads this architecture (per-expert MoE weights fused into 3-D tensors), which quantpack does
-    not do, and a packed checkpoint holding it would not load."""
+    uses those, so loaders need no renaming). Returns (mapping, dropped): dropped are tensors that are
+    not parameters of the model, which transformers skips when loading too (GPT-2's stored causal
+    masks, old checkpoints' ``rotary_emb.inv_freq``). Where transformers has a conversion for this
+    architecture instead (it renames or merges such tensors at load: per-expert MoE weights fused
+    into 3-D tensors), quantpack cannot follow it yet and refuses: a packed checkpoint without them
+    would be a different model."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     keys = set(model.state_dict(keep_vars=True))
-    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
-    mapping, dropped, unknown = {}, [], []
+    mapping, unknown = {}, []
     for name in names:
         key = next((c for c in _prefix_variants(name, prefix) if c in keys), None)
         if key is not None:
             mapping[name] = key
-        elif any(p.search(name) for p in ignore):
-            dropped.append(name)
         else:
             unknown.append(name)
-    if unknown:
+    if unknown and _load_time_conversion(model):
         import transformers
 
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -317,7 +315,16 @@ def _canonical_names(model, names) -> tuple[dict[str, str], list[str]]:
                               f"transformers {transformers.__version__} renames or merges such tensors when it loads "
                               f"this architecture (e.g. per-expert MoE weights into 3-D tensors), which quantpack "
                               f"does not support yet; convert a model whose stored names match its parameters")
-    return mapping, dropped
+    return mapping, unknown
+
+
+def _load_time_conversion(model) -> bool:
+    """Whether transformers renames or merges this architecture's checkpoint tensors when loading."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # transformers without load-time conversions
+        return False
+    return bool(get_checkpoint_conversion_mapping(getattr(model.config, "model_type", None)))
 
 
 def _expert_count(config) -> int | None:
@@ -494,8 +501,9 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         quant_plan: dict[str, LayerResult] = {}
         bits_overrides: dict[str, int] = {}
         if dropped:
-            summary.warnings.append(f"dropped {len(dropped)} stored tensors that {type(model).__name__} ignores when "
-                                    f"loading ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''})")
+            summary.warnings.append(f"dropped {len(dropped)} stored tensors that are not parameters of "
+                                    f"{type(model).__name__} (transformers skips them too): "
+                                    f"{', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''}")
         for name, (module, src_name) in linears.items():
             info = src.info(src_name + ".weight")
             out_features, in_features, transposed = linear_dims(module)

@@ -123,8 +123,8 @@ def test_hub_gpt2_layout_is_stored_under_the_models_names(gpt2, tmp_path):
         tensors[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 16, 16))
     save_file(tensors, hub / "model.safetensors", metadata={"format": "pt"})
     summary = convert(hub, tmp_path / "packed", group_size=32, method="rtn")
-    assert summary.warnings == ["dropped 2 stored tensors that GPT2LMHeadModel ignores when loading "
-                                "(h.0.attn.bias, h.1.attn.bias)"]
+    assert summary.warnings == ["dropped 2 stored tensors that are not parameters of GPT2LMHeadModel "
+                                "(transformers skips them too): h.0.attn.bias, h.1.attn.bias"]
     assert sorted(layer.name for layer in summary.quantized) == CONV1D
     with checkpoint.PackedCheckpoint(tmp_path / "packed") as a, checkpoint.PackedCheckpoint(packed) as b:
         assert sorted(a.source.tensors) == sorted(b.source.tensors)

@@ -364,3 +364,22 @@ def test_architectures_whose_names_transformers_converts_are_refused(tmp_path):
                                               r"\.weight \(and \d+ more\) is not a parameter of MixtralForCausalLM"):
         convert(tmp_path / "mixtral", tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mixtral"]
+
+
+def test_stored_tensors_the_model_does_not_have_are_dropped(tmp_path):
+    """Old Llama checkpoints store ``rotary_emb.inv_freq``; transformers skips it when loading, and so
+    does the packed checkpoint (with a warning), which then loads."""
+    from safetensors.torch import load_file, save_file
+
+    import quantpack
+
+    src = make_tiny_llama(tmp_path / "old-llama", num_shards=1, num_hidden_layers=1)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    summary = convert(src, tmp_path / "out", group_size=32, method="rtn")
+    assert summary.warnings == ["dropped 1 stored tensors that are not parameters of LlamaForCausalLM (transformers "
+                                "skips them too): model.layers.0.self_attn.rotary_emb.inv_freq"]
+    with PackedCheckpoint(tmp_path / "out") as pc:
+        assert not any("inv_freq" in name for name in pc.source.tensors)
+    assert quantpack.load(tmp_path / "out", device="cpu") is not None
