@@ -24,7 +24,7 @@ from .loader import QUANT_METHOD, linear_modules_to_convert, read_quantization_c
 logger = logging.getLogger(__name__)
 
 _CONFIG_FIELDS = ("layout_version", "bits", "group_size", "axis", "method", "modules_not_converted",
-                  "bits_overrides", "quantpack_version", "scheme")
+                  "bits_overrides", "quantpack_version", "scheme", "quantized_experts")
 
 
 class QuantpackConfig(QuantizationConfigMixin):

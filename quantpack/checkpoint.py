@@ -495,7 +495,7 @@ def weight_only_scheme(bits: int) -> str:
 
 def make_quantization_config(*, bits: int, group_size: int | None, axis: int, method: str,
                              modules_not_converted, bits_overrides: dict[str, int], version: str,
-                             scheme: str | None = None) -> dict:
+                             scheme: str | None = None, quantized_experts=()) -> dict:
     """The ``config.json["quantization_config"]`` of a packed checkpoint (see docs/format.md).
 
     ``scheme`` is written only when it is not the weight-only default ``w<bits>a16`` (so weight-only
@@ -513,6 +513,8 @@ def make_quantization_config(*, bits: int, group_size: int | None, axis: int, me
     }
     if scheme is not None and scheme != weight_only_scheme(bits):
         qc["scheme"] = scheme
+    if quantized_experts:  # mixture-of-experts blocks stored as one packed matrix per expert and projection
+        qc["quantized_experts"] = sorted(quantized_experts)
     return qc
 
 
@@ -565,6 +567,13 @@ def read_quantization_config(config: dict) -> dict:
     out = dict(qc)
     out["bits_overrides"] = dict(overrides)
     out["modules_not_converted"] = list(qc.get("modules_not_converted") or [])
+    experts = qc.get("quantized_experts") or []
+    if not isinstance(experts, list) or not all(isinstance(x, str) for x in experts):
+        raise CheckpointError("config.json: quantization_config.quantized_experts must list module names")
+    if experts and scheme not in WEIGHT_ONLY_SCHEMES:
+        raise CheckpointError(f"config.json: quantization_config.quantized_experts with scheme={scheme!r}; experts "
+                              f"are stored weight-only: re-convert")
+    out["quantized_experts"] = list(experts)
     out["scheme"] = scheme
     return out
 

@@ -110,9 +110,9 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
 
     \b
     Streams tensor by tensor, resumes an interrupted run, and never leaves a half-written output.
-    Quantizes every linear layer (nn.Linear, GPT-2's Conv1D) but the output embeddings (see
-    --quantize-lm-head) and MoE routers; other tensors are copied. MoE checkpoints whose experts
-    transformers fuses at load (Mixtral and relatives) are refused.
+    Quantizes every linear layer (nn.Linear, GPT-2's Conv1D) and every expert of a mixture-of-experts
+    block (Mixtral, Qwen3-MoE, ...), but not the output embeddings (see --quantize-lm-head) or MoE
+    routers; other tensors are copied.
     Examples:
       quantpack convert meta-llama/Llama-3.1-8B --group-size 128
       quantpack convert ./my-model --bits 8 --group-size none --dry-run

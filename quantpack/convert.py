@@ -67,6 +67,7 @@ class LayerResult:
     rel_error: float | None = None
     skipped: str | None = None  # the reason, when not quantized
     transposed: bool = False  # the source stores the weight (in, out) (GPT-2's Conv1D)
+    source: str | None = None  # the checkpoint's module name, where it differs (e.g. one expert's matrix)
 
 
 @dataclass
@@ -290,7 +291,34 @@ def _prefix_variants(name: str, prefix: str) -> list[str]:
     return out
 
 
-def _canonical_names(model, names) -> tuple[dict[str, str], list[str]]:
+_EXPERT_TENSOR = re.compile(r"^(?P<layer>.+)\.(?P<block>[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
+_EXPERT_PROJ = {"w1": "gate_proj", "gate_proj": "gate_proj", "w3": "up_proj", "up_proj": "up_proj",
+                "w2": "down_proj", "down_proj": "down_proj"}
+
+
+def _expert_tensors(model, names) -> tuple[dict[str, tuple[str, str, int]], dict[str, str]]:
+    """Checkpoint tensors that are one expert's matrix of a fused experts block of the model (see
+    :func:`quantpack.nn_experts.fused_experts_dims`): {tensor: (block path, projection, expert)},
+    plus the renames of the blocks' parents ({``model.layers.0.block_sparse_moe.``:
+    ``model.layers.0.mlp.``}) that the block's other tensors (the router) follow. A block is found
+    by the decoder layer that holds it, so the checkpoint may name its parent differently."""
+    from .nn_experts import fused_experts_dims
+
+    by_layer: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        if fused_experts_dims(module) is not None:
+            by_layer.setdefault(path.rpartition(".")[0].rpartition(".")[0], []).append(path)
+    experts, renames = {}, {}
+    for name in names:
+        m = _EXPERT_TENSOR.match(name)
+        blocks = by_layer.get(m["layer"], []) if m and m["proj"] in _EXPERT_PROJ else []
+        if len(blocks) == 1:
+            experts[name] = (blocks[0], _EXPERT_PROJ[m["proj"]], int(m["e"]))
+            renames[f"{m['layer']}.{m['block']}."] = blocks[0].rpartition(".")[0] + "."
+    return experts, renames
+
+
+def _canonical_names(model, names, experts=None, renames=None) -> tuple[dict[str, str], list[str]]:
     """Map each checkpoint tensor name to the model's state-dict name (the packed checkpoint always
     uses those, so loaders need no renaming). Returns (mapping, dropped): dropped are tensors that are
     not parameters of the model, which transformers skips when loading too (GPT-2's stored causal
@@ -300,9 +328,15 @@ def _canonical_names(model, names) -> tuple[dict[str, str], list[str]]:
     would be a different model."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     keys = set(model.state_dict(keep_vars=True))
+    experts, renames = experts or {}, renames or {}
     mapping, unknown = {}, []
     for name in names:
-        key = next((c for c in _prefix_variants(name, prefix) if c in keys), None)
+        if name in experts:  # quantized into <block>.<projection>.<expert>
+            block, proj, e = experts[name]
+            mapping[name] = f"{block}.{proj}.{e}.weight"
+            continue
+        renamed = next((new + name[len(old):] for old, new in renames.items() if name.startswith(old)), name)
+        key = next((c for c in _prefix_variants(renamed, prefix) if c in keys), None)
         if key is not None:
             mapping[name] = key
         else:
@@ -325,6 +359,52 @@ def _load_time_conversion(model) -> bool:
     except ImportError:  # transformers without load-time conversions
         return False
     return bool(get_checkpoint_conversion_mapping(getattr(model.config, "model_type", None)))
+
+
+def _plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides, skip_patterns, bits_rules,
+                  bits, group_size, axis, w8a8) -> list[str]:
+    """Plan every expert matrix of the model's fused experts blocks as a quantized layer
+    ``<block>.<projection>.<expert>``; returns the blocks. A block is quantized whole (its
+    replacement holds packed matrices only), so a --skip that selects part of it, a group size that
+    does not fit, or a missing matrix is an error."""
+    from .nn_experts import PROJECTIONS, fused_experts_dims
+
+    found: dict[str, dict] = {}
+    for tname, (block, proj, e) in expert_sources.items():
+        found.setdefault(block, {})[(proj, e)] = tname
+    for block, parts in sorted(found.items()):
+        n_exp, hidden, inter = fused_experts_dims(model.get_submodule(block))
+        want = {(p, e) for p in PROJECTIONS for e in range(n_exp)}
+        if set(parts) != want:
+            gap = sorted(want - set(parts)) or sorted(set(parts) - want)
+            raise CheckpointError(f"source: the experts of {block} are incomplete or extra ({gap[0][0]} of expert "
+                                  f"{gap[0][1]}); the checkpoint does not match its config.json")
+        if w8a8:
+            raise ValueError(f"{block}: --scheme w8a8 does not quantize mixture-of-experts blocks yet; use the "
+                             f"weight-only schemes (w4a16, w8a16)")
+        for (proj, e), tname in sorted(parts.items(), key=lambda kv: (kv[0][1], PROJECTIONS.index(kv[0][0]))):
+            name = f"{block}.{proj}.{e}"
+            shape = (inter, hidden) if proj != "down_proj" else (hidden, inter)
+            info = src.info(tname)
+            if tuple(info.shape) != shape:
+                raise CheckpointError(f"source: {tname} has shape {tuple(info.shape)} but the config says {shape}; "
+                                      f"the checkpoint does not match its config.json")
+            matched = next((p for p in skip_patterns if p.search(name)), None)
+            if matched is not None:
+                raise ValueError(f"--skip {matched.pattern} selects {name}, one matrix of the experts block {block}; "
+                                 f"a block is quantized whole: skip none or all of it is not supported yet")
+            layer_bits = next((b for p, b in bits_rules if p.search(name)), bits)
+            gs = resolve_group_size(group_size, shape, axis)
+            try:
+                check_layout_args(shape, layer_bits, gs, axis)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e} (an experts block is quantized whole)") from None
+            layer = LayerResult(name, shape, bits=layer_bits, group_size=gs, source=tname[: -len(".weight")])
+            summary.layers.append(layer)
+            quant_plan[name] = layer
+            if layer_bits != bits:
+                bits_overrides[name] = layer_bits
+    return sorted(found)
 
 
 def _expert_count(config) -> int | None:
@@ -478,7 +558,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                                   f"floating-point checkpoint")
         model, config = _model_structure(config_dict, resolved.path)
         weight_names = set(src.tensors)
-        canonical, dropped = _canonical_names(model, src.tensors)
+        expert_sources, block_renames = _expert_tensors(model, src.tensors)
+        canonical, dropped = _canonical_names(model, src.tensors, expert_sources, block_renames)
         linears, output_names, absent = _linear_modules(model, weight_names)
         out_dtype = _resolve_dtype(dtype, src, [found for _, found in linears.values()])
         settings = {"scheme": scheme, "bits": bits, "group_size": group_size, "axis": axis, "method": method,
@@ -552,11 +633,13 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             quant_plan[name] = layer
             if layer_bits != bits:
                 bits_overrides[name] = layer_bits
+        quantized_experts = _plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides,
+                                          skip_patterns, bits_rules, bits, group_size, axis, w8a8)
         summary.layers.sort(key=lambda layer: _natural_key(layer.name))
         # A pattern that selects nothing is almost always a typo: say so (and stop under --strict).
         for option, patterns in (("--skip", skip_patterns), ("--bits-for", [p for p, _ in bits_rules])):
             for pattern in patterns:
-                if not any(pattern.search(name) for name in linears):
+                if not any(pattern.search(name) for name in [*linears, *quant_plan]):
                     message = f"{option} {pattern.pattern} matches no linear layer"
                     if strict:
                         raise ValueError(f"{message} (--strict); check the pattern against the layer names "
@@ -659,7 +742,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             quant_config = make_quantization_config(
                 bits=bits, group_size=group_size, axis=axis, method=method,
                 modules_not_converted=[layer.name for layer in summary.skipped if layer.name in linears],
-                bits_overrides=bits_overrides, version=__version__, scheme=scheme)
+                bits_overrides=bits_overrides, version=__version__, scheme=scheme, quantized_experts=quantized_experts)
             new_config = {**config_dict, "quantization_config": quant_config}
             for key in ("dtype", "torch_dtype"):
                 if key in new_config or key == "dtype":
@@ -682,7 +765,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 "files": {"inputs": inputs, "outputs": dict(sorted(outputs.items()))},
                 "layers": [{"name": layer.name, "bits": layer.bits, "group_size": layer.group_size,
                             "shape": list(layer.shape), "rel_error": layer.rel_error,
-                            **({"source_transposed": True} if layer.transposed else {})}
+                            **({"source_transposed": True} if layer.transposed else {}),
+                            **({"source": layer.source} if layer.source else {})}
                            for layer in summary.quantized],
                 "skipped": [{"name": layer.name, "reason": layer.skipped} for layer in summary.skipped],
                 "totals": {"source_bytes": summary.source_bytes, "output_bytes": summary.output_bytes,

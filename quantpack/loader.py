@@ -107,6 +107,33 @@ def replace_linear_layers(model: nn.Module, qc: dict, names: list[str],
         new = builder(name, old, qc, dtype_for(name))
         new.source_transposed = linear_dims(old)[2]
         setattr(parent, child, new)
+    for name in qc.get("quantized_experts") or []:
+        _replace_experts(model, name, qc, dtype_for(f"{name}.gate_proj.0"))
+
+
+def _replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -> None:
+    """Swap the experts block ``name`` for a :class:`~quantpack.nn_experts.QuantExperts` on meta."""
+    from .nn_experts import PROJECTIONS, QuantExperts, fused_experts_dims
+
+    try:
+        old = model.get_submodule(name)
+    except AttributeError:
+        old = None
+    dims = fused_experts_dims(old) if old is not None else None
+    if dims is None:
+        raise _fail(f"config.json: quantization_config.quantized_experts lists {name}, which is not an experts "
+                    f"block of {type(model).__name__}; the checkpoint does not match its config: re-convert")
+    new = QuantExperts(*dims, old.act_fn, bits=qc["bits"], group_size=qc["group_size"], axis=qc["axis"],
+                       dtype=dtype, device="meta")
+    for proj in PROJECTIONS:
+        for e, layer in enumerate(getattr(new, proj)):
+            bits = qc["bits_overrides"].get(f"{name}.{proj}.{e}")
+            if bits is not None and bits != layer.bits:
+                getattr(new, proj)[e] = QuantLinear(layer.in_features, layer.out_features, bits=bits,
+                                                    group_size=qc["group_size"], axis=qc["axis"], bias=False,
+                                                    dtype=dtype, device="meta")
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -382,7 +409,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
 
     quantized = linear_modules_to_convert(model, qc)
     replace_linear_layers(model, qc, quantized, compute_dtype)
-    quantized = set(quantized)
+    quantized = set(quantized) | {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}  # + experts
     expected, aliases = _expected_tensors(model)
     _check_tensors(model, expected, aliases, tensors, quantized, qc)
 

@@ -203,6 +203,35 @@ def make_tiny_gpt2(path, *, num_shards: int = 1, dtype: torch.dtype = torch.floa
     return path
 
 
+def make_tiny_mixtral(path, *, num_shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0,
+                      hidden_size: int = 64, intermediate_size: int = 128, num_hidden_layers: int = 2,
+                      num_local_experts: int = 4, num_experts_per_tok: int = 2, vocab_size: int = 320,
+                      train_steps: int = 0, **config_overrides) -> Path:
+    """Write a tiny ``MixtralForCausalLM`` checkpoint (byte-level BPE tokenizer) to ``path``: its
+    experts are stored one matrix per expert (``block_sparse_moe.experts.<e>.w1``), as on the hub,
+    while transformers 5 holds them as 3-D tensors. ``train_steps`` as in :func:`make_tiny_llama`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _bpe_tokenizer(vocab_size)
+    config = MixtralConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                           num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=num_local_experts, num_experts_per_tok=num_experts_per_tok,
+                           vocab_size=vocab_size, max_position_embeddings=256,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(config)
+    if train_steps:
+        _fit(model, tokenizer, PASSAGE, train_steps, config.max_position_embeddings)
+    model = model.to(dtype).eval()
+    _save_sharded(model, path, num_shards)
+    tokenizer.save_pretrained(path)
+    _write_extras(path, "tiny-mixtral")
+    return path
+
+
 def make_tiny_encoder(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
                       hidden_size: int = 128, intermediate_size: int = 256, num_hidden_layers: int = 2,
                       num_attention_heads: int = 4, vocab_size: int = 256, **config_overrides) -> Path:

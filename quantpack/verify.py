@@ -886,7 +886,8 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
     recorded = {x["name"]: x for x in (manifest or {}).get("layers") or []}
     items, missing = [], []
     for name, module in quantized_modules(model):
-        ref_name = _reference_name(reference, name + ".weight", prefix)
+        # (one expert's matrix comes from a checkpoint tensor of another name, which the manifest records)
+        ref_name = _reference_name(reference, recorded.get(name, {}).get("source", name) + ".weight", prefix)
         if ref_name is None:
             missing.append(name)
             continue

@@ -1,0 +1,113 @@
+"""Mixture-of-experts checkpoints (Mixtral-style: one matrix per expert on disk, 3-D tensors in
+transformers 5): convert quantizes every expert matrix, load and from_pretrained run them through
+QuantExperts, verify compares each with its source matrix."""
+import json
+
+import pytest
+import torch
+
+from quantpack import checkpoint, load
+from quantpack.convert import convert
+from quantpack.nn_experts import QuantExperts, fused_experts_dims
+from quantpack.reference import dequantize
+from quantpack.tiny import make_tiny_mixtral
+from quantpack.verify import verify
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixtral")
+    src = make_tiny_mixtral(root / "src", train_steps=20)
+    summary = convert(src, root / "packed", group_size=32, method="rtn")
+    return src, root / "packed", summary
+
+
+def test_fused_experts_dims():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    experts = MixtralExperts(MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=3))
+    assert fused_experts_dims(experts) == (3, 16, 24)
+    assert fused_experts_dims(torch.nn.Linear(4, 4)) is None
+
+
+def test_convert_quantizes_every_expert_matrix(mixtral):
+    src, packed, summary = mixtral
+    names = {layer.name for layer in summary.quantized}
+    for layer in (0, 1):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert {f"model.layers.{layer}.mlp.experts.{proj}.{e}" for e in range(4)} <= names
+    config = json.loads((packed / "config.json").read_text())
+    assert config["quantization_config"]["quantized_experts"] == ["model.layers.0.mlp.experts",
+                                                                  "model.layers.1.mlp.experts"]
+    layers = {x["name"]: x for x in checkpoint.read_manifest(packed)["layers"]}
+    assert layers["model.layers.1.mlp.experts.up_proj.3"]["source"] == "model.layers.1.block_sparse_moe.experts.3.w3"
+    with checkpoint.PackedCheckpoint(packed) as pc:
+        stored = set(pc.source.tensors)
+    assert "model.layers.0.mlp.gate.weight" in stored  # the router, renamed like its block, kept as is
+    assert not any("block_sparse_moe" in name for name in stored)
+
+
+def _dequantized_source(src, packed):
+    """The source Mixtral in float32 with every quantized matrix dequantized into its 3-D slot."""
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
+        quantized = set(pc.quantized_modules)
+        for name in quantized:
+            w = dequantize(pc.layer(name)[0], torch.float32)
+            if ".experts." not in name:
+                model.get_submodule(name).weight.copy_(w)
+                continue
+            block, proj, e = name.rsplit(".", 2)
+            experts, e = model.get_submodule(block), int(e)
+            inter = experts.intermediate_dim
+            {"gate_proj": experts.gate_up_proj[e, :inter], "up_proj": experts.gate_up_proj[e, inter:],
+             "down_proj": experts.down_proj[e]}[proj].copy_(w)
+        for name in pc.source.tensors:
+            if name.rpartition(".")[0] not in quantized:
+                params[name].copy_(pc.source.get(name).float())
+    return model
+
+
+def test_load_and_from_pretrained_match_the_dequantized_source(mixtral):
+    import quantpack  # noqa: F401  (registers the quantization method)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, packed, _ = mixtral
+    model = load(packed, device="cpu", dtype=torch.float32)
+    assert isinstance(model.model.layers[0].mlp.experts, QuantExperts)
+    oracle = _dequantized_source(src, packed)
+    ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
+    hf = AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32)
+    assert isinstance(hf.model.layers[1].mlp.experts, QuantExperts)
+    with torch.no_grad():
+        want = oracle(**ids).logits
+        for got in (model(**ids).logits, hf(**ids).logits):
+            assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
+        kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert torch.equal(model.generate(**ids, **kw), oracle.generate(**ids, **kw))
+
+
+def test_verify_compares_each_expert_with_its_source_matrix(mixtral):
+    _, packed, summary = mixtral
+    report = verify(packed, device="cpu")
+    assert report.verdict == "pass", report.format_table()
+    assert report.layers["missing"] == []
+    measured = {x["name"]: x["rel_error"] for x in report.layers["items"]}
+    for layer in summary.quantized:
+        assert measured[layer.name] == pytest.approx(layer.rel_error, rel=1e-3)
+
+
+def test_partial_skip_and_w8a8_are_refused(mixtral, tmp_path):
+    src, _, _ = mixtral
+    with pytest.raises(ValueError, match=r"a block is quantized whole"):
+        convert(src, tmp_path / "a", group_size=32, skip=[r"experts\.down_proj\.1$"])
+    with pytest.raises(ValueError, match=r"--scheme w8a8 does not quantize mixture-of-experts blocks"):
+        convert(src, tmp_path / "b", scheme="w8a8")
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.experts\.gate_proj\.0: group_size=128 .*"
+                                         r"\(an experts block is quantized whole\)$"):
+        convert(src, tmp_path / "c", group_size=128)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
