@@ -178,6 +178,21 @@ def make_tiny_llama(path, *, num_shards: int = 2, dtype: torch.dtype = torch.flo
     return path
 
 
+def _build_and_save(model_cls, config, tokenizer, path: Path, *, seed: int, train_steps: int, max_tokens: int,
+                    dtype: torch.dtype, num_shards: int, title: str) -> Path:
+    """Build ``model_cls(config)`` from ``seed``, optionally fit it to :data:`PASSAGE`, and write it with
+    its tokenizer, LICENSE and README to ``path``."""
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    if train_steps:
+        _fit(model, tokenizer, PASSAGE, train_steps, max_tokens)
+    model = model.to(dtype).eval()
+    _save_sharded(model, path, num_shards)
+    tokenizer.save_pretrained(path)
+    _write_extras(path, title)
+    return path
+
+
 def make_tiny_gpt2(path, *, num_shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0,
                    n_embd: int = 128, n_layer: int = 2, n_head: int = 4, vocab_size: int = 320,
                    train_steps: int = 0, **config_overrides) -> Path:
@@ -192,15 +207,8 @@ def make_tiny_gpt2(path, *, num_shards: int = 1, dtype: torch.dtype = torch.floa
     config = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size, n_positions=256,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id, **config_overrides)
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config)
-    if train_steps:
-        _fit(model, tokenizer, PASSAGE, train_steps, config.n_positions)
-    model = model.to(dtype).eval()
-    _save_sharded(model, path, num_shards)
-    tokenizer.save_pretrained(path)
-    _write_extras(path, "tiny-gpt2")
-    return path
+    return _build_and_save(GPT2LMHeadModel, config, tokenizer, path, seed=seed, train_steps=train_steps,
+                           max_tokens=config.n_positions, dtype=dtype, num_shards=num_shards, title="tiny-gpt2")
 
 
 def make_tiny_mixtral(path, *, num_shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -221,15 +229,9 @@ def make_tiny_mixtral(path, *, num_shards: int = 1, dtype: torch.dtype = torch.f
                            vocab_size=vocab_size, max_position_embeddings=256,
                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                            pad_token_id=tokenizer.pad_token_id, **config_overrides)
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(config)
-    if train_steps:
-        _fit(model, tokenizer, PASSAGE, train_steps, config.max_position_embeddings)
-    model = model.to(dtype).eval()
-    _save_sharded(model, path, num_shards)
-    tokenizer.save_pretrained(path)
-    _write_extras(path, "tiny-mixtral")
-    return path
+    return _build_and_save(MixtralForCausalLM, config, tokenizer, path, seed=seed, train_steps=train_steps,
+                           max_tokens=config.max_position_embeddings, dtype=dtype, num_shards=num_shards,
+                           title="tiny-mixtral")
 
 
 def make_tiny_encoder(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
