@@ -49,10 +49,10 @@ def test_convert_quantizes_every_expert_matrix(mixtral):
 
 
 def _dequantized_source(src, packed):
-    """The source Mixtral in float32 with every quantized matrix dequantized into its 3-D slot."""
-    from transformers import MixtralForCausalLM
+    """The source model in float32 with every quantized matrix dequantized into its (3-D) slot."""
+    from transformers import AutoModelForCausalLM
 
-    model = MixtralForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     params = dict(model.named_parameters())
     with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
         quantized = set(pc.quantized_modules)
@@ -111,3 +111,25 @@ def test_partial_skip_and_w8a8_are_refused(mixtral, tmp_path):
                                          r"\(an experts block is quantized whole\)$"):
         convert(src, tmp_path / "c", group_size=128)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_other_moe_families(model_type, tmp_path):
+    """Qwen-MoE checkpoints name experts ``mlp.experts.<e>.gate_proj`` (no block rename); Qwen2-MoE also
+    has a shared expert (plain linears) next to the routed ones."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=96, num_experts=4, num_experts_per_tok=2,
+                                  head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    summary = convert(tmp_path / "src", tmp_path / "packed", group_size=32, method="rtn")
+    assert sum(".experts." in layer.name for layer in summary.quantized) == 2 * 3 * 4
+    model = load(tmp_path / "packed", device="cpu", dtype=torch.float32)
+    assert isinstance(model.model.layers[0].mlp.experts, QuantExperts)
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 2]])
+    with torch.no_grad():
+        want = _dequantized_source(tmp_path / "src", tmp_path / "packed")(ids).logits
+        assert ((model(ids).logits - want).abs().max() / want.abs().max()).item() <= 1e-4
