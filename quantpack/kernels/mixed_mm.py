@@ -82,6 +82,44 @@ def _finish_tile(acc, m, c, mask, c_mask, out_ptr, stride_om, stride_oc, bias_pt
     tl.store(out_ptr + m[:, None] * stride_om + c[None, :] * stride_oc, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _grouped_tile(pid, num_m, num_c, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` in grouped order: GROUP_M row tiles share each
+    weight tile while it is in L2."""
+    width = GROUP_M * num_c
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def _split_range(pid_s, length, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """[begin, end) of the reduction range ``length`` that split ``pid_s`` of SPLIT walks in BLOCKs."""
+    per_split = tl.cdiv(tl.cdiv(length, BLOCK), SPLIT) * BLOCK
+    begin = pid_s * per_split
+    return begin, tl.minimum(begin + per_split, length)
+
+
+@triton.jit
+def _finish_split(acc, pid, pid_s, m, c, mask, c_mask, M, COLS, ws_ptr, cnt_ptr, out_ptr, stride_om, stride_oc,
+                  bias_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Store a finished tile; with split-K, publish the partial tile, count arrivals, and let the last
+    program sum the partials, store, and reset its counter for the next launch."""
+    if SPLIT == 1:
+        _finish_tile(acc, m, c, mask, c_mask, out_ptr, stride_om, stride_oc, bias_ptr, HAS_BIAS)
+    else:
+        ws_off = m[:, None] * COLS + c[None, :]
+        tl.store(ws_ptr + pid_s * M * COLS + ws_off, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros_like(acc)
+            for s_i in range(SPLIT):
+                total += tl.load(ws_ptr + s_i * M * COLS + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish_tile(total, m, c, mask, c_mask, out_ptr, stride_om, stride_oc, bias_ptr, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
 # Unpack 4 packed bytes (8 nibbles) into q + OFFSET as 16-bit floats, two per 32-bit register:
 # PRMT spreads bytes b0,b1 (b2,b3) into the two halves of a word, then one LOP3 per word computes
 # (word & 0x000F000F) | MAGIC (low nibbles), and a shift + LOP3 the high nibbles. ~1 instruction
@@ -117,25 +155,14 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     """out (M, N) = x (M, K) @ W.T. PATH 0: FMA (small M), 1: dot(x, W^T), 2: dot(W, x^T)^T."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row tiles share each weight column tile while it is in L2
-    width = GROUP_M * num_n
-    group_id = pid // width
-    first_m = group_id * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = m < M
     n_mask = n < N
     KH = (K + 1) // 2
-    steps = tl.cdiv(KH, BLOCK_R)
-    steps_per_split = tl.cdiv(steps, SPLIT)
-    r_begin = pid_s * steps_per_split * BLOCK_R
-    r_end = tl.minimum(r_begin + steps_per_split * BLOCK_R, KH)
+    r_begin, r_end = _split_range(pid_s, KH, BLOCK_R, SPLIT)
 
     if PATH == 2:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -219,21 +246,8 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     if PATH == 2:
         acc = tl.trans(acc)
 
-    mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT == 1:
-        _finish_tile(acc, m, n, mask, n_mask, out_ptr, stride_om, stride_on, bias_ptr, HAS_BIAS)
-    else:
-        # Split-K: publish the partial tile, count arrivals; the last program sums and stores.
-        ws_off = m[:, None] * N + n[None, :]
-        tl.store(ws_ptr + pid_s * M * N + ws_off, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s_i in range(SPLIT):
-                total += tl.load(ws_ptr + s_i * M * N + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-            _finish_tile(total, m, n, mask, n_mask, out_ptr, stride_om, stride_on, bias_ptr, HAS_BIAS)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    _finish_split(acc, pid, pid_s, m, n, m_mask[:, None] & n_mask[None, :], n_mask, M, N, ws_ptr, cnt_ptr, out_ptr,
+                  stride_om, stride_on, bias_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -247,24 +261,14 @@ def _tr_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     KH = (K + 1) // 2
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_r = tl.cdiv(KH, BLOCK_R)
-    width = GROUP_M * num_r
-    group_id = pid // width
-    first_m = group_id * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_r = (pid % width) // size_m
+    pid_m, pid_r = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(KH, BLOCK_R), GROUP_M)
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     r0 = pid_r * BLOCK_R
     r = r0 + tl.arange(0, BLOCK_R)
     m_mask = m < M
     r_mask = r < KH
-    steps = tl.cdiv(N, BLOCK_N)
-    steps_per_split = tl.cdiv(steps, SPLIT)
-    n_begin = pid_s * steps_per_split * BLOCK_N
-    n_end = tl.minimum(n_begin + steps_per_split * BLOCK_N, N)
+    n_begin, n_end = _split_range(pid_s, N, BLOCK_N, SPLIT)
 
     if SWAP:
         acc_e = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
@@ -294,20 +298,8 @@ def _tr_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, cnt_ptr,
     # (BM, BR) even and odd columns -> (BM, 2*BR) contiguous in k
     acc = tl.reshape(tl.join(acc_e, acc_o), (BLOCK_M, 2 * BLOCK_R))
     k = 2 * r0 + tl.arange(0, 2 * BLOCK_R)
-    mask = m_mask[:, None] & (k < K)[None, :]
-    if SPLIT == 1:
-        _finish_tile(acc, m, k, mask, k < K, out_ptr, stride_om, stride_ok, out_ptr, False)
-    else:
-        ws_off = m[:, None] * K + k[None, :]
-        tl.store(ws_ptr + pid_s * M * K + ws_off, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, 2 * BLOCK_R), dtype=tl.float32)
-            for s_i in range(SPLIT):
-                total += tl.load(ws_ptr + s_i * M * K + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-            _finish_tile(total, m, k, mask, k < K, out_ptr, stride_om, stride_ok, out_ptr, False)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+    _finish_split(acc, pid, pid_s, m, k, m_mask[:, None] & (k < K)[None, :], k < K, M, K, ws_ptr, cnt_ptr, out_ptr,
+                  stride_om, stride_ok, out_ptr, False, SPLIT)
 
 
 # ----------------------------------------------------------------------------------------------
