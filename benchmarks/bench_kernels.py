@@ -270,17 +270,22 @@ def bench(ms, dtypes, bw, peak):
     return rows
 
 
+def replicated(n, k, bits, dtype):
+    """A random packed weight, its dense reference in ``dtype``, and enough copies of each
+    (packed, dense) to exceed L2, so timed calls read their weights from HBM."""
+    qw, s, z = random_packed(n, k, bits, dtype)
+    w = ref_weight(qw, s, z, bits).to(dtype)
+    qps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(replicas(qw.numel() + 4 * s.numel(), L2) - 1)]
+    ws = [w] + [w.clone() for _ in range(replicas(2 * n * k, L2) - 1)]
+    return qw, s, z, w, qps, ws
+
+
 def bench_transposed(ms, dtype, peak, bw):
     log("\n== transposed kernel (backward input gradient: x (M, N) @ W -> (M, K)) vs cuBLAS x @ W")
     rows = []
     for n, k in SHAPES:
-        qw, s, z = random_packed(n, k, 4, dtype)
-        w = ref_weight(qw, s, z, 4).to(dtype)
-        nbytes4 = qw.numel() + 4 * s.numel()
-        r4 = replicas(nbytes4, L2)
-        r16 = replicas(2 * n * k, L2)
-        qps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r4 - 1)]
-        ws = [w] + [w.clone() for _ in range(r16 - 1)]
+        qw, s, z, w, qps, ws = replicated(n, k, 4, dtype)
+        r4, r16 = len(qps), len(ws)
         for m in ms:
             x = torch.randn(m, n, dtype=dtype, device="cuda")
             out = mm.mixed_mm(x, qw, s, z, group_size=GS, transposed=True)
@@ -329,13 +334,9 @@ def bench_w8(bw, dtype):
     log("\n== W8A16 (8-bit weights) at M=1 vs cuBLAS")
     rows = []
     for n, k in SHAPES:
-        qw, s, z = random_packed(n, k, 8, dtype)
-        w = ref_weight(qw, s, z, 8).to(dtype)
+        qw, s, z, w, qps, ws = replicated(n, k, 8, dtype)
         nbytes = qw.numel() + 4 * s.numel()
-        r8 = replicas(nbytes, L2)
-        r16 = replicas(2 * n * k, L2)
-        qps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r8 - 1)]
-        ws = [w] + [w.clone() for _ in range(r16 - 1)]
+        r8, r16 = len(qps), len(ws)
         x = torch.randn(1, k, dtype=dtype, device="cuda")
         out = mm.mixed_mm(x, qw, s, z, group_size=GS, bits=8)
         ref = x.float() @ w.float().t()
