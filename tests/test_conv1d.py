@@ -9,9 +9,10 @@ import torch
 from quantpack import checkpoint, load
 from quantpack.convert import convert
 from quantpack.nn import QuantLinear, linear_dims
-from quantpack.reference import dequantize
 from quantpack.tiny import make_tiny_gpt2
 from quantpack.verify import verify
+
+from oracles import dequantized_source
 
 CONV1D = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
           "transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_attn", "transformer.h.1.attn.c_proj",
@@ -48,24 +49,6 @@ def test_convert_quantizes_every_conv1d(gpt2):
         assert pw.shape == (256, 64) and tuple(pw.qweight.shape) == (32, 256)
 
 
-def _dequantized_source(src, packed):
-    """The source GPT-2 in float32 with each Conv1D weight set to the transposed dequantized weight."""
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel.from_pretrained(src, dtype=torch.float32).eval()
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
-    with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
-        quantized = set(pc.quantized_modules)
-        for name in quantized:
-            pw, bias = pc.layer(name)
-            model.get_submodule(name).weight.copy_(dequantize(pw, torch.float32).t())
-            model.get_submodule(name).bias.copy_(bias.float())
-        for name in pc.source.tensors:  # every other tensor as the packed checkpoint stores it
-            if name.rpartition(".")[0] not in quantized:
-                params[name].copy_(pc.source.get(name).float())
-    return model
-
-
 def test_load_matches_the_dequantized_source_and_generates_the_same(gpt2):
     from transformers import AutoTokenizer
 
@@ -74,7 +57,7 @@ def test_load_matches_the_dequantized_source_and_generates_the_same(gpt2):
     for name in CONV1D:
         module = model.get_submodule(name)
         assert isinstance(module, QuantLinear) and module.source_transposed
-    oracle = _dequantized_source(src, packed)
+    oracle = dequantized_source(src, packed)
     ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
     with torch.no_grad():
         got, want = model(**ids).logits, oracle(**ids).logits

@@ -21,8 +21,9 @@ from quantpack.checkpoint import CheckpointError
 from quantpack.convert import convert
 from quantpack.loader import load
 from quantpack.nn import QuantLinear
-from quantpack.reference import dequantize
 from quantpack.tiny import make_tiny_encoder, make_tiny_llama
+
+from oracles import dequantized_source
 
 RTOL = 1e-3
 
@@ -81,27 +82,6 @@ def encoder_src(tmp_path_factory) -> Path:
 def packed_encoder(encoder_src, tmp_path_factory) -> Path:
     return _once(tmp_path_factory, "encoder-qp8",
                  lambda p: _convert(encoder_src, p, bits=8, group_size=128))
-
-
-def dequantized_source(src: Path, packed: Path, auto_cls=None):
-    """The source model in float32 with the packed checkpoint's weights: converted layers dequantized
-    by the reference path, every other tensor as stored (for a bf16 source: exactly the source's)."""
-    from transformers import AutoModelForCausalLM
-
-    model = (auto_cls or AutoModelForCausalLM).from_pretrained(src, dtype=torch.float32).eval()
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
-    with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
-        quantized = set(pc.quantized_modules)
-        for name in quantized:
-            pw, bias = pc.layer(name)
-            layer = model.get_submodule(name)
-            layer.weight.copy_(dequantize(pw, torch.float32))
-            if bias is not None:
-                layer.bias.copy_(bias.float())
-        for name in pc.source.tensors:
-            if name.rpartition(".")[0] not in quantized:
-                params[name].copy_(pc.source.get(name).float())
-    return model
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -9,9 +9,10 @@ import torch
 from quantpack import checkpoint, load
 from quantpack.convert import convert
 from quantpack.nn_experts import QuantExperts, fused_experts_dims
-from quantpack.reference import dequantize
 from quantpack.tiny import make_tiny_mixtral
 from quantpack.verify import verify
+
+from oracles import dequantized_source
 
 
 @pytest.fixture(scope="module")
@@ -48,38 +49,14 @@ def test_convert_quantizes_every_expert_matrix(mixtral):
     assert not any("block_sparse_moe" in name for name in stored)
 
 
-def _dequantized_source(src, packed):
-    """The source model in float32 with every quantized matrix dequantized into its (3-D) slot."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    params = dict(model.named_parameters())
-    with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
-        quantized = set(pc.quantized_modules)
-        for name in quantized:
-            w = dequantize(pc.layer(name)[0], torch.float32)
-            if ".experts." not in name:
-                model.get_submodule(name).weight.copy_(w)
-                continue
-            block, proj, e = name.rsplit(".", 2)
-            experts, e = model.get_submodule(block), int(e)
-            inter = experts.intermediate_dim
-            {"gate_proj": experts.gate_up_proj[e, :inter], "up_proj": experts.gate_up_proj[e, inter:],
-             "down_proj": experts.down_proj[e]}[proj].copy_(w)
-        for name in pc.source.tensors:
-            if name.rpartition(".")[0] not in quantized:
-                params[name].copy_(pc.source.get(name).float())
-    return model
-
-
-def test_load_and_from_pretrained_match_the_dequantized_source(mixtral):
+def test_load_and_from_pretrained_match_thedequantized_source(mixtral):
     import quantpack  # noqa: F401  (registers the quantization method)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, packed, _ = mixtral
     model = load(packed, device="cpu", dtype=torch.float32)
     assert isinstance(model.model.layers[0].mlp.experts, QuantExperts)
-    oracle = _dequantized_source(src, packed)
+    oracle = dequantized_source(src, packed)
     ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
     hf = AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32)
     assert isinstance(hf.model.layers[1].mlp.experts, QuantExperts)
@@ -131,5 +108,5 @@ def test_other_moe_families(model_type, tmp_path):
     assert isinstance(model.model.layers[0].mlp.experts, QuantExperts)
     ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 2]])
     with torch.no_grad():
-        want = _dequantized_source(tmp_path / "src", tmp_path / "packed")(ids).logits
+        want = dequantized_source(tmp_path / "src", tmp_path / "packed")(ids).logits
         assert ((model(ids).logits - want).abs().max() / want.abs().max()).item() <= 1e-4

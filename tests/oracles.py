@@ -1,0 +1,45 @@
+"""Test oracles shared by the loader tests (``from oracles import ...``; pytest puts tests/ on sys.path)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from quantpack import checkpoint
+from quantpack.nn import linear_dims
+from quantpack.nn_experts import PROJECTIONS
+from quantpack.reference import dequantize
+
+
+def dequantized_source(src: Path, packed: Path, auto_cls=None):
+    """The source model in float32 with the packed checkpoint's weights: converted layers dequantized
+    by the reference path (into a Conv1D's (in, out) weight transposed, into an experts block's 3-D
+    slot), every other tensor as stored (for a bf16 source: exactly the source's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = (auto_cls or AutoModelForCausalLM).from_pretrained(src, dtype=torch.float32).eval()
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    with checkpoint.PackedCheckpoint(packed) as pc, torch.no_grad():
+        quantized = set(pc.quantized_modules)
+        for name in quantized:
+            pw, bias = pc.layer(name)
+            _place(model, name, dequantize(pw, torch.float32), bias)
+        for name in pc.source.tensors:
+            if name.rpartition(".")[0] not in quantized:
+                params[name].copy_(pc.source.get(name).float())
+    return model
+
+
+def _place(model, name: str, w: torch.Tensor, bias) -> None:
+    parent, _, expert = name.rpartition(".")
+    block, _, proj = parent.rpartition(".")
+    if expert.isdigit() and proj in PROJECTIONS and hasattr(model.get_submodule(block), "gate_up_proj"):
+        experts, e = model.get_submodule(block), int(expert)
+        inter = experts.intermediate_dim
+        {"gate_proj": experts.gate_up_proj[e, :inter], "up_proj": experts.gate_up_proj[e, inter:],
+         "down_proj": experts.down_proj[e]}[proj].copy_(w)
+        return
+    layer = model.get_submodule(name)
+    layer.weight.copy_(w.t() if linear_dims(layer)[2] else w)
+    if bias is not None:
+        layer.bias.copy_(bias.float())
