@@ -134,3 +134,19 @@ def test_w8a8_scheme_on_conv1d(gpt2, tmp_path):
     err = ((got - want).norm() / want.norm()).item()
     print(f"w8a8 gpt2 logits rel err {err:.4f}")
     assert err < 0.05  # a transposed weight would be far off
+
+
+@pytest.mark.gpu
+def test_conv1d_runs_the_fused_kernel_on_gpu(gpt2, monkeypatch):
+    import quantpack.reference
+    from transformers import AutoTokenizer
+
+    src, packed, _ = gpt2
+    model = load(packed, device="cuda", dtype=torch.float16)
+    oracle = dequantized_source(src, packed)
+    ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
+    with torch.no_grad():
+        want = oracle(**ids).logits
+        monkeypatch.setattr(quantpack.reference, "matmul", lambda *a, **k: pytest.fail("reference path ran on GPU"))
+        got = model(**{k: v.cuda() for k, v in ids.items()}).logits.float().cpu()
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 5e-3
