@@ -38,7 +38,8 @@ from timing import graph_time as _graph_time, median_ms  # noqa: E402  (benchmar
 
 mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module (the package exports a function of that name)
 dq_mod = importlib.import_module("quantpack.kernels.dequant")
-DEQUANT_VARIANTS = [(32, 128, 4), (64, 128, 4), (32, 256, 8), (64, 256, 8), (16, 256, 4), (64, 64, 4)]
+DEQUANT_VARIANTS = [(32, 128, 4), (32, 128, 8), (64, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4), (64, 64, 4),
+                    (32, 64, 2)]
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N out, K in)
 GS = 128
@@ -313,13 +314,14 @@ def bench_dequant(bw):
                 nbytes = qw.numel() + 2 * s.numel() * 2 + n * k * 2
                 r = replicas(nbytes, L2)
                 cps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r - 1)]
-                shipped = dq_mod.DEQUANT_BLOCK
+                choose = dq_mod._dequant_block
+                shipped = choose(bits, axis, gs)
                 variants = {}
                 for blk in [shipped] + [b for b in DEQUANT_VARIANTS if b != shipped]:
-                    dq_mod.DEQUANT_BLOCK = blk
+                    dq_mod._dequant_block = lambda *_, blk=blk: blk
                     variants[blk], _ = graph_time([lambda i=i: dequantize(*cps[i], group_size=gs, bits=bits, axis=axis)
                                                    for i in range(r)])
-                dq_mod.DEQUANT_BLOCK = shipped
+                dq_mod._dequant_block = choose
                 t = variants[shipped]
                 best = min(variants, key=variants.get)
                 tbs = nbytes / (t * 1e-3)

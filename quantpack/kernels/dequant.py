@@ -191,18 +191,24 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
              mask=n_mask[:, None] & (k < K)[None, :])
 
 
-# (pair rows, columns, warps) per program; measured on H200 (benchmarks/NOTES.md). For axis 0 the
-# column block must divide the group size so each row's scale/zero is one load (META_COL).
-DEQUANT_BLOCK = (32, 128, 4)
+# (pair rows, columns, warps) per program by (bits, axis, column block), the best of a block sweep on an
+# H200 (BENCHMARKS.md run G; benchmarks/NOTES.md, v5). For axis 0 the column block must divide the group
+# size so each row's scale/zero is one load (META_COL): the widest of 128, 64, 32, 16 that does.
+DEQUANT_BLOCKS = {(4, 1, 128): (32, 128, 8), (8, 1, 128): (64, 128, 8),
+                  (4, 0, 128): (32, 128, 4), (8, 0, 128): (32, 128, 8),
+                  (4, 0, 64): (32, 64, 2), (8, 0, 64): (32, 64, 2)}
 
 
-def _dequant_block(axis: int, group_size: int) -> tuple[int, int, int]:
-    block_r, block_n, warps = (32, 64, 4) if interpreting() else DEQUANT_BLOCK
-    if axis == 0 and group_size % block_n:
-        for cand in (64, 32, 16):
-            if cand < block_n and group_size % cand == 0:
-                return 64, cand, warps
-    return block_r, block_n, warps
+def _dequant_block(bits: int, axis: int, group_size: int) -> tuple[int, int, int]:
+    if interpreting():
+        return (32, 64, 4) if axis == 1 or group_size % 64 == 0 else (64, 16 if group_size % 32 else 32, 4)
+    if axis == 1:  # fewer pair rows where a tile would straddle groups (keeps one scale/zero row per tile)
+        block_r, block_n, warps = DEQUANT_BLOCKS[(bits, 1, 128)]
+        while block_r > 8 and group_size % (2 * block_r):
+            block_r //= 2
+        return block_r, block_n, warps
+    block_n = next((b for b in (128, 64, 32, 16) if group_size % b == 0), 16)
+    return DEQUANT_BLOCKS.get((bits, 0, block_n), (64, block_n, 4))
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int, bits: int = 4,
@@ -232,7 +238,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         return reference.dequantize(pw, out_dtype)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = _alloc((n, k), out_dtype, qweight.device)
-    block_r, block_n, warps = _dequant_block(axis, group_size)
+    block_r, block_n, warps = _dequant_block(bits, axis, group_size)
     n_meta = scales.shape[1]
     grid = (triton.cdiv((k + 1) // 2, block_r), triton.cdiv(n, block_n))
     with on_device(qweight):

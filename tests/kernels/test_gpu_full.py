@@ -83,15 +83,16 @@ def test_full_size_forward_and_transposed(n, k, gs, bits, dtype):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("axis", [0, 1])
-def test_full_size_dequant_exact(bits, axis):
+@pytest.mark.parametrize("gs", [32, 64, 128])  # (each picks its own block: dequant.DEQUANT_BLOCKS)
+def test_full_size_dequant_exact(bits, axis, gs):
     n = k = 4096
     g = torch.Generator(device="cuda").manual_seed(bits + axis)
     qw = torch.randint(0, 256, (k // 2 if bits == 4 else k, n), device="cuda", dtype=torch.uint8, generator=g)
-    meta = (k // 128, n) if axis == 1 else (k, n // 128)
+    meta = (k // gs, n) if axis == 1 else (k, n // gs)
     s = (torch.rand(meta, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     z = (torch.rand(meta, device="cuda", generator=g) * 15).to(torch.bfloat16)
-    out = dequantize(qw, s, z, group_size=128, bits=bits, axis=axis)
-    assert torch.equal(out, reference.dequantize(PackedWeight(qw, s, z, bits, 128, axis, (n, k))))
+    out = dequantize(qw, s, z, group_size=gs, bits=bits, axis=axis)
+    assert torch.equal(out, reference.dequantize(PackedWeight(qw, s, z, bits, gs, axis, (n, k))))
 
 
 def test_split_k_repeatable_and_counters_reset():
