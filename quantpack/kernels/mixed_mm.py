@@ -8,6 +8,9 @@ table (``configs/<gpu>.json``) so first use never autotunes:
 * ``gemv``: decode (M = 1 and a few rows), groups along K. CUDA-core GEMV in ``gemv.py``:
   split-K, next step's loads issued before this step's math, nibbles turned into floats with one
   shift and one LOP3, ``words=True`` reads int32 words of 4 columns.
+* ``mma``: decode (M <= 8), 4-bit, groups along K of a multiple of 64. Tensor-core GEMV in
+  ``mma_gemv.py`` on a copy of the weight repacked once into MMA fragment order (kept per weight
+  tensor while it lives; ``QUANTPACK_MMA=0`` turns the path off and saves that memory).
 * ``fma``: small M, any layout (axis 0, groups narrower than a tile). CUDA-core tiles, split-K; the
   group's scale/zero are applied once per tile column (``s * sum(x q) - z s * sum(x)``).
 * ``dot`` / ``dot_t``: tensor-core tiles; ``dot_t`` computes ``C^T = W x^T`` (dequantized weight
@@ -26,6 +29,7 @@ import json
 import math
 import os
 import threading
+import warnings
 from dataclasses import dataclass, asdict, replace
 from pathlib import Path
 
@@ -36,12 +40,13 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .gemv import gemv_grid, launch_gemv
+from .mma_gemv import launch_mma_gemv, mma_grid, mma_pack, mma_usable
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
                       meta_rowwise, on_device, triton_usable)
 from .. import reference
 from ..format import PackedWeight
 
-PATHS = ("gemv", "fma", "dot", "dot_t", "dq")
+PATHS = ("gemv", "mma", "fma", "dot", "dot_t", "dq")
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
@@ -464,27 +469,32 @@ def _fill_split(tiles: int, reduce_steps: int, sms: int, waves: float = 2.0) -> 
     return split
 
 
+def gemv_config(m: int, n: int, k: int, device: torch.device) -> KernelConfig:
+    """The CUDA-core GEMV as tuning picked it on an H200 at M = 1: 1-warp programs, ~8 per SM."""
+    return KernelConfig(path="gemv", block_m=1, block_n=128, block_r=32, num_warps=1, words=n % 4 == 0,
+                        split=_fill_split(m * triton.cdiv(n, 128), triton.cdiv((k + 1) // 2, 32), _num_sms(device),
+                                          8.0))
+
+
 def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
     """A config without tuning, following what tuning chose on an H200 (benchmarks/NOTES.md): the
-    GEMV for M <= 8, split tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the
-    fused large-M kernels lost to it by 2-10x there)."""
+    tensor-core GEMV for M <= 8 (the CUDA-core one where its layout needs are not met), split
+    tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the fused large-M kernels lost to
+    it by 2-10x there)."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
     if m > 64 and device.type == "cuda":
         return KernelConfig(path="dq")
+    if m <= 8 and not transposed:
+        # 2-warp programs, ~8 per SM (mma_grid rounds the split to a divisor of the group count)
+        return KernelConfig(path="mma", block_m=8, num_warps=2,
+                            split=_fill_split(max(1, n // 32), max(1, k // 64), sms, 8.0))
     if transposed:
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         cfg = KernelConfig(path="dot", block_m=bm, block_n=64, block_r=64 if m > 64 else 32,
                            num_warps=8 if m > 64 else 4, num_stages=3)
         tiles = triton.cdiv(m, bm) * triton.cdiv(kh, cfg.block_r)
         reduce_steps = triton.cdiv(n, cfg.block_n)
-    elif m <= 8:
-        # GEMV (what tuning picked on an H200 at M = 1: 1-warp programs, ~8 programs per SM);
-        # _fix_config turns it into `fma` where the layout does not allow `gemv`
-        cfg = KernelConfig(path="gemv", block_m=1, block_n=128, block_r=32, num_warps=1,
-                           words=n % 4 == 0)
-        tiles = m * triton.cdiv(n, 128)
-        reduce_steps = triton.cdiv(kh, 32)
     elif m <= 64:
         cfg = KernelConfig(path="dot", block_m=max(16, m_bucket(m)), block_n=64, block_r=64, num_warps=4,
                            num_stages=3)
@@ -540,6 +550,12 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3)):
             add(KernelConfig("dot_t", 16, bn, br, num_warps=warps, num_stages=stages, rawq=True),
                 waves=(2.0, 4.0, 8.0))
+        # tensor-core GEMV (mma_grid rounds the split down to a divisor of the group count)
+        for warps in (1, 2, 4, 8):
+            for split in (2, 4, 8, 16, 32):
+                c = KernelConfig("mma", 8, num_warps=warps, split=split)
+                if c not in out:
+                    out.append(c)
     if 8 < mb <= 64 or mb == 8:
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
                                       (128, 32, 4, 4)):
@@ -584,6 +600,8 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
     m = x.reshape(-1, x.shape[-1]).shape[0]
     candidates = candidates or candidate_configs(transposed, m, n, k, x.device)
+    if not (mma_enabled() and mma_usable(x.reshape(-1, x.shape[-1]), n, k, group_size, bits, axis)):
+        candidates = [c for c in candidates if c.path != "mma"]  # (it would time the fallback under its name)
     copies = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone())
                                            for _ in range(weight_copies - 1)]
     times = {}
@@ -620,11 +638,73 @@ def save_table(path: str | os.PathLike, device: torch.device | None = None) -> N
 
 
 # ----------------------------------------------------------------------------------------------
+# mma path: decode-ordered copies of 4-bit weights, built on first use of each weight tensor
+
+_mma_copies = None  # torch.utils.weak.WeakIdKeyDictionary: qweight -> (its version, mma_pack copy)
+_mma_working: dict = {}  # device -> whether the compiled kernel passed its first-use check
+
+
+def mma_enabled() -> bool:
+    return os.environ.get("QUANTPACK_MMA", "1") != "0"
+
+
+def _mma_self_check(device: torch.device) -> bool:
+    """Run the mma kernel once on a small problem against the reference. Its correctness rests on
+    Triton giving each lane one row of a (32 * warps, 4) tensor (true of every Triton it was tested
+    with); if a compiler lays it out otherwise the path is switched off instead of computing garbage."""
+    ok = _mma_working.get(str(device))
+    if ok is None:
+        g = torch.Generator(device=device).manual_seed(0)
+        n, k, gs, m = 64, 256, 128, 3
+        qw = torch.randint(0, 256, (k // 2, n), device=device, dtype=torch.uint8, generator=g)
+        s = (torch.rand(k // gs, n, device=device, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
+        z = (torch.rand(k // gs, n, device=device, generator=g) * 15).to(torch.bfloat16)
+        x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+        want = x.float() @ reference.dequantize(PackedWeight(qw, s, z, 4, gs, 1, (n, k)), torch.float32).t()
+        out = torch.empty(m, n, dtype=torch.float32, device=device)
+        warps, _, split = mma_grid(n, k, gs, 2, 1)
+        try:
+            launch_mma_gemv(x, mma_pack(qw, n, k), s, z, None, out, out, out, n=n, k=k, group_size=gs, warps=warps,
+                            split=split, use_asm=not interpreting())
+            ok = bool(((out - want).norm() / want.norm()).item() < 1e-2)
+        except Exception:  # noqa: BLE001  (a compiler that rejects the inline PTX: same outcome)
+            ok = False
+        if not ok:
+            warnings.warn("quantpack: the tensor-core decode kernel (mma path) failed its self-check with this "
+                          "Triton; decode falls back to the CUDA-core gemv path", RuntimeWarning, stacklevel=3)
+        _mma_working[str(device)] = ok
+    return ok
+
+
+def _mma_weight(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """The :func:`mma_pack` copy of ``qweight``, built on first use and kept while ``qweight`` lives
+    (rebuilt if it is modified in place); ``None`` where it cannot be used now: during CUDA-graph
+    capture before it exists, or if the kernel failed its self-check."""
+    global _mma_copies
+    if _mma_copies is None:
+        from torch.utils.weak import WeakIdKeyDictionary
+        _mma_copies = WeakIdKeyDictionary()
+    hit = _mma_copies.get(qweight)
+    if hit is not None and hit[0] == qweight._version:
+        return hit[1]
+    if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if not _mma_self_check(qweight.device):
+        return None
+    packed = mma_pack(qweight, n, k)
+    _mma_copies[qweight] = (qweight._version, packed)
+    return packed
+
+
+# ----------------------------------------------------------------------------------------------
 # launcher
 
 
 def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_size: int) -> KernelConfig:
-    """Clamp a (possibly nearest-shape) config to what this call can run."""
+    """Clamp a (possibly nearest-shape) config to what this call can run (the mma path's layout
+    needs are checked by mixed_mm, which has the tensors)."""
+    if cfg.path == "mma" and (transposed or m > 8):
+        cfg = KernelConfig("dot", block_m=16, block_n=64, block_r=64, split=cfg.split, num_stages=3)
     if cfg.path == "gemv" and (transposed or axis != 1 or group_size % (2 * cfg.block_r) or m > 8):
         cfg = replace(cfg, path="fma", words=False)  # the general CUDA-core tiles
     if transposed and cfg.path == "fma":
@@ -637,7 +717,7 @@ def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_si
 
 
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis: int, group_size: int, bits: int,
-            transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig) -> torch.Tensor:
+            transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig, mma_weight=None) -> torch.Tensor:
     m = x2.shape[0]
     out_cols = k if transposed else n
     if cfg.path == "dq":
@@ -659,21 +739,29 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     elif rawq and dd == tl.bfloat16 and bits == 4:
         magic, offset = 0x4300, 128.0  # bf16 128.0: 7 mantissa bits hold q < 16
     split = cfg.split
+    warps = cfg.num_warps
     if cfg.path == "gemv":
         _, split, tiles_n = gemv_grid(m, n, k, cfg.block_n, cfg.block_r, split)
         tiles = m * tiles_n
+    elif cfg.path == "mma":
+        warps, _, split = mma_grid(n, k, group_size, warps, split)
+        tiles = n // (16 * warps)
     elif transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if split > 1 and tiles > _COUNTER_SLOTS:
-        split = 1
+        split = 1  # (a divisor of anything: valid for gemv and mma too)
     if split > 1:
         # gemv keeps each row's partials together: (M, split, N)
         ws = _alloc((m, split, out_cols) if cfg.path == "gemv" else (split, m, out_cols), torch.float32, x2.device)
         cnt = _counter_slice(x2.device, tiles)
     else:
         ws = cnt = out  # never touched
+    if cfg.path == "mma":
+        launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
+                        warps=warps, split=split, use_asm=not interpreting())
+        return out
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
                     block_n=cfg.block_n, block_r=cfg.block_r, split=split, words=cfg.words, num_warps=cfg.num_warps)
@@ -748,8 +836,17 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
         config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
+    mma_weight = None
+    if config.path == "mma":
+        if not transposed and mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):
+            with on_device(x2):
+                mma_weight = _mma_weight(qweight, n, k)
+        if mma_weight is None:  # the CUDA-core GEMV (or what _fix_config makes of it) instead
+            config = _fix_config(gemv_config(x2.shape[0], n, k, x2.device), transposed, x2.shape[0], axis,
+                                 group_size)
     with on_device(x2):  # Triton launches on the current device: make it x's (device maps over GPUs)
-        out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config)
+        out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config,
+                      mma_weight)
     return out.reshape(*lead, out.shape[-1])
 
 

@@ -202,9 +202,12 @@ def test_default_config_dispatch():
         for m in (1, 17):
             x = torch.randn(m, k, dtype=torch.float16).to(DEV)
             assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs), x.float() @ w.t()) <= 1e-3
-    # untuned decode falls to the GEMV wherever the layout allows it
+    # untuned decode takes the tensor-core GEMV (mixed_mm falls back to the CUDA-core one where its
+    # layout needs are not met: tests/kernels/test_mma_gemv.py)
     cfg = mm_mod.heuristic_config(False, 1, 4096, 4096, torch.device(DEV))
-    assert cfg.path == "gemv" and mm_mod._fix_config(cfg, False, 1, 1, 128).path == "gemv"
+    assert cfg.path == "mma" and mm_mod._fix_config(cfg, False, 1, 1, 128).path == "mma"
+    assert mm_mod._fix_config(cfg, True, 1, 1, 128).path == "dot"
+    assert mm_mod.gemv_config(1, 4096, 4096, torch.device(DEV)).path == "gemv"
 
 
 def test_bad_input_is_refused():

@@ -1,0 +1,173 @@
+"""The tensor-core decode GEMV (``mma`` path): the repacked layout against the PTX definition of
+the mma.sync.m16n8k16 fragments (a pure-torch oracle), the kernel against the reference (its
+interpreter emulation in CI, inline PTX on the GPU), and mixed_mm's dispatch and fallbacks."""
+import importlib
+
+import pytest
+import torch
+
+from quantpack import reference
+from quantpack.kernels import mixed_mm
+from quantpack.kernels.mixed_mm import KernelConfig
+from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_grid, mma_pack
+from quantpack.quantize import quantize
+
+mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def packed(n, k, gs, dtype=torch.float16, bits=4, axis=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pw = quantize(torch.randn(n, k, generator=g), bits=bits, group_size=gs, axis=axis, method="rtn", dtype=dtype)
+    return pw.to(DEV), reference.dequantize(pw, torch.float32).to(DEV)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def test_packed_words_are_the_mma_fragments():
+    """Decode the packed words as PTX defines the m16n8k16 A fragment (lane = 4g + c; register
+    h + 2kh holds rows g + 8h, columns 2c + 8kh + {0, 1}, low half first) and the B registers as the
+    kernel loads them (lane (g, c), register kh of k-step j: in-features 16c + 8kh + 2j + {0, 1} of
+    row g); the MMA products summed over k-steps and chunks must be x @ q.T."""
+    n, k = 32, 128
+    g_ = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (n, k), generator=g_)
+    qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).t().contiguous().to(torch.uint8)  # (K/2, N), even k low
+    words = mma_pack(qweight, n, k).to(torch.int64) & 0xFFFFFFFF  # (N/16, K/64, 32, 4)
+    x = torch.randint(-3, 4, (8, k), generator=g_).to(torch.int64)
+    out = torch.zeros(8, n, dtype=torch.int64)
+    lane = torch.arange(32)
+    g, c = lane // 4, lane % 4
+    for t in range(n // 16):
+        for kc in range(k // 64):
+            for j in range(4):
+                a = torch.zeros(16, 16, dtype=torch.int64)
+                b = torch.zeros(16, 8, dtype=torch.int64)
+                for h in range(2):
+                    for kh in range(2):
+                        for e in range(2):
+                            nib = (words[t, kc, :, j] >> (4 * (h + 2 * kh) + 16 * e)) & 15
+                            a[g + 8 * h, 2 * c + 8 * kh + e] = nib
+                            b[2 * c + 8 * kh + e, g] = x[g, 64 * kc + 16 * c + 8 * kh + 2 * j + e]
+                out[:, 16 * t:16 * t + 16] += (a @ b).t()
+    assert torch.equal(out, x @ q.t())
+
+
+def test_mma_pack_refuses_shapes_it_cannot_hold():
+    with pytest.raises(ValueError, match="N % 16"):
+        mma_pack(torch.zeros(64, 40, dtype=torch.uint8), 40, 128)
+
+
+def run_kernel(x, pw, warps, split, bias=None):
+    n, k = pw.shape
+    wp, _, sp = mma_grid(n, k, pw.group_size, warps, split)
+    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=DEV)
+    ws = torch.empty(sp, x.shape[0], n, dtype=torch.float32, device=DEV)
+    cnt = torch.zeros(n // (16 * wp), dtype=torch.int32, device=DEV)
+    launch_mma_gemv(x, mma_pack(pw.qweight, n, k), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
+                    group_size=pw.group_size, warps=wp, split=sp, use_asm=DEV == "cuda")
+    assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n,k,gs,warps,split", [(16, 128, 64, 1, 1), (48, 192, 64, 4, 3), (80, 256, 128, 2, 2),
+                                                (32, 512, 256, 2, 2)])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_kernel_matches_reference(m, n, k, gs, warps, split, dtype):
+    pw, w = packed(n, k, gs, dtype)
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m == 3 else None
+    ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+    assert rel_err(run_kernel(x, pw, warps, split, bias), ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+
+
+def test_grid_rounds_to_divisors():
+    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 2, 16)
+    assert mma_grid(4096, 14336, 128, 4, 32) == (4, 4, 28)  # 112 groups: the largest divisor <= 32
+    assert mma_grid(48, 192, 64, 4, 3) == (1, 1, 3)  # 3 tiles of 16 rows: one warp per program
+
+
+def _spy(monkeypatch):
+    """Record the mma kernel's launches (after its once-per-device self-check, which launches it too)."""
+    mm_mod._mma_self_check(torch.device(DEV))
+    calls = []
+    real = mm_mod.launch_mma_gemv
+
+    def spy(*a, **kw):
+        calls.append(kw["split"])
+        return real(*a, **kw)
+    monkeypatch.setattr(mm_mod, "launch_mma_gemv", spy)
+    return calls
+
+
+def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
+    calls = _spy(monkeypatch)
+    pw, w = packed(64, 256, 128)
+    for m in (1, 5):
+        x = torch.randn(m, 256, dtype=torch.float16).to(DEV)
+        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=KernelConfig("mma", 8, num_warps=2,
+                                                                                              split=2))
+        assert rel_err(out, x.float() @ w.t()) <= 1e-3
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("case", ["8-bit", "axis 0", "N % 16", "gs 32", "M = 9", "fp32 x", "disabled", "transposed"])
+def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
+    calls = _spy(monkeypatch)
+    n, k, gs, bits, axis, m, dtype = 64, 256, 128, 4, 1, 2, torch.float16
+    if case == "8-bit":
+        bits = 8
+    elif case == "axis 0":
+        axis, gs = 0, 32
+    elif case == "N % 16":
+        n = 72
+    elif case == "gs 32":
+        gs = 32
+    elif case == "M = 9":
+        m = 9
+    elif case == "fp32 x":
+        dtype = torch.float32
+    elif case == "disabled":
+        monkeypatch.setenv("QUANTPACK_MMA", "0")
+    pw, w = packed(n, k, gs, bits=bits, axis=axis)
+    cfg = KernelConfig("mma", 8, num_warps=2, split=2)
+    if case == "transposed":
+        x = torch.randn(m, n, dtype=dtype).to(DEV)
+        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, transposed=True, config=cfg)
+        ref = x.float() @ w
+    else:
+        x = torch.randn(m, k, dtype=dtype).to(DEV)
+        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg)
+        ref = x.float() @ w.t()
+    assert rel_err(out, ref) <= 1e-3
+    assert calls == []
+
+
+def test_repacked_copy_is_cached_and_follows_in_place_changes():
+    pw, _ = packed(32, 128, 64)
+    first = mm_mod._mma_weight(pw.qweight, 32, 128)
+    assert mm_mod._mma_weight(pw.qweight, 32, 128) is first
+    pw.qweight[0, 0] ^= 0x11  # in place: the copy is rebuilt
+    second = mm_mod._mma_weight(pw.qweight, 32, 128)
+    assert second is not first and torch.equal(second, mma_pack(pw.qweight, 32, 128))
+
+
+@pytest.mark.gpu
+def test_self_check_passes_on_this_gpu():
+    assert mm_mod._mma_self_check(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (14336, 4096, 128), (4096, 14336, 128), (1024, 2048, 64)])
+def test_full_size_on_gpu(n, k, gs, dtype):
+    pw, w = packed(n, k, gs, dtype)
+    for m in (1, 2, 8):
+        x = torch.randn(m, k, device=DEV, dtype=dtype)
+        for warps, split in ((1, 4), (2, 16), (8, 32)):
+            assert rel_err(run_kernel(x, pw, warps, split), x.float() @ w.t()) <= 1e-2
