@@ -652,6 +652,8 @@ def _mma_self_check(device: torch.device) -> bool:
     """Run the mma kernel once on a small problem against the reference. Its correctness rests on
     Triton giving each lane one row of a (32 * warps, 4) tensor (true of every Triton it was tested
     with); if a compiler lays it out otherwise the path is switched off instead of computing garbage."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     ok = _mma_working.get(str(device))
     if ok is None:
         g = torch.Generator(device=device).manual_seed(0)
