@@ -35,17 +35,17 @@ def mma_pack(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     (N/16, K/64, 32, 4) int32 (same byte count). Needs N % 16 == 0 and K % 64 == 0."""
     if n % 16 or k % CHUNK:
         raise ValueError(f"mma layout needs N % 16 == 0 and K % {CHUNK} == 0, got N={n} K={k}")
-    b = qweight.to(torch.int32)
-    q = torch.stack([b & 15, b >> 4], dim=1).reshape(k, n).t()  # (N, K) integers, q[n, k]
+    # nibbles as uint8 (one byte per weight: this runs once per weight, possibly on a full GPU)
+    q = torch.stack([qweight & 15, qweight >> 4], dim=1).reshape(k, n).t()  # (N, K), q[n, k]
     # n = 16t + 8h + g, k = 64kc + 16c + 8kh + 2j + e  ->  word[t, kc, 4g + c, j], nibble at 4(h + 2kh) + 16e
     # (MMA row 2c + e + 8kh of k-step j is in-feature 16c + 8kh + 2j + e: each lane's first and
     # second B registers over a chunk are then 4 consecutive words of x each, one 16-byte load apiece)
     q = q.reshape(n // 16, 2, 8, k // CHUNK, 4, 2, 4, 2)  # (t, h, g, kc, c, kh, j, e)
-    q = q.permute(0, 3, 2, 4, 6, 1, 5, 7).to(torch.int64)  # (t, kc, g, c, j, h, kh, e)
-    h = torch.arange(2, device=q.device).view(2, 1, 1)
-    kh = torch.arange(2, device=q.device).view(1, 2, 1)
-    e = torch.arange(2, device=q.device).view(1, 1, 2)
-    words = (q << (4 * (h + 2 * kh) + 16 * e)).sum(dim=(-3, -2, -1))  # disjoint bits: sum == or
+    q = q.permute(0, 3, 2, 4, 6, 5, 1, 7).reshape(-1, 4, 2)  # (t, kc, g, c, j) x (r = h + 2kh) x e
+    shift = 4 * torch.arange(4, device=q.device, dtype=torch.int32)
+    lo = (q[..., 0].to(torch.int32) << shift).sum(-1, dtype=torch.int32)  # e = 0: bits 4r
+    hi = (q[..., 1].to(torch.int32) << shift).sum(-1, dtype=torch.int32)  # e = 1: bits 16 + 4r
+    words = lo.to(torch.int64) | (hi.to(torch.int64) << 16)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words.reshape(n // 16, k // CHUNK, 32, 4).contiguous()
 
