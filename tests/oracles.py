@@ -43,3 +43,19 @@ def _place(model, name: str, w: torch.Tensor, bias) -> None:
     layer.weight.copy_(w.t() if linear_dims(layer)[2] else w)
     if bias is not None:
         layer.bias.copy_(bias.float())
+
+
+def fused_vs_dequantized(src: Path, packed: Path, model, monkeypatch) -> float:
+    """Max relative error of ``model`` (the packed checkpoint loaded on a GPU) against the dequantized
+    source, on a short prompt; fails the test if any quantized layer took the reference path."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from quantpack import reference
+
+    ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
+    with torch.no_grad():
+        want = dequantized_source(src, packed)(**ids).logits
+        monkeypatch.setattr(reference, "matmul", lambda *a, **k: pytest.fail("reference path ran on GPU"))
+        got = model(**{k: v.cuda() for k, v in ids.items()}).logits.float().cpu()
+    return ((got - want).abs().max() / want.abs().max()).item()

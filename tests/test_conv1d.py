@@ -12,7 +12,7 @@ from quantpack.nn import QuantLinear, linear_dims
 from quantpack.tiny import make_tiny_gpt2
 from quantpack.verify import verify
 
-from oracles import dequantized_source
+from oracles import dequantized_source, fused_vs_dequantized
 
 CONV1D = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
           "transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_attn", "transformer.h.1.attn.c_proj",
@@ -138,15 +138,6 @@ def test_w8a8_scheme_on_conv1d(gpt2, tmp_path):
 
 @pytest.mark.gpu
 def test_conv1d_runs_the_fused_kernel_on_gpu(gpt2, monkeypatch):
-    import quantpack.reference
-    from transformers import AutoTokenizer
-
     src, packed, _ = gpt2
     model = load(packed, device="cuda", dtype=torch.float16)
-    oracle = dequantized_source(src, packed)
-    ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
-    with torch.no_grad():
-        want = oracle(**ids).logits
-        monkeypatch.setattr(quantpack.reference, "matmul", lambda *a, **k: pytest.fail("reference path ran on GPU"))
-        got = model(**{k: v.cuda() for k, v in ids.items()}).logits.float().cpu()
-    assert ((got - want).abs().max() / want.abs().max()).item() <= 5e-3
+    assert fused_vs_dequantized(src, packed, model, monkeypatch) <= 5e-3

@@ -12,7 +12,7 @@ from quantpack.nn_experts import QuantExperts, fused_experts_dims
 from quantpack.tiny import make_tiny_mixtral
 from quantpack.verify import verify
 
-from oracles import dequantized_source
+from oracles import dequantized_source, fused_vs_dequantized
 
 
 @pytest.fixture(scope="module")
@@ -114,16 +114,7 @@ def test_other_moe_families(model_type, tmp_path):
 
 @pytest.mark.gpu
 def test_experts_run_the_fused_kernel_on_gpu(mixtral, monkeypatch):
-    import quantpack.reference
-    from transformers import AutoTokenizer
-
     src, packed, _ = mixtral
     model = load(packed, device="cuda", dtype=torch.float16)
     assert model.model.layers[0].mlp.experts.gate_proj[0].qweight.is_cuda
-    oracle = dequantized_source(src, packed)
-    ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
-    with torch.no_grad():
-        want = oracle(**ids).logits
-        monkeypatch.setattr(quantpack.reference, "matmul", lambda *a, **k: pytest.fail("reference path ran on GPU"))
-        got = model(**{k: v.cuda() for k, v in ids.items()}).logits.float().cpu()
-    assert ((got - want).abs().max() / want.abs().max()).item() <= 5e-3
+    assert fused_vs_dequantized(src, packed, model, monkeypatch) <= 5e-3
