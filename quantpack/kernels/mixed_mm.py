@@ -686,15 +686,19 @@ def _mma_weight(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     if _mma_copies is None:
         from torch.utils.weak import WeakIdKeyDictionary
         _mma_copies = WeakIdKeyDictionary()
+    try:
+        version = qweight._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter (nor can it change outside one)
+        version = -1
     hit = _mma_copies.get(qweight)
-    if hit is not None and hit[0] == qweight._version:
+    if hit is not None and hit[0] == version:
         return hit[1]
     if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     if not _mma_self_check(qweight.device):
         return None
     packed = mma_pack(qweight, n, k)
-    _mma_copies[qweight] = (qweight._version, packed)
+    _mma_copies[qweight] = (version, packed)
     return packed
 
 

@@ -157,6 +157,19 @@ def test_repacked_copy_is_cached_and_follows_in_place_changes():
     assert second is not first and torch.equal(second, mma_pack(pw.qweight, 32, 128))
 
 
+def test_weights_made_in_inference_mode_run_the_mma_path(monkeypatch):
+    """Inference-mode tensors have no version counter: the copy is still made, cached and used."""
+    calls = _spy(monkeypatch)
+    with torch.inference_mode():
+        pw, w = packed(64, 256, 128)
+        x = torch.randn(2, 256, dtype=torch.float16).to(DEV)
+        cfg = KernelConfig("mma", 8, num_warps=2, split=2)
+        for _ in range(2):
+            out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
+    assert rel_err(out, x.float() @ w.t()) <= 1e-3
+    assert len(calls) == 2 and mm_mod._mma_weight(pw.qweight, 64, 256) is mm_mod._mma_weight(pw.qweight, 64, 256)
+
+
 @pytest.mark.gpu
 def test_self_check_passes_on_this_gpu():
     assert mm_mod._mma_self_check(torch.device("cuda"))
