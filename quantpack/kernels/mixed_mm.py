@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 from triton.runtime.errors import OutOfResources
 
 from .gemv import gemv_grid, launch_gemv
@@ -640,7 +641,7 @@ def save_table(path: str | os.PathLike, device: torch.device | None = None) -> N
 # ----------------------------------------------------------------------------------------------
 # mma path: decode-ordered copies of 4-bit weights, built on first use of each weight tensor
 
-_mma_copies = None  # torch.utils.weak.WeakIdKeyDictionary: qweight -> (its version, mma_pack copy)
+_mma_copies = WeakIdKeyDictionary()  # qweight -> (its version, its mma_pack copy), dropped with qweight
 _mma_working: dict = {}  # device -> whether the compiled kernel passed its first-use check
 
 
@@ -682,10 +683,6 @@ def _mma_weight(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     """The :func:`mma_pack` copy of ``qweight``, built on first use and kept while ``qweight`` lives
     (rebuilt if it is modified in place); ``None`` where it cannot be used now: during CUDA-graph
     capture before it exists, or if the kernel failed its self-check."""
-    global _mma_copies
-    if _mma_copies is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-        _mma_copies = WeakIdKeyDictionary()
     try:
         version = qweight._version
     except RuntimeError:  # an inference-mode tensor keeps no version counter (nor can it change outside one)
@@ -844,7 +841,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
     mma_weight = None
     if config.path == "mma":
-        if not transposed and mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):
+        if mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):  # (_fix_config took transposed)
             with on_device(x2):
                 mma_weight = _mma_weight(qweight, n, k)
         if mma_weight is None:  # the CUDA-core GEMV (or what _fix_config makes of it) instead

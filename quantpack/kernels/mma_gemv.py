@@ -50,61 +50,37 @@ def mma_pack(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return words.reshape(n // 16, k // CHUNK, 32, 4).contiguous()
 
 
+def _chunk_asm(fp16: bool) -> str:
+    """PTX for one 64-in-feature chunk on each lane's fragments (row of a (32*W, 4) tensor, ``pack=4``):
+    per k-step j, unpack word ``$8+j`` into 4 A registers (``q + offset``, one shift + LOP3 each),
+    ``d += A . B`` and ``sx += 1 . B`` with B = ``($12+j, $24+j)``. Operands: ``$0-$3`` d out, ``$4-$7``
+    sx out, ``$8-$11`` A words, ``$12-$15`` first B registers, ``$16-$19`` d in, ``$20-$23`` sx in,
+    ``$24-$27`` second B registers. Inputs are copied to local registers first so no output can
+    alias an input that is still to be read."""
+    magic, one, ty = ("0x64006400", "0x3C003C00", "f16") if fp16 else ("0x43004300", "0x3F803F80", "bf16")
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
+    s = (f"{{ .reg .b32 a0, a1, a2, a3, t, one; .reg .f32 d<4>, e<4>; mov.b32 one, {one};"
+         " mov.f32 d0, $16; mov.f32 d1, $17; mov.f32 d2, $18; mov.f32 d3, $19;"
+         " mov.f32 e0, $20; mov.f32 e1, $21; mov.f32 e2, $22; mov.f32 e3, $23;")
+    for j in range(4):
+        w = f"${8 + j}"
+        s += (f" lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA; shr.b32 t, {w}, 4; lop3.b32 a1, t, 0x000F000F, {magic}, 0xEA;"
+              f" shr.b32 t, {w}, 8; lop3.b32 a2, t, 0x000F000F, {magic}, 0xEA; shr.b32 t, {w}, 12; lop3.b32 a3, t, 0x000F000F, {magic}, 0xEA;"
+              f" {mma} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{${12 + j}, ${24 + j}}}, {{d0, d1, d2, d3}};"
+              f" {mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {{${12 + j}, ${24 + j}}}, {{e0, e1, e2, e3}};")
+    s += (" mov.f32 $0, d0; mov.f32 $1, d1; mov.f32 $2, d2; mov.f32 $3, d3;"
+          " mov.f32 $4, e0; mov.f32 $5, e1; mov.f32 $6, e2; mov.f32 $7, e3; }")
+    return s
+
+
+CHUNK_ASM = {torch.bfloat16: _chunk_asm(False), torch.float16: _chunk_asm(True)}
+
+
 @triton.jit
-def _mma_chunk(a, b0, b1, d, sx, FP16: tl.constexpr):
-    """Four MMA k-steps of one 64-in-feature chunk on each lane's fragments (row of a (32*W, 4)
-    tensor): ``d += (q + offset) . x``, ``sx += 1 . x``."""
-    if FP16:
-        d, sx = tl.inline_asm_elementwise(
-            "{ .reg .b32 a0, a1, a2, a3, t, one; .reg .f32 d<4>, e<4>; mov.b32 one, 0x3C003C00;"
-            " mov.f32 d0, $16; mov.f32 d1, $17; mov.f32 d2, $18; mov.f32 d3, $19;"
-            " mov.f32 e0, $20; mov.f32 e1, $21; mov.f32 e2, $22; mov.f32 e3, $23;"
-            " lop3.b32 a0, $8, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $8, 4; lop3.b32 a1, t, 0x000F000F, 0x64006400, 0xEA;"
-            " shr.b32 t, $8, 8; lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $8, 12; lop3.b32 a3, t, 0x000F000F, 0x64006400, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$12, $24}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$12, $24}, {e0, e1, e2, e3};"
-            " lop3.b32 a0, $9, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $9, 4; lop3.b32 a1, t, 0x000F000F, 0x64006400, 0xEA;"
-            " shr.b32 t, $9, 8; lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $9, 12; lop3.b32 a3, t, 0x000F000F, 0x64006400, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$13, $25}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$13, $25}, {e0, e1, e2, e3};"
-            " lop3.b32 a0, $10, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $10, 4; lop3.b32 a1, t, 0x000F000F, 0x64006400, 0xEA;"
-            " shr.b32 t, $10, 8; lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $10, 12; lop3.b32 a3, t, 0x000F000F, 0x64006400, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$14, $26}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$14, $26}, {e0, e1, e2, e3};"
-            " lop3.b32 a0, $11, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $11, 4; lop3.b32 a1, t, 0x000F000F, 0x64006400, 0xEA;"
-            " shr.b32 t, $11, 8; lop3.b32 a2, t, 0x000F000F, 0x64006400, 0xEA; shr.b32 t, $11, 12; lop3.b32 a3, t, 0x000F000F, 0x64006400, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$15, $27}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$15, $27}, {e0, e1, e2, e3};"
-            " mov.f32 $0, d0; mov.f32 $1, d1; mov.f32 $2, d2; mov.f32 $3, d3;"
-            " mov.f32 $4, e0; mov.f32 $5, e1; mov.f32 $6, e2; mov.f32 $7, e3; }",
-            "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,f,f,f,f,r,r,r,r",
-            [a, b0, d, sx, b1], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-    else:
-        d, sx = tl.inline_asm_elementwise(
-            "{ .reg .b32 a0, a1, a2, a3, t, one; .reg .f32 d<4>, e<4>; mov.b32 one, 0x3F803F80;"
-            " mov.f32 d0, $16; mov.f32 d1, $17; mov.f32 d2, $18; mov.f32 d3, $19;"
-            " mov.f32 e0, $20; mov.f32 e1, $21; mov.f32 e2, $22; mov.f32 e3, $23;"
-            " lop3.b32 a0, $8, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $8, 4; lop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;"
-            " shr.b32 t, $8, 8; lop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $8, 12; lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$12, $24}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$12, $24}, {e0, e1, e2, e3};"
-            " lop3.b32 a0, $9, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $9, 4; lop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;"
-            " shr.b32 t, $9, 8; lop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $9, 12; lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$13, $25}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$13, $25}, {e0, e1, e2, e3};"
-            " lop3.b32 a0, $10, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $10, 4; lop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;"
-            " shr.b32 t, $10, 8; lop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $10, 12; lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$14, $26}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$14, $26}, {e0, e1, e2, e3};"
-            " lop3.b32 a0, $11, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $11, 4; lop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;"
-            " shr.b32 t, $11, 8; lop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA; shr.b32 t, $11, 12; lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {d0, d1, d2, d3}, {a0, a1, a2, a3}, {$15, $27}, {d0, d1, d2, d3};"
-            " mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {e0, e1, e2, e3}, {one, one, one, one}, {$15, $27}, {e0, e1, e2, e3};"
-            " mov.f32 $0, d0; mov.f32 $1, d1; mov.f32 $2, d2; mov.f32 $3, d3;"
-            " mov.f32 $4, e0; mov.f32 $5, e1; mov.f32 $6, e2; mov.f32 $7, e3; }",
-            "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,f,f,f,f,r,r,r,r",
-            [a, b0, d, sx, b1], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-    return d, sx
+def _mma_chunk(a, b0, b1, d, sx, ASM: tl.constexpr):
+    """Four MMA k-steps of one 64-in-feature chunk: ``d += (q + offset) . x``, ``sx += 1 . x``."""
+    return tl.inline_asm_elementwise(ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,f,f,f,f,r,r,r,r",
+                                     [a, b0, d, sx, b1], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -140,7 +116,7 @@ def _emulate_chunk(a, xk, d, sx, WARPS: tl.constexpr, FP16: tl.constexpr):
 def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_om,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
-                     WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+                     ASM: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     CPG: tl.constexpr = G // 64  # chunks per group
@@ -177,7 +153,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             nxt = (tl.load(a_ptrs + step * 128), tl.load(b_ptrs + step * 32, mask=b_mask, other=0),
                    tl.load(b_ptrs + step * 32 + 4, mask=b_mask, other=0))
             if USE_ASM:
-                d, sx = _mma_chunk(a, b0, b1, d, sx, FP16)
+                d, sx = _mma_chunk(a, b0, b1, d, sx, ASM)
             else:
                 kk = (kc0 + i) * 64 + tl.arange(0, 64)
                 xk = tl.load(x_ptr + m8[:, None] * stride_xm + kk[None, :], mask=(m8 < M)[:, None], other=0.0)
@@ -236,4 +212,5 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         x2.shape[0], n, k, x2.stride(0), out.stride(0),
         G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,
+        ASM=CHUNK_ASM[x2.dtype],
         WARPS=warps, GROUPS=groups, SPLIT=split, num_warps=warps, num_stages=1)
