@@ -8,7 +8,7 @@ table (``configs/<gpu>.json``) so first use never autotunes:
 * ``gemv``: decode (M = 1 and a few rows), groups along K. CUDA-core GEMV in ``gemv.py``:
   split-K, next step's loads issued before this step's math, nibbles turned into floats with one
   shift and one LOP3, ``words=True`` reads int32 words of 4 columns.
-* ``mma``: decode (M <= 8), 4-bit, groups along K of a multiple of 64. Tensor-core GEMV in
+* ``mma``: decode (M <= 16), 4-bit, groups along K of a multiple of 64. Tensor-core GEMV in
   ``mma_gemv.py`` on a copy of the weight repacked once into MMA fragment order (kept per weight
   tensor while it lives; ``QUANTPACK_MMA=0`` turns the path off and saves that memory).
 * ``fma``: small M, any layout (axis 0, groups narrower than a tile). CUDA-core tiles, split-K; the
@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.runtime.errors import OutOfResources
 
 from .gemv import gemv_grid, launch_gemv
-from .mma_gemv import launch_mma_gemv, mma_grid, mma_pack, mma_usable
+from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
                       meta_rowwise, on_device, triton_usable)
 from .. import reference
@@ -67,7 +67,7 @@ class KernelConfig:
     split: int = 1
     group_m: int = 8
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 2  # pipeline stages (dot paths); chunks of loads in flight per warp (mma: 1-3)
     rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
 
@@ -479,16 +479,16 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> KernelConfig:
 
 def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
     """A config without tuning, following what tuning chose on an H200 (benchmarks/NOTES.md): the
-    tensor-core GEMV for M <= 8 (the CUDA-core one where its layout needs are not met), split
+    tensor-core GEMV for M <= 16 (the CUDA-core one where its layout needs are not met), split
     tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the fused large-M kernels lost to
     it by 2-10x there)."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
     if m > 64 and device.type == "cuda":
         return KernelConfig(path="dq")
-    if m <= 8 and not transposed:
+    if m <= MMA_MAX_M and not transposed:
         # 2-warp programs, ~8 per SM (mma_grid rounds the split to a divisor of the group count)
-        return KernelConfig(path="mma", block_m=8, num_warps=2,
+        return KernelConfig(path="mma", block_m=max(8, m_bucket(m)), num_warps=2, num_stages=2,
                             split=_fill_split(max(1, n // 32), max(1, k // 64), sms, 8.0))
     if transposed:
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
@@ -551,12 +551,14 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3)):
             add(KernelConfig("dot_t", 16, bn, br, num_warps=warps, num_stages=stages, rawq=True),
                 waves=(2.0, 4.0, 8.0))
+    if mb <= MMA_MAX_M:
         # tensor-core GEMV (mma_grid rounds the split down to a divisor of the group count)
-        for warps in (1, 2, 4, 8):
-            for split in (2, 4, 8, 16, 32):
-                c = KernelConfig("mma", 8, num_warps=warps, split=split)
-                if c not in out:
-                    out.append(c)
+        for warps in (1, 2, 4):
+            for split in (4, 8, 16, 32):
+                for depth in (1, 2, 3):
+                    c = KernelConfig("mma", max(8, mb), num_warps=warps, split=split, num_stages=depth)
+                    if c not in out:
+                        out.append(c)
     if 8 < mb <= 64 or mb == 8:
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
                                       (128, 32, 4, 4)):
@@ -658,18 +660,20 @@ def _mma_self_check(device: torch.device) -> bool:
     ok = _mma_working.get(str(device))
     if ok is None:
         g = torch.Generator(device=device).manual_seed(0)
-        n, k, gs, m = 64, 256, 128, 3
+        n, k, gs = 64, 256, 128
         qw = torch.randint(0, 256, (k // 2, n), device=device, dtype=torch.uint8, generator=g)
         s = (torch.rand(k // gs, n, device=device, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
         z = (torch.rand(k // gs, n, device=device, generator=g) * 15).to(torch.bfloat16)
-        x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+        x = torch.randn(MMA_MAX_M, k, device=device, generator=g).to(torch.bfloat16)
         want = x.float() @ reference.dequantize(PackedWeight(qw, s, z, 4, gs, 1, (n, k)), torch.float32).t()
-        out = torch.empty(m, n, dtype=torch.float32, device=device)
+        out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
         warps, _, split = mma_grid(n, k, gs, 2, 1)
         try:
-            launch_mma_gemv(x, mma_pack(qw, n, k), s, z, None, out, out, out, n=n, k=k, group_size=gs, warps=warps,
-                            split=split, use_asm=not interpreting())
-            ok = bool(((out - want).norm() / want.norm()).item() < 1e-2)
+            ok = True
+            for m in (3, MMA_MAX_M):  # one and two 8-row halves of x
+                launch_mma_gemv(x[:m], mma_pack(qw, n, k), s, z, None, out, out, out, n=n, k=k, group_size=gs,
+                                warps=warps, split=split, depth=2, use_asm=not interpreting())
+                ok &= bool(((out[:m] - want[:m]).norm() / want[:m].norm()).item() < 1e-2)
         except Exception:  # noqa: BLE001  (a compiler that rejects the inline PTX: same outcome)
             ok = False
         if not ok:
@@ -706,7 +710,7 @@ def _mma_weight(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
 def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_size: int) -> KernelConfig:
     """Clamp a (possibly nearest-shape) config to what this call can run (the mma path's layout
     needs are checked by mixed_mm, which has the tensors)."""
-    if cfg.path == "mma" and (transposed or m > 8):
+    if cfg.path == "mma" and (transposed or m > MMA_MAX_M):
         cfg = KernelConfig("dot", block_m=16, block_n=64, block_r=64, split=cfg.split, num_stages=3)
     if cfg.path == "gemv" and (transposed or axis != 1 or group_size % (2 * cfg.block_r) or m > 8):
         cfg = replace(cfg, path="fma", words=False)  # the general CUDA-core tiles
@@ -763,7 +767,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         ws = cnt = out  # never touched
     if cfg.path == "mma":
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                        warps=warps, split=split, use_asm=not interpreting())
+                        warps=warps, split=split, depth=min(3, max(1, cfg.num_stages)), use_asm=not interpreting())
         return out
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
+MAX_M = 16  # rows of x: one or two 8-column B fragments per k-step
 
 
 def mma_pack(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -50,78 +51,122 @@ def mma_pack(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return words.reshape(n // 16, k // CHUNK, 32, 4).contiguous()
 
 
-def _chunk_asm(fp16: bool) -> str:
-    """PTX for one 64-in-feature chunk on each lane's fragments (row of a (32*W, 4) tensor, ``pack=4``):
-    per k-step j, unpack word ``$8+j`` into 4 A registers (``q + offset``, one shift + LOP3 each),
-    ``d += A . B`` and ``sx += 1 . B`` with B = ``($12+j, $24+j)``. Operands: ``$0-$3`` d out, ``$4-$7``
-    sx out, ``$8-$11`` A words, ``$12-$15`` first B registers, ``$16-$19`` d in, ``$20-$23`` sx in,
-    ``$24-$27`` second B registers. Inputs are copied to local registers first so no output can
-    alias an input that is still to be read."""
-    magic, one, ty = ("0x64006400", "0x3C003C00", "f16") if fp16 else ("0x43004300", "0x3F803F80", "bf16")
+def _chunk_asm(fp16: bool, halves: int) -> str:
+    """PTX for one 64-in-feature chunk on each lane's fragments (one row of a (32*W, 4) tensor per
+    lane, ``pack=4``): per k-step j, unpack word j of A into 4 registers of ``q - z`` (shift + LOP3
+    to ``q + offset``, then two exact-then-rounded adds, as dequantizing to x's dtype rounds) and
+    ``d[h] += A . B[h]`` for each 8-row half h of x. Operands in order: outputs ``d[h]`` (4 f32
+    each); inputs A words (4), per half the first and second B registers (4 + 4), ``-z`` of rows g
+    and g + 8 as 16-bit pairs (2), per half ``d[h]`` in (4). Inputs are copied to local registers
+    first so no output can alias an input that is still to be read."""
+    magic, offset, ty = ("0x64006400", "0xE400E400", "f16") if fp16 else ("0x43004300", "0xC300C300", "bf16")
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
-    s = (f"{{ .reg .b32 a0, a1, a2, a3, t, one; .reg .f32 d<4>, e<4>; mov.b32 one, {one};"
-         " mov.f32 d0, $16; mov.f32 d1, $17; mov.f32 d2, $18; mov.f32 d3, $19;"
-         " mov.f32 e0, $20; mov.f32 e1, $21; mov.f32 e2, $22; mov.f32 e3, $23;")
-    for j in range(4):
-        w = f"${8 + j}"
-        s += (f" lop3.b32 a0, {w}, 0x000F000F, {magic}, 0xEA; shr.b32 t, {w}, 4; lop3.b32 a1, t, 0x000F000F, {magic}, 0xEA;"
-              f" shr.b32 t, {w}, 8; lop3.b32 a2, t, 0x000F000F, {magic}, 0xEA; shr.b32 t, {w}, 12; lop3.b32 a3, t, 0x000F000F, {magic}, 0xEA;"
-              f" {mma} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{${12 + j}, ${24 + j}}}, {{d0, d1, d2, d3}};"
-              f" {mma} {{e0, e1, e2, e3}}, {{one, one, one, one}}, {{${12 + j}, ${24 + j}}}, {{e0, e1, e2, e3}};")
-    s += (" mov.f32 $0, d0; mov.f32 $1, d1; mov.f32 $2, d2; mov.f32 $3, d3;"
-          " mov.f32 $4, e0; mov.f32 $5, e1; mov.f32 $6, e2; mov.f32 $7, e3; }")
-    return s
+    regs = iter(range(4 * halves + 4 + 8 * halves + 2 + 4 * halves))
+
+    def take(count):
+        return [f"${next(regs)}" for _ in range(count)]
+    d_out = [take(4) for _ in range(halves)]
+    words = take(4)
+    b = [(take(4), take(4)) for _ in range(halves)]
+    nz = take(2)
+    d_in = [take(4) for _ in range(halves)]
+    acc = [[f"d{h}{i}" for i in range(4)] for h in range(halves)]
+    s = ("{ .reg .b32 q0, q1, q2, q3, t, z0, z1, off; .reg .f32 " + ", ".join(sum(acc, [])) + ";"
+         f" mov.b32 z0, {nz[0]}; mov.b32 z1, {nz[1]}; mov.b32 off, {offset};")
+    s += "".join(f" mov.f32 {acc[h][i]}, {d_in[h][i]};" for h in range(halves) for i in range(4))
+    for j, w in enumerate(words):
+        for r in range(4):  # register r = h + 2 kh: nibbles at bits 4r and 16 + 4r
+            src = w if r == 0 else "t"
+            if r:
+                s += f" shr.b32 t, {w}, {4 * r};"
+            s += (f" lop3.b32 q{r}, {src}, 0x000F000F, {magic}, 0xEA; add.{ty}x2 q{r}, q{r}, off;"
+                  f" add.{ty}x2 q{r}, q{r}, z{r % 2};")
+        for h in range(halves):
+            d = ", ".join(acc[h])
+            s += f" {mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{b[h][0][j]}, {b[h][1][j]}}}, {{{d}}};"
+    s += "".join(f" mov.f32 {d_out[h][i]}, {acc[h][i]};" for h in range(halves) for i in range(4))
+    return s + " }"
 
 
-CHUNK_ASM = {torch.bfloat16: _chunk_asm(False), torch.float16: _chunk_asm(True)}
+def _chunk_constraints(halves: int) -> str:
+    return ",".join(["=f"] * (4 * halves) + ["r"] * (4 + 8 * halves + 2) + ["f"] * (4 * halves))
+
+
+CHUNK_ASM = {(dtype, halves): _chunk_asm(dtype == torch.float16, halves)
+             for dtype in (torch.bfloat16, torch.float16) for halves in (1, 2)}
 
 
 @triton.jit
-def _mma_chunk(a, b0, b1, d, sx, ASM: tl.constexpr):
-    """Four MMA k-steps of one 64-in-feature chunk: ``d += (q + offset) . x``, ``sx += 1 . x``."""
-    return tl.inline_asm_elementwise(ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,f,f,f,f,r,r,r,r",
-                                     [a, b0, d, sx, b1], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+def _mma_chunk(a, b0, b1, b2, b3, nz, d0, d1, HALVES: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    """Four MMA k-steps of one 64-in-feature chunk: ``d[h] += (q - z) . x[8h:8h+8]``."""
+    if HALVES == 1:
+        d0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, nz, d0], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        d0, d1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, nz, d0, d1], dtype=(tl.float32, tl.float32),
+                                           is_pure=True, pack=4)
+    return d0, d1
 
 
 @triton.jit
-def _emulate_chunk(a, xk, d, sx, WARPS: tl.constexpr, FP16: tl.constexpr):
+def _emulate_chunk(a, xk, z, d0, d1, WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr):
     """What :func:`_mma_chunk` computes, from the same words, without inline PTX (interpreter):
-    unpack each lane's nibbles into the warp's (16, 64) weight tile, multiply with x's (8, 64)
-    chunk, and lay the (16, 8) result out as the accumulator fragments."""
-    OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
+    unpack each lane's nibbles into the warp's (16, 64) weight tile, subtract the zeros ``z``
+    (WARPS, 16) rounding to x's dtype, multiply with x's (8 * HALVES, 64) chunk and lay each 8-row
+    half of the (16, 8 * HALVES) result out as the accumulator fragments."""
     # nibble (h, kh, e) of each word sits at bit 4 (h + 2 kh) + 16 e
-    n000 = (a & 15).to(tl.float32) + OFFSET
-    n001 = ((a >> 16) & 15).to(tl.float32) + OFFSET
-    n010 = ((a >> 8) & 15).to(tl.float32) + OFFSET
-    n011 = ((a >> 24) & 15).to(tl.float32) + OFFSET
-    n100 = ((a >> 4) & 15).to(tl.float32) + OFFSET
-    n101 = ((a >> 20) & 15).to(tl.float32) + OFFSET
-    n110 = ((a >> 12) & 15).to(tl.float32) + OFFSET
-    n111 = ((a >> 28) & 15).to(tl.float32) + OFFSET
+    n000 = (a & 15).to(tl.float32)
+    n001 = ((a >> 16) & 15).to(tl.float32)
+    n010 = ((a >> 8) & 15).to(tl.float32)
+    n011 = ((a >> 24) & 15).to(tl.float32)
+    n100 = ((a >> 4) & 15).to(tl.float32)
+    n101 = ((a >> 20) & 15).to(tl.float32)
+    n110 = ((a >> 12) & 15).to(tl.float32)
+    n111 = ((a >> 28) & 15).to(tl.float32)
     # join order: e innermost, then kh, then h: (32W, 4j, 2e, 2kh, 2h)
     w = tl.join(tl.join(tl.join(n000, n001), tl.join(n010, n011)),
                 tl.join(tl.join(n100, n101), tl.join(n110, n111)))
     w = tl.reshape(w, (WARPS, 8, 4, 4, 2, 2, 2))  # (w, g, c, j, e, kh, h)
     w = tl.reshape(tl.permute(w, (0, 6, 1, 2, 5, 3, 4)), (WARPS, 16, 64))  # n = 8h + g, k = 16c + 8kh + 2j + e
-    r = tl.sum(w[:, :, None, :] * xk[None, None, :, :], axis=3)  # (W, 16 n, 8 m)
-    ones = tl.sum(xk, axis=1)  # (8 m,)
-    rs = r * 0.0 + ones[None, None, :]
-    # accumulator element j of lane (g, c): n = g + 8 (j // 2), m = 2c + j % 2
-    r = tl.reshape(tl.permute(tl.reshape(r, (WARPS, 2, 8, 4, 2)), (0, 2, 3, 1, 4)), (32 * WARPS, 4))
-    rs = tl.reshape(tl.permute(tl.reshape(rs, (WARPS, 2, 8, 4, 2)), (0, 2, 3, 1, 4)), (32 * WARPS, 4))
-    return d + r, sx + rs
+    w = w - z[:, :, None]
+    w = w.to(tl.float16 if FP16 else tl.bfloat16).to(tl.float32)
+    r = tl.sum(w[:, :, None, :] * xk[None, None, :, :], axis=3)  # (W, 16 n, 8 HALVES m)
+    # accumulator element j of lane (g, c) of half u: n = g + 8 (j // 2), m = 8u + 2c + j % 2
+    r = tl.permute(tl.reshape(r, (WARPS, 2, 8, HALVES, 4, 2)), (0, 2, 4, 1, 5, 3))  # (w, g, c, jh, jl, u)
+    if HALVES == 1:
+        d0 += tl.reshape(r, (32 * WARPS, 4))
+    else:
+        r0, r1 = tl.split(r)
+        d0 += tl.reshape(r0, (32 * WARPS, 4))
+        d1 += tl.reshape(r1, (32 * WARPS, 4))
+    return d0, d1
+
+
+@triton.jit
+def _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, step, HALVES: tl.constexpr):
+    """One chunk's A words and B registers (rows 8-15 of x too when HALVES == 2, else zeros)."""
+    a = tl.load(a_ptrs + step * 128)
+    b0 = tl.load(b_ptrs + step * 32, mask=b_mask0, other=0)
+    b1 = tl.load(b_ptrs + step * 32 + 4, mask=b_mask0, other=0)
+    if HALVES == 2:
+        b2 = tl.load(b_ptrs + hstride + step * 32, mask=b_mask1, other=0)
+        b3 = tl.load(b_ptrs + hstride + step * 32 + 4, mask=b_mask1, other=0)
+    else:
+        b2 = b0
+        b3 = b1
+    return a, b0, b1, b2, b3
 
 
 @triton.jit
 def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_om,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
-                     ASM: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+                     ASM: tl.constexpr, CONS: tl.constexpr, HALVES: tl.constexpr, DEPTH: tl.constexpr,
+                     WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     CPG: tl.constexpr = G // 64  # chunks per group
     STEPS: tl.constexpr = GROUPS * CPG
-    OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
+    XT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
     row = tl.arange(0, 32 * WARPS)  # (warp, lane): one row of every (32 * WARPS, 4) tensor per lane
     j = tl.arange(0, 4)
     lane = row % 32
@@ -131,64 +176,100 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     kc0 = pid_s * STEPS  # first chunk of this program's K range
     a_ptrs = qm_ptr + ((t * (K // 64) + kc0) * 32 + lane)[:, None] * 4 + j[None, :]
     # B fragments: x[g, 16c .. 16c + 7] of each chunk (4 words of bf16/fp16 pairs, one per k-step)
-    # for the first B register, x[g, 16c + 8 .. 16c + 15] for the second; rows g >= M read as zero
+    # for the first B register, x[g, 16c + 8 .. 16c + 15] for the second (rows g + 8 for the second
+    # half); rows >= M read as zero
     xw = x_ptr.to(tl.pointer_type(tl.int32))
     b_ptrs = xw + (g * (stride_xm // 2) + kc0 * 32 + 8 * c)[:, None] + j[None, :]
-    b_mask = (g < M)[:, None] & (j < 4)[None, :]
-    # accumulator element j of lane (g, c): out[m_c, n_c]
+    hstride = 8 * (stride_xm // 2)
+    b_mask0 = (g < M)[:, None] & (j < 4)[None, :]
+    b_mask1 = (g + 8 < M)[:, None] & (j < 4)[None, :]
+    # accumulator element j of lane (g, c): out[m_c (+ 8 in the second half), n_c]
     n_c = (t * 16 + g)[:, None] + 8 * (j // 2)[None, :]
     m_c = (2 * c)[:, None] + (j % 2)[None, :]
-    m8 = tl.arange(0, 8)
+    mk = tl.arange(0, 8 * HALVES)
+    nw = ((pid_n * WARPS + tl.arange(0, WARPS)) * 16)[:, None] + tl.arange(0, 16)[None, :]  # (emulation)
 
-    acc = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    nxt = (tl.load(a_ptrs), tl.load(b_ptrs, mask=b_mask, other=0), tl.load(b_ptrs + 4, mask=b_mask, other=0))
+    acc0 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    acc1 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk)
+    p0 = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, 0, HALVES)
+    p1 = p0
+    p2 = p0
+    if DEPTH >= 2:
+        p1 = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(1, STEPS - 1), HALVES)
+    if DEPTH >= 3:
+        p2 = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(2, STEPS - 1), HALVES)
+    grp0 = pid_s * GROUPS
+    s_nxt = tl.load(s_ptr + grp0 * N + n_c)
+    z_nxt = tl.load(z_ptr + grp0 * N + n_c)
     for gi in range(GROUPS):
-        d = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-        sx = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        s = s_nxt.to(tl.float32)
+        nz = (-z_nxt.to(tl.float32)).to(XT)
+        if not USE_ASM:
+            zw = tl.load(z_ptr + (grp0 + gi) * N + nw).to(XT).to(tl.float32)
+        nxt_grp = grp0 + tl.minimum(gi + 1, GROUPS - 1)  # the next group's scales and zeros, early
+        s_nxt = tl.load(s_ptr + nxt_grp * N + n_c)
+        z_nxt = tl.load(z_ptr + nxt_grp * N + n_c)
+        d0 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        d1 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
         for ci in range(CPG):
             i = gi * CPG + ci
-            a, b0, b1 = nxt
-            # the next chunk's loads go out before this chunk's MMAs (the last re-reads itself)
-            step = tl.minimum(i + 1, STEPS - 1)
-            nxt = (tl.load(a_ptrs + step * 128), tl.load(b_ptrs + step * 32, mask=b_mask, other=0),
-                   tl.load(b_ptrs + step * 32 + 4, mask=b_mask, other=0))
+            a, b0, b1, b2, b3 = p0
+            nxt = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(i + DEPTH, STEPS - 1), HALVES)
+            if DEPTH == 1:
+                p0 = nxt
+            elif DEPTH == 2:
+                p0 = p1
+                p1 = nxt
+            else:
+                p0 = p1
+                p1 = p2
+                p2 = nxt
             if USE_ASM:
-                d, sx = _mma_chunk(a, b0, b1, d, sx, ASM)
+                d0, d1 = _mma_chunk(a, b0, b1, b2, b3, nz, d0, d1, HALVES, ASM, CONS)
             else:
                 kk = (kc0 + i) * 64 + tl.arange(0, 64)
-                xk = tl.load(x_ptr + m8[:, None] * stride_xm + kk[None, :], mask=(m8 < M)[:, None], other=0.0)
-                d, sx = _emulate_chunk(a, xk.to(tl.float32), d, sx, WARPS, FP16)
-        grp = pid_s * GROUPS + gi
-        s = tl.load(s_ptr + grp * N + n_c).to(tl.float32)
-        z = tl.load(z_ptr + grp * N + n_c).to(tl.float32)
-        acc += s * d - s * (z + OFFSET) * sx
+                xk = tl.load(x_ptr + mk[:, None] * stride_xm + kk[None, :], mask=(mk < M)[:, None], other=0.0)
+                d0, d1 = _emulate_chunk(a, xk.to(tl.float32), zw, d0, d1, WARPS, HALVES, FP16)
+        acc0 += s * d0
+        if HALVES == 2:
+            acc1 += s * d1
 
-    out_mask = (m_c < M) & (n_c < N)
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_c).to(tl.float32)
-        tl.store(out_ptr + m_c * stride_om + n_c, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # publish the partial, count arrivals; the last program of this column tile sums them all
-        ws_off = m_c * N + n_c
-        tl.store(ws_ptr + pid_s * M * N + ws_off, acc, mask=out_mask)
+    for u in tl.static_range(HALVES):
+        acc = acc0
+        if u == 1:
+            acc = acc1
+        m_u = m_c + 8 * u
+        out_mask = (m_u < M) & (n_c < N)
+        if SPLIT == 1:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + n_c).to(tl.float32)
+            tl.store(out_ptr + m_u * stride_om + n_c, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(ws_ptr + pid_s * M * N + m_u * N + n_c, acc, mask=out_mask)
+    if SPLIT > 1:
+        # publish the partials, count arrivals; the last program of this column tile sums them all
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            total = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-            for s_i in range(SPLIT):
-                total += tl.load(ws_ptr + s_i * M * N + ws_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + n_c).to(tl.float32)
-            tl.store(out_ptr + m_c * stride_om + n_c, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            for u in tl.static_range(HALVES):
+                m_u = m_c + 8 * u
+                out_mask = (m_u < M) & (n_c < N)
+                total = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+                for s_i in range(SPLIT):
+                    total += tl.load(ws_ptr + s_i * M * N + m_u * N + n_c, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + n_c).to(tl.float32)
+                tl.store(out_ptr + m_u * stride_om + n_c, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axis: int) -> bool:
     """Whether this call fits the mma path: 4-bit, groups along K of a multiple of 64, N % 16 == 0,
-    at most 8 rows of 16-bit activations with 4-byte aligned rows."""
+    at most 16 rows of 16-bit activations with 4-byte aligned rows."""
     return (bits == 4 and axis == 1 and group_size % CHUNK == 0 and n % 16 == 0 and k % group_size == 0
-            and x2.shape[0] <= 8 and x2.dtype in (torch.float16, torch.bfloat16) and x2.stride(1) == 1
+            and x2.shape[0] <= MAX_M and x2.dtype in (torch.float16, torch.bfloat16) and x2.stride(1) == 1
             and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0)
 
 
@@ -202,15 +283,18 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int) -> tuple[i
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
-                    warps: int, split: int, use_asm: bool) -> None:
-    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout. ``warps``/``split`` must come from
-    :func:`mma_grid`; ``workspace`` (split, M, N) float32 and ``counters`` (N / (16 warps)) int32, zero
-    at rest, are used when split > 1."""
+                    warps: int, split: int, depth: int, use_asm: bool) -> None:
+    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout, M <= 16. ``warps``/``split`` must
+    come from :func:`mma_grid`; ``depth`` (1-3) chunks of loads are kept in flight per warp;
+    ``workspace`` (split, M, N) float32 and ``counters`` (N / (16 warps)) int32, zero at rest, are
+    used when split > 1."""
     warps_, groups, split_ = mma_grid(n, k, group_size, warps, split)
     assert (warps_, split_) == (warps, split), "warps and split must come from mma_grid"
+    assert 1 <= depth <= 3 and 1 <= x2.shape[0] <= MAX_M
+    halves = 1 if x2.shape[0] <= 8 else 2
     _mma_gemv_kernel[(n // (16 * warps), split)](
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         x2.shape[0], n, k, x2.stride(0), out.stride(0),
         G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,
-        ASM=CHUNK_ASM[x2.dtype],
+        ASM=CHUNK_ASM[x2.dtype, halves], CONS=_chunk_constraints(halves), HALVES=halves, DEPTH=depth,
         WARPS=warps, GROUPS=groups, SPLIT=split, num_warps=warps, num_stages=1)

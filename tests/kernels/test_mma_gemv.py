@@ -16,9 +16,9 @@ mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def packed(n, k, gs, dtype=torch.float16, bits=4, axis=1, seed=0):
+def packed(n, k, gs, dtype=torch.float16, bits=4, axis=1, seed=0, method="rtn"):
     g = torch.Generator().manual_seed(seed)
-    pw = quantize(torch.randn(n, k, generator=g), bits=bits, group_size=gs, axis=axis, method="rtn", dtype=dtype)
+    pw = quantize(torch.randn(n, k, generator=g), bits=bits, group_size=gs, axis=axis, method=method, dtype=dtype)
     return pw.to(DEV), reference.dequantize(pw, torch.float32).to(DEV)
 
 
@@ -61,29 +61,42 @@ def test_mma_pack_refuses_shapes_it_cannot_hold():
         mma_pack(torch.zeros(64, 40, dtype=torch.uint8), 40, 128)
 
 
-def run_kernel(x, pw, warps, split, bias=None):
+def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None):
     n, k = pw.shape
     wp, _, sp = mma_grid(n, k, pw.group_size, warps, split)
-    out = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype, device=DEV)
+    out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype or x.dtype, device=DEV)
     ws = torch.empty(sp, x.shape[0], n, dtype=torch.float32, device=DEV)
     cnt = torch.zeros(n // (16 * wp), dtype=torch.int32, device=DEV)
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
-                    group_size=pw.group_size, warps=wp, split=sp, use_asm=DEV == "cuda")
+                    group_size=pw.group_size, warps=wp, split=sp, depth=depth, use_asm=DEV == "cuda")
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("n,k,gs,warps,split", [(16, 128, 64, 1, 1), (48, 192, 64, 4, 3), (80, 256, 128, 2, 2),
-                                                (32, 512, 256, 2, 2)])
-@pytest.mark.parametrize("m", [1, 3, 8])
-def test_kernel_matches_reference(m, n, k, gs, warps, split, dtype):
+@pytest.mark.parametrize("n,k,gs,warps,split,depth", [(16, 128, 64, 1, 1, 1), (48, 192, 64, 4, 3, 2),
+                                                      (80, 256, 128, 2, 2, 3), (32, 512, 256, 2, 2, 2)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, dtype):
     pw, w = packed(n, k, gs, dtype)
     g = torch.Generator().manual_seed(m + n)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
-    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m == 3 else None
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m in (3, 9) else None
     ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
-    assert rel_err(run_kernel(x, pw, warps, split, bias), ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+    assert rel_err(run_kernel(x, pw, warps, split, bias, depth), ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m", [2, 13])
+def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype):
+    """HQQ zeros are not integers: the kernel rounds ``q - z`` to x's dtype (as dequantizing to it
+    rounds ``(q - z) s``) and must stay within that error of the float64 product."""
+    pw, w = packed(32, 256, 128, dtype, method="hqq")
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEV)
+    ref = x.double() @ w.double().t()
+    dequantized = x.double() @ w.to(dtype).double().t()
+    got = run_kernel(x, pw, 2, 2, out_dtype=torch.float32).double()
+    assert (got - ref).norm() <= 1.5 * (dequantized - ref).norm() + 1e-6 * ref.norm()
 
 
 def test_grid_rounds_to_divisors():
@@ -108,15 +121,15 @@ def _spy(monkeypatch):
 def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
     calls = _spy(monkeypatch)
     pw, w = packed(64, 256, 128)
-    for m in (1, 5):
+    for m in (1, 5, 16):
         x = torch.randn(m, 256, dtype=torch.float16).to(DEV)
         out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=KernelConfig("mma", 8, num_warps=2,
                                                                                               split=2))
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
-@pytest.mark.parametrize("case", ["8-bit", "axis 0", "N % 16", "gs 32", "M = 9", "fp32 x", "disabled", "transposed"])
+@pytest.mark.parametrize("case", ["8-bit", "axis 0", "N % 16", "gs 32", "M = 17", "fp32 x", "disabled", "transposed"])
 def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
     calls = _spy(monkeypatch)
     n, k, gs, bits, axis, m, dtype = 64, 256, 128, 4, 1, 2, torch.float16
@@ -128,8 +141,8 @@ def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
         n = 72
     elif case == "gs 32":
         gs = 32
-    elif case == "M = 9":
-        m = 9
+    elif case == "M = 17":
+        m = 17
     elif case == "fp32 x":
         dtype = torch.float32
     elif case == "disabled":
@@ -180,7 +193,7 @@ def test_self_check_passes_on_this_gpu():
 @pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (14336, 4096, 128), (4096, 14336, 128), (1024, 2048, 64)])
 def test_full_size_on_gpu(n, k, gs, dtype):
     pw, w = packed(n, k, gs, dtype)
-    for m in (1, 2, 8):
+    for m in (1, 2, 8, 11, 16):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
-        for warps, split in ((1, 4), (2, 16), (8, 32)):
-            assert rel_err(run_kernel(x, pw, warps, split), x.float() @ w.t()) <= 1e-2
+        for warps, split, depth in ((1, 4, 3), (2, 16, 2), (8, 32, 1)):
+            assert rel_err(run_kernel(x, pw, warps, split, depth=depth), x.float() @ w.t()) <= 1e-2
