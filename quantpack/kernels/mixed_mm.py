@@ -488,7 +488,7 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         return KernelConfig(path="dq")
     if m <= MMA_MAX_M and not transposed:
         # 2-warp programs, ~8 per SM (mma_grid rounds the split to a divisor of the group count)
-        return KernelConfig(path="mma", block_m=max(8, m_bucket(m)), num_warps=2, num_stages=2,
+        return KernelConfig(path="mma", block_m=max(8, m_bucket(m)), block_n=16, num_warps=2, num_stages=2,
                             split=_fill_split(max(1, n // 32), max(1, k // 64), sms, 8.0))
     if transposed:
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
@@ -553,12 +553,13 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                 waves=(2.0, 4.0, 8.0))
     if mb <= MMA_MAX_M:
         # tensor-core GEMV (mma_grid rounds the split down to a divisor of the group count)
-        for warps in (1, 2, 4):
-            for split in (4, 8, 16, 32):
-                for depth in (1, 2, 3):
-                    c = KernelConfig("mma", max(8, mb), num_warps=warps, split=split, num_stages=depth)
-                    if c not in out:
-                        out.append(c)
+        for rows in (16, 32):  # rows of N per warp
+            for warps in (1, 2, 4):
+                for split in (4, 8, 16, 32):
+                    for depth in (1, 2, 3):
+                        c = KernelConfig("mma", max(8, mb), rows, num_warps=warps, split=split, num_stages=depth)
+                        if c not in out:
+                            out.append(c)
     if 8 < mb <= 64 or mb == 8:
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
                                       (128, 32, 4, 4)):
@@ -647,6 +648,11 @@ _mma_copies = WeakIdKeyDictionary()  # qweight -> (its version, its mma_pack cop
 _mma_working: dict = {}  # device -> whether the compiled kernel passed its first-use check
 
 
+def mma_tiles_per_warp(cfg: KernelConfig) -> int:
+    """The mma path's ``block_n`` is the rows of N per warp: 16 or 32 (two tiles sharing x's fragments)."""
+    return 2 if cfg.block_n >= 32 else 1
+
+
 def mma_enabled() -> bool:
     return os.environ.get("QUANTPACK_MMA", "1") != "0"
 
@@ -667,12 +673,12 @@ def _mma_self_check(device: torch.device) -> bool:
         x = torch.randn(MMA_MAX_M, k, device=device, generator=g).to(torch.bfloat16)
         want = x.float() @ reference.dequantize(PackedWeight(qw, s, z, 4, gs, 1, (n, k)), torch.float32).t()
         out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
-        warps, _, split = mma_grid(n, k, gs, 2, 1)
         try:
             ok = True
-            for m in (3, MMA_MAX_M):  # one and two 8-row halves of x
+            for m, nt in ((3, 1), (MMA_MAX_M, 2)):  # one and two 8-row halves of x, one and two tiles per warp
+                warps, nt, _, split = mma_grid(n, k, gs, 2, 1, nt)
                 launch_mma_gemv(x[:m], mma_pack(qw, n, k), s, z, None, out, out, out, n=n, k=k, group_size=gs,
-                                warps=warps, split=split, depth=2, use_asm=not interpreting())
+                                warps=warps, tiles_per_warp=nt, split=split, depth=2, use_asm=not interpreting())
                 ok &= bool(((out[:m] - want[:m]).norm() / want[:m].norm()).item() < 1e-2)
         except Exception:  # noqa: BLE001  (a compiler that rejects the inline PTX: same outcome)
             ok = False
@@ -751,8 +757,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         _, split, tiles_n = gemv_grid(m, n, k, cfg.block_n, cfg.block_r, split)
         tiles = m * tiles_n
     elif cfg.path == "mma":
-        warps, _, split = mma_grid(n, k, group_size, warps, split)
-        tiles = n // (16 * warps)
+        warps, nt, _, split = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg))
+        tiles = n // (16 * warps * nt)
     elif transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:
@@ -767,7 +773,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         ws = cnt = out  # never touched
     if cfg.path == "mma":
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                        warps=warps, split=split, depth=min(3, max(1, cfg.num_stages)), use_asm=not interpreting())
+                        warps=warps, tiles_per_warp=nt, split=split, depth=min(3, max(1, cfg.num_stages)),
+                        use_asm=not interpreting())
         return out
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,

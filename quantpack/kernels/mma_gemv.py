@@ -142,26 +142,67 @@ def _emulate_chunk(a, xk, z, d0, d1, WARPS: tl.constexpr, HALVES: tl.constexpr, 
 
 
 @triton.jit
-def _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, step, HALVES: tl.constexpr):
-    """One chunk's A words and B registers (rows 8-15 of x too when HALVES == 2, else zeros)."""
-    a = tl.load(a_ptrs + step * 128)
+def _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, step, HALVES: tl.constexpr, NT: tl.constexpr):
+    """One chunk's A words (of each of the warp's NT tiles) and B registers (rows 8-15 of x too
+    when HALVES == 2; unused slots repeat a loaded tensor)."""
+    a0 = tl.load(a_ptrs + step * 128)
+    a1 = a0
+    if NT == 2:
+        a1 = tl.load(a_ptrs + a_tile + step * 128)
     b0 = tl.load(b_ptrs + step * 32, mask=b_mask0, other=0)
     b1 = tl.load(b_ptrs + step * 32 + 4, mask=b_mask0, other=0)
+    b2 = b0
+    b3 = b1
     if HALVES == 2:
         b2 = tl.load(b_ptrs + hstride + step * 32, mask=b_mask1, other=0)
         b3 = tl.load(b_ptrs + hstride + step * 32 + 4, mask=b_mask1, other=0)
+    return a0, a1, b0, b1, b2, b3
+
+
+@triton.jit
+def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, d0, d1,
+                  WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr):
+    """The interpreter's stand-in for one :func:`_mma_chunk` call on the tiles starting at rows
+    ``n_w`` (WARPS,): x's chunk and the tiles' zeros loaded plainly."""
+    mk = tl.arange(0, 8 * HALVES)
+    kk = kc * 64 + tl.arange(0, 64)
+    xk = tl.load(x_ptr + mk[:, None] * stride_xm + kk[None, :], mask=(mk < M)[:, None], other=0.0).to(tl.float32)
+    xt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
+    z = tl.load(z_ptr + grp * N + n_w[:, None] + tl.arange(0, 16)[None, :]).to(xt).to(tl.float32)
+    return _emulate_chunk(a, xk, z, d0, d1, WARPS, HALVES, FP16)
+
+
+@triton.jit
+def _finish(acc, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """Write one accumulator fragment: to out (plus bias) without split-K, else as this program's partial."""
+    mask = (m_c < M) & (n_c < N)
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_c).to(tl.float32)
+        tl.store(out_ptr + m_c * stride_om + n_c, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        b2 = b0
-        b3 = b1
-    return a, b0, b1, b2, b3
+        tl.store(ws_ptr + pid_s * M * N + m_c * N + n_c, acc, mask=mask)
+
+
+@triton.jit
+def _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Sum one fragment's SPLIT partials (plus bias) into out (the last-arriving program does this)."""
+    mask = (m_c < M) & (n_c < N)
+    total = tl.zeros(m_c.shape, dtype=tl.float32)
+    for s_i in range(SPLIT):
+        total += tl.load(ws_ptr + s_i * M * N + m_c * N + n_c, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + n_c).to(tl.float32)
+    tl.store(out_ptr + m_c * stride_om + n_c, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_om,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
-                     ASM: tl.constexpr, CONS: tl.constexpr, HALVES: tl.constexpr, DEPTH: tl.constexpr,
-                     WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+                     ASM: tl.constexpr, CONS: tl.constexpr, HALVES: tl.constexpr, NT: tl.constexpr,
+                     DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     CPG: tl.constexpr = G // 64  # chunks per group
@@ -172,50 +213,64 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     lane = row % 32
     g = lane // 4
     c = lane % 4
-    t = pid_n * WARPS + row // 32  # each warp owns a 16-row tile of N
+    t = (pid_n * WARPS + row // 32) * NT  # each warp owns NT adjacent 16-row tiles of N
     kc0 = pid_s * STEPS  # first chunk of this program's K range
     a_ptrs = qm_ptr + ((t * (K // 64) + kc0) * 32 + lane)[:, None] * 4 + j[None, :]
+    a_tile = (K // 64) * 128  # words from one tile to the next
     # B fragments: x[g, 16c .. 16c + 7] of each chunk (4 words of bf16/fp16 pairs, one per k-step)
     # for the first B register, x[g, 16c + 8 .. 16c + 15] for the second (rows g + 8 for the second
-    # half); rows >= M read as zero
+    # half); rows >= M read as zero. Shared by the warp's NT tiles.
     xw = x_ptr.to(tl.pointer_type(tl.int32))
     b_ptrs = xw + (g * (stride_xm // 2) + kc0 * 32 + 8 * c)[:, None] + j[None, :]
     hstride = 8 * (stride_xm // 2)
     b_mask0 = (g < M)[:, None] & (j < 4)[None, :]
     b_mask1 = (g + 8 < M)[:, None] & (j < 4)[None, :]
-    # accumulator element j of lane (g, c): out[m_c (+ 8 in the second half), n_c]
+    # accumulator element j of lane (g, c): out[m_c (+ 8 in the second half), n_c (+ 16 in the second tile)]
     n_c = (t * 16 + g)[:, None] + 8 * (j // 2)[None, :]
     m_c = (2 * c)[:, None] + (j % 2)[None, :]
-    mk = tl.arange(0, 8 * HALVES)
-    nw = ((pid_n * WARPS + tl.arange(0, WARPS)) * 16)[:, None] + tl.arange(0, 16)[None, :]  # (emulation)
+    n_w = (pid_n * WARPS + tl.arange(0, WARPS)) * NT * 16  # (emulation: first row of each warp's tiles)
 
-    acc0 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    acc1 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    # accumulators acc<tile><half> (unused ones stay zero and are never stored)
+    acc00 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    acc01 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    acc10 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    acc11 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
     # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk)
-    p0 = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, 0, HALVES)
+    p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, 0, HALVES, NT)
     p1 = p0
     p2 = p0
     if DEPTH >= 2:
-        p1 = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(1, STEPS - 1), HALVES)
+        p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(1, STEPS - 1), HALVES, NT)
     if DEPTH >= 3:
-        p2 = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(2, STEPS - 1), HALVES)
+        p2 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(2, STEPS - 1), HALVES, NT)
     grp0 = pid_s * GROUPS
-    s_nxt = tl.load(s_ptr + grp0 * N + n_c)
-    z_nxt = tl.load(z_ptr + grp0 * N + n_c)
+    s0_nxt = tl.load(s_ptr + grp0 * N + n_c)
+    z0_nxt = tl.load(z_ptr + grp0 * N + n_c)
+    s1_nxt = s0_nxt
+    z1_nxt = z0_nxt
+    if NT == 2:
+        s1_nxt = tl.load(s_ptr + grp0 * N + n_c + 16)
+        z1_nxt = tl.load(z_ptr + grp0 * N + n_c + 16)
     for gi in range(GROUPS):
-        s = s_nxt.to(tl.float32)
-        nz = (-z_nxt.to(tl.float32)).to(XT)
-        if not USE_ASM:
-            zw = tl.load(z_ptr + (grp0 + gi) * N + nw).to(XT).to(tl.float32)
+        s0 = s0_nxt.to(tl.float32)
+        s1 = s1_nxt.to(tl.float32)
+        nz0 = (-z0_nxt.to(tl.float32)).to(XT)
+        nz1 = (-z1_nxt.to(tl.float32)).to(XT)
         nxt_grp = grp0 + tl.minimum(gi + 1, GROUPS - 1)  # the next group's scales and zeros, early
-        s_nxt = tl.load(s_ptr + nxt_grp * N + n_c)
-        z_nxt = tl.load(z_ptr + nxt_grp * N + n_c)
-        d0 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-        d1 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        s0_nxt = tl.load(s_ptr + nxt_grp * N + n_c)
+        z0_nxt = tl.load(z_ptr + nxt_grp * N + n_c)
+        if NT == 2:
+            s1_nxt = tl.load(s_ptr + nxt_grp * N + n_c + 16)
+            z1_nxt = tl.load(z_ptr + nxt_grp * N + n_c + 16)
+        d00 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        d01 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        d10 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        d11 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
         for ci in range(CPG):
             i = gi * CPG + ci
-            a, b0, b1, b2, b3 = p0
-            nxt = _load_chunk(a_ptrs, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(i + DEPTH, STEPS - 1), HALVES)
+            a0, a1, b0, b1, b2, b3 = p0
+            nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(i + DEPTH, STEPS - 1),
+                              HALVES, NT)
             if DEPTH == 1:
                 p0 = nxt
             elif DEPTH == 2:
@@ -226,42 +281,39 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                 p1 = p2
                 p2 = nxt
             if USE_ASM:
-                d0, d1 = _mma_chunk(a, b0, b1, b2, b3, nz, d0, d1, HALVES, ASM, CONS)
+                d00, d01 = _mma_chunk(a0, b0, b1, b2, b3, nz0, d00, d01, HALVES, ASM, CONS)
+                if NT == 2:
+                    d10, d11 = _mma_chunk(a1, b0, b1, b2, b3, nz1, d10, d11, HALVES, ASM, CONS)
             else:
-                kk = (kc0 + i) * 64 + tl.arange(0, 64)
-                xk = tl.load(x_ptr + mk[:, None] * stride_xm + kk[None, :], mask=(mk < M)[:, None], other=0.0)
-                d0, d1 = _emulate_chunk(a, xk.to(tl.float32), zw, d0, d1, WARPS, HALVES, FP16)
-        acc0 += s * d0
-        if HALVES == 2:
-            acc1 += s * d1
+                d00, d01 = _emulate_tile(a0, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w, d00, d01,
+                                         WARPS, HALVES, FP16)
+                if NT == 2:
+                    d10, d11 = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w + 16, d10,
+                                             d11, WARPS, HALVES, FP16)
+        acc00 += s0 * d00
+        acc01 += s0 * d01
+        acc10 += s1 * d10
+        acc11 += s1 * d11
 
-    for u in tl.static_range(HALVES):
-        acc = acc0
-        if u == 1:
-            acc = acc1
-        m_u = m_c + 8 * u
-        out_mask = (m_u < M) & (n_c < N)
-        if SPLIT == 1:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + n_c).to(tl.float32)
-            tl.store(out_ptr + m_u * stride_om + n_c, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            tl.store(ws_ptr + pid_s * M * N + m_u * N + n_c, acc, mask=out_mask)
+    _finish(acc00, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+    if HALVES == 2:
+        _finish(acc01, m_c + 8, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+    if NT == 2:
+        _finish(acc10, m_c, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+        if HALVES == 2:
+            _finish(acc11, m_c + 8, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
     if SPLIT > 1:
-        # publish the partials, count arrivals; the last program of this column tile sums them all
+        # partials published: count arrivals; the last program of this column tile sums them all
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            for u in tl.static_range(HALVES):
-                m_u = m_c + 8 * u
-                out_mask = (m_u < M) & (n_c < N)
-                total = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-                for s_i in range(SPLIT):
-                    total += tl.load(ws_ptr + s_i * M * N + m_u * N + n_c, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + n_c).to(tl.float32)
-                tl.store(out_ptr + m_u * stride_om + n_c, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+            if HALVES == 2:
+                _reduce(m_c + 8, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+            if NT == 2:
+                _reduce(m_c, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+                if HALVES == 2:
+                    _reduce(m_c + 8, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -273,28 +325,31 @@ def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axi
             and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0)
 
 
-def mma_grid(n: int, k: int, group_size: int, warps: int, split: int) -> tuple[int, int, int]:
-    """(warps, groups per program, split): warps divides the 16-row tiles, split the groups (the
-    largest divisor not above the one asked for)."""
+def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1
+             ) -> tuple[int, int, int, int]:
+    """(warps, tiles per warp, groups per program, split): each warp takes 1 or 2 adjacent 16-row
+    tiles of N and warps x tiles divides the tile count; split divides the groups (the largest
+    divisor not above the one asked for)."""
     tiles, groups = n // 16, k // group_size
-    warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % w == 0)
+    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 else 1
+    warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
     split = max(s for s in range(1, groups + 1) if groups % s == 0 and s <= max(1, split))
-    return warps, groups // split, split
+    return warps, nt, groups // split, split
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
-                    warps: int, split: int, depth: int, use_asm: bool) -> None:
-    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout, M <= 16. ``warps``/``split`` must
-    come from :func:`mma_grid`; ``depth`` (1-3) chunks of loads are kept in flight per warp;
-    ``workspace`` (split, M, N) float32 and ``counters`` (N / (16 warps)) int32, zero at rest, are
-    used when split > 1."""
-    warps_, groups, split_ = mma_grid(n, k, group_size, warps, split)
-    assert (warps_, split_) == (warps, split), "warps and split must come from mma_grid"
+                    warps: int, tiles_per_warp: int, split: int, depth: int, use_asm: bool) -> None:
+    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout, M <= 16. ``warps``,
+    ``tiles_per_warp`` and ``split`` must come from :func:`mma_grid`; ``depth`` (1-3) chunks of
+    loads are kept in flight per warp; ``workspace`` (split, M, N) float32 and ``counters``
+    (N / (16 warps tiles_per_warp)) int32, zero at rest, are used when split > 1."""
+    warps_, nt, groups, split_ = mma_grid(n, k, group_size, warps, split, tiles_per_warp)
+    assert (warps_, nt, split_) == (warps, tiles_per_warp, split), "warps, tiles and split must come from mma_grid"
     assert 1 <= depth <= 3 and 1 <= x2.shape[0] <= MAX_M
     halves = 1 if x2.shape[0] <= 8 else 2
-    _mma_gemv_kernel[(n // (16 * warps), split)](
+    _mma_gemv_kernel[(n // (16 * warps * nt), split)](
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         x2.shape[0], n, k, x2.stride(0), out.stride(0),
         G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,
-        ASM=CHUNK_ASM[x2.dtype, halves], CONS=_chunk_constraints(halves), HALVES=halves, DEPTH=depth,
+        ASM=CHUNK_ASM[x2.dtype, halves], CONS=_chunk_constraints(halves), HALVES=halves, NT=nt, DEPTH=depth,
         WARPS=warps, GROUPS=groups, SPLIT=split, num_warps=warps, num_stages=1)

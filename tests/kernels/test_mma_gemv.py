@@ -61,29 +61,32 @@ def test_mma_pack_refuses_shapes_it_cannot_hold():
         mma_pack(torch.zeros(64, 40, dtype=torch.uint8), 40, 128)
 
 
-def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None):
+def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1):
     n, k = pw.shape
-    wp, _, sp = mma_grid(n, k, pw.group_size, warps, split)
+    wp, nt, _, sp = mma_grid(n, k, pw.group_size, warps, split, tiles)
     out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype or x.dtype, device=DEV)
     ws = torch.empty(sp, x.shape[0], n, dtype=torch.float32, device=DEV)
-    cnt = torch.zeros(n // (16 * wp), dtype=torch.int32, device=DEV)
+    cnt = torch.zeros(n // (16 * wp * nt), dtype=torch.int32, device=DEV)
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
-                    group_size=pw.group_size, warps=wp, split=sp, depth=depth, use_asm=DEV == "cuda")
+                    group_size=pw.group_size, warps=wp, tiles_per_warp=nt, split=sp, depth=depth,
+                    use_asm=DEV == "cuda")
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("n,k,gs,warps,split,depth", [(16, 128, 64, 1, 1, 1), (48, 192, 64, 4, 3, 2),
-                                                      (80, 256, 128, 2, 2, 3), (32, 512, 256, 2, 2, 2)])
+@pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(16, 128, 64, 1, 1, 1, 1), (48, 192, 64, 4, 3, 2, 1),
+                                                            (80, 256, 128, 2, 2, 3, 1), (32, 512, 256, 2, 2, 2, 2),
+                                                            (128, 192, 64, 2, 3, 1, 2)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, dtype):
+def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype):
     pw, w = packed(n, k, gs, dtype)
     g = torch.Generator().manual_seed(m + n)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
     bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m in (3, 9) else None
     ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
-    assert rel_err(run_kernel(x, pw, warps, split, bias, depth), ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+    out = run_kernel(x, pw, warps, split, bias, depth, tiles=tiles)
+    assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -95,14 +98,16 @@ def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype):
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEV)
     ref = x.double() @ w.double().t()
     dequantized = x.double() @ w.to(dtype).double().t()
-    got = run_kernel(x, pw, 2, 2, out_dtype=torch.float32).double()
+    got = run_kernel(x, pw, 1, 2, out_dtype=torch.float32, tiles=2).double()
     assert (got - ref).norm() <= 1.5 * (dequantized - ref).norm() + 1e-6 * ref.norm()
 
 
 def test_grid_rounds_to_divisors():
-    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 2, 16)
-    assert mma_grid(4096, 14336, 128, 4, 32) == (4, 4, 28)  # 112 groups: the largest divisor <= 32
-    assert mma_grid(48, 192, 64, 4, 3) == (1, 1, 3)  # 3 tiles of 16 rows: one warp per program
+    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 1, 2, 16)
+    assert mma_grid(4096, 14336, 128, 4, 32, 2) == (4, 2, 4, 28)  # 112 groups: the largest divisor <= 32
+    assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3)  # 3 tiles of 16 rows: one warp, one tile each
+    assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3)  # 8 tiles: 4 warps of two
+    assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3)  # 3 pairs of tiles: one warp per program
 
 
 def _spy(monkeypatch):
@@ -195,5 +200,5 @@ def test_full_size_on_gpu(n, k, gs, dtype):
     pw, w = packed(n, k, gs, dtype)
     for m in (1, 2, 8, 11, 16):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
-        for warps, split, depth in ((1, 4, 3), (2, 16, 2), (8, 32, 1)):
-            assert rel_err(run_kernel(x, pw, warps, split, depth=depth), x.float() @ w.t()) <= 1e-2
+        for warps, split, depth, tiles in ((1, 4, 3, 2), (2, 16, 2, 1), (8, 32, 1, 2), (4, 8, 2, 2)):
+            assert rel_err(run_kernel(x, pw, warps, split, depth=depth, tiles=tiles), x.float() @ w.t()) <= 1e-2
