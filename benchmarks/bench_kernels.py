@@ -145,7 +145,7 @@ def tune(ms, tr_ms, dtype_name, l2, out_dir):
         results[key] = [(c.__dict__, t) for c, t in ranked[:6]]
         log(f"tune {key}: best {times[best]:.1f}us {best}  | next: " +
             "; ".join(f"{t:.1f}us {c.path}{'/raw' if c.rawq else ''}{'/words' if c.words else ''}"
-                      f"{f'/d{c.num_stages}' if c.path == 'mma' else f'/{c.block_m}x{c.block_n}x{c.block_r}'}"
+                      f"{f'/r{c.block_n}/d{c.num_stages}' if c.path == 'mma' else f'/{c.block_m}x{c.block_n}x{c.block_r}'}"
                       f"/s{c.split}/w{c.num_warps}"
                       for c, t in ranked[1:4]))
         del qw, s, z, x
@@ -262,8 +262,8 @@ def bench(ms, dtypes, bw, peak):
                     extra = (f" | {(nbytes4 + 2 * m * k + 2 * m * n) / (q * 1e-6) / 1e12:5.2f} "
                              f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
                 cfg = mm.pick_config(False, 4, m, n, k, x.device)
-                # (mma: fixed tiles; d = chunks of loads in flight)
-                tile = f"d{cfg.num_stages} " if cfg.path == "mma" else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} "
+                # (mma: r = rows of N per warp, d = chunks of loads in flight)
+                tile = f"r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma" else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} "
                 extra += (f"  [{cfg.path}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''} "
                           f"{tile}s{cfg.split} w{cfg.num_warps}]")
                 log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)

@@ -553,13 +553,16 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                 waves=(2.0, 4.0, 8.0))
     if mb <= MMA_MAX_M:
         # tensor-core GEMV (mma_grid rounds the split down to a divisor of the group count)
+        # (depth 3 and split 32 never won on an H200: benchmarks/NOTES.md v7)
         for rows in (16, 32):  # rows of N per warp
             for warps in (1, 2, 4):
-                for split in (4, 8, 16, 32):
-                    for depth in (1, 2, 3):
-                        c = KernelConfig("mma", max(8, mb), rows, num_warps=warps, split=split, num_stages=depth)
-                        if c not in out:
-                            out.append(c)
+                for split in (4, 8, 16):
+                    for depth in (1, 2):
+                        for rawq in (False, True):
+                            c = KernelConfig("mma", max(8, mb), rows, num_warps=warps, split=split, num_stages=depth,
+                                             rawq=rawq)
+                            if c not in out:
+                                out.append(c)
     if 8 < mb <= 64 or mb == 8:
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
                                       (128, 32, 4, 4)):
@@ -675,10 +678,12 @@ def _mma_self_check(device: torch.device) -> bool:
         out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
         try:
             ok = True
-            for m, nt in ((3, 1), (MMA_MAX_M, 2)):  # one and two 8-row halves of x, one and two tiles per warp
+            # one and two 8-row halves of x, one and two tiles per warp, both ways of applying the zeros
+            for m, nt, rawq in ((3, 1, True), (MMA_MAX_M, 2, True), (MMA_MAX_M, 2, False)):
                 warps, nt, _, split = mma_grid(n, k, gs, 2, 1, nt)
                 launch_mma_gemv(x[:m], mma_pack(qw, n, k), s, z, None, out, out, out, n=n, k=k, group_size=gs,
-                                warps=warps, tiles_per_warp=nt, split=split, depth=2, use_asm=not interpreting())
+                                warps=warps, tiles_per_warp=nt, split=split, depth=2, rawq=rawq,
+                                use_asm=not interpreting())
                 ok &= bool(((out[:m] - want[:m]).norm() / want[:m].norm()).item() < 1e-2)
         except Exception:  # noqa: BLE001  (a compiler that rejects the inline PTX: same outcome)
             ok = False
@@ -774,7 +779,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     if cfg.path == "mma":
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
                         warps=warps, tiles_per_warp=nt, split=split, depth=min(3, max(1, cfg.num_stages)),
-                        use_asm=not interpreting())
+                        rawq=cfg.rawq, use_asm=not interpreting())
         return out
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,

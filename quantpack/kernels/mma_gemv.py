@@ -51,68 +51,124 @@ def mma_pack(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return words.reshape(n // 16, k // CHUNK, 32, 4).contiguous()
 
 
-def _chunk_asm(fp16: bool, halves: int) -> str:
+MODES = ("zero", "raw_sum", "raw")
+
+
+def _chunk_asm(fp16: bool, halves: int, mode: str) -> str:
     """PTX for one 64-in-feature chunk on each lane's fragments (one row of a (32*W, 4) tensor per
-    lane, ``pack=4``): per k-step j, unpack word j of A into 4 registers of ``q - z`` (shift + LOP3
-    to ``q + offset``, then two exact-then-rounded adds, as dequantizing to x's dtype rounds) and
-    ``d[h] += A . B[h]`` for each 8-row half h of x. Operands in order: outputs ``d[h]`` (4 f32
-    each); inputs A words (4), per half the first and second B registers (4 + 4), ``-z`` of rows g
-    and g + 8 as 16-bit pairs (2), per half ``d[h]`` in (4). Inputs are copied to local registers
-    first so no output can alias an input that is still to be read."""
-    magic, offset, ty = ("0x64006400", "0xE400E400", "f16") if fp16 else ("0x43004300", "0xC300C300", "bf16")
+    lane, ``pack=4``): per k-step j, unpack word j of A (shift + LOP3 to ``q + offset``) and run
+    ``d[h] += A . B[h]`` for each 8-row half h of x. ``mode``:
+
+    * ``zero``: A becomes ``q - z`` first (two adds: exact, then rounded to x's dtype, as
+      dequantizing rounds): 15 integer/half2 instructions and one MMA per k-step and half;
+    * ``raw_sum``: A stays ``q + offset`` (7 instructions) and a second MMA with an all-ones A gives
+      ``sx[h] += sum(x)`` in the accumulator layout, for the per-group ``s (d - (z + offset) sx)``;
+    * ``raw``: as ``raw_sum`` without the sums (a warp's second tile reuses its first tile's).
+
+    Operands in order: outputs ``d[h]`` (4 f32 each), then ``sx[h]`` (raw_sum); inputs: A words (4),
+    per half the first and second B registers (4 + 4), ``-z`` of rows g and g + 8 as 16-bit pairs
+    (2, zero), ``d[h]`` in, ``sx[h]`` in (raw_sum). Inputs are copied to local registers first so
+    no output can alias an input that is still to be read."""
+    assert mode in MODES
+    magic, offset, one, ty = (("0x64006400", "0xE400E400", "0x3C003C00", "f16") if fp16 else
+                              ("0x43004300", "0xC300C300", "0x3F803F80", "bf16"))
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
-    regs = iter(range(4 * halves + 4 + 8 * halves + 2 + 4 * halves))
+    sums = mode == "raw_sum"
+    regs = iter(range(256))
 
     def take(count):
         return [f"${next(regs)}" for _ in range(count)]
     d_out = [take(4) for _ in range(halves)]
+    sx_out = [take(4) for _ in range(halves)] if sums else []
     words = take(4)
     b = [(take(4), take(4)) for _ in range(halves)]
-    nz = take(2)
+    nz = take(2) if mode == "zero" else []
     d_in = [take(4) for _ in range(halves)]
+    sx_in = [take(4) for _ in range(halves)] if sums else []
     acc = [[f"d{h}{i}" for i in range(4)] for h in range(halves)]
-    s = ("{ .reg .b32 q0, q1, q2, q3, t, z0, z1, off; .reg .f32 " + ", ".join(sum(acc, [])) + ";"
-         f" mov.b32 z0, {nz[0]}; mov.b32 z1, {nz[1]}; mov.b32 off, {offset};")
-    s += "".join(f" mov.f32 {acc[h][i]}, {d_in[h][i]};" for h in range(halves) for i in range(4))
+    acc_sx = [[f"e{h}{i}" for i in range(4)] for h in range(halves)] if sums else []
+    s = "{ .reg .b32 q0, q1, q2, q3, t, z0, z1, off, one; .reg .f32 " + ", ".join(sum(acc + acc_sx, [])) + ";"
+    if mode == "zero":
+        s += f" mov.b32 z0, {nz[0]}; mov.b32 z1, {nz[1]}; mov.b32 off, {offset};"
+    if sums:
+        s += f" mov.b32 one, {one};"
+    s += "".join(f" mov.f32 {r}, {v};" for regs_, vals in zip(acc + acc_sx, d_in + sx_in)
+                 for r, v in zip(regs_, vals))
     for j, w in enumerate(words):
         for r in range(4):  # register r = h + 2 kh: nibbles at bits 4r and 16 + 4r
-            src = w if r == 0 else "t"
             if r:
                 s += f" shr.b32 t, {w}, {4 * r};"
-            s += (f" lop3.b32 q{r}, {src}, 0x000F000F, {magic}, 0xEA; add.{ty}x2 q{r}, q{r}, off;"
-                  f" add.{ty}x2 q{r}, q{r}, z{r % 2};")
+            s += f" lop3.b32 q{r}, {w if r == 0 else 't'}, 0x000F000F, {magic}, 0xEA;"
+            if mode == "zero":
+                s += f" add.{ty}x2 q{r}, q{r}, off; add.{ty}x2 q{r}, q{r}, z{r % 2};"
         for h in range(halves):
+            frag_b = f"{{{b[h][0][j]}, {b[h][1][j]}}}"
             d = ", ".join(acc[h])
-            s += f" {mma} {{{d}}}, {{q0, q1, q2, q3}}, {{{b[h][0][j]}, {b[h][1][j]}}}, {{{d}}};"
-    s += "".join(f" mov.f32 {d_out[h][i]}, {acc[h][i]};" for h in range(halves) for i in range(4))
+            s += f" {mma} {{{d}}}, {{q0, q1, q2, q3}}, {frag_b}, {{{d}}};"
+            if sums:
+                e = ", ".join(acc_sx[h])
+                s += f" {mma} {{{e}}}, {{one, one, one, one}}, {frag_b}, {{{e}}};"
+    s += "".join(f" mov.f32 {v}, {r};" for regs_, vals in zip(acc + acc_sx, d_out + sx_out)
+                 for r, v in zip(regs_, vals))
     return s + " }"
 
 
-def _chunk_constraints(halves: int) -> str:
-    return ",".join(["=f"] * (4 * halves) + ["r"] * (4 + 8 * halves + 2) + ["f"] * (4 * halves))
+def _chunk_constraints(halves: int, mode: str) -> str:
+    sums = 2 if mode == "raw_sum" else 1
+    return ",".join(["=f"] * (4 * halves * sums) + ["r"] * (4 + 8 * halves + (2 if mode == "zero" else 0))
+                    + ["f"] * (4 * halves * sums))
 
 
-CHUNK_ASM = {(dtype, halves): _chunk_asm(dtype == torch.float16, halves)
-             for dtype in (torch.bfloat16, torch.float16) for halves in (1, 2)}
+CHUNK_ASM = {(dtype, halves, mode): (_chunk_asm(dtype == torch.float16, halves, mode), _chunk_constraints(halves, mode))
+             for dtype in (torch.bfloat16, torch.float16) for halves in (1, 2) for mode in MODES}
 
 
 @triton.jit
-def _mma_chunk(a, b0, b1, b2, b3, nz, d0, d1, HALVES: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
-    """Four MMA k-steps of one 64-in-feature chunk: ``d[h] += (q - z) . x[8h:8h+8]``."""
-    if HALVES == 1:
-        d0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, nz, d0], dtype=tl.float32, is_pure=True, pack=4)
+def _mma_chunk(a, b0, b1, b2, b3, nz, d0, d1, sx0, sx1, HALVES: tl.constexpr, MODE: tl.constexpr,
+               ASM: tl.constexpr, CONS: tl.constexpr):
+    """Four MMA k-steps of one 64-in-feature chunk (MODE 0 ``zero``: ``d[h] += (q - z) . x[8h:8h+8]``;
+    1 ``raw_sum``: ``d[h] += (q + offset) . x[8h:8h+8]``, ``sx[h] += 1 . x[8h:8h+8]``; 2 ``raw``: ``d`` only)."""
+    if MODE == 0:
+        if HALVES == 1:
+            d0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, nz, d0], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            d0, d1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, nz, d0, d1],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    elif MODE == 1:
+        if HALVES == 1:
+            d0, sx0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, d0, sx0], dtype=(tl.float32, tl.float32),
+                                                is_pure=True, pack=4)
+        else:
+            d0, d1, sx0, sx1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, d0, d1, sx0, sx1],
+                                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                         is_pure=True, pack=4)
     else:
-        d0, d1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, nz, d0, d1], dtype=(tl.float32, tl.float32),
-                                           is_pure=True, pack=4)
-    return d0, d1
+        if HALVES == 1:
+            d0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, d0], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            d0, d1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, d0, d1], dtype=(tl.float32, tl.float32),
+                                               is_pure=True, pack=4)
+    return d0, d1, sx0, sx1
 
 
 @triton.jit
-def _emulate_chunk(a, xk, z, d0, d1, WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr):
+def _acc_layout(r, WARPS: tl.constexpr, HALVES: tl.constexpr):
+    """A (WARPS, 16 n, 8 HALVES m) result as the accumulator fragments of each 8-row half of x:
+    element j of lane (g, c) of half u holds n = g + 8 (j // 2), m = 8u + 2c + j % 2."""
+    r = tl.permute(tl.reshape(r, (WARPS, 2, 8, HALVES, 4, 2)), (0, 2, 4, 1, 5, 3))  # (w, g, c, jh, jl, u)
+    if HALVES == 1:
+        return tl.reshape(r, (32 * WARPS, 4)), tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    r0, r1 = tl.split(r)
+    return tl.reshape(r0, (32 * WARPS, 4)), tl.reshape(r1, (32 * WARPS, 4))
+
+
+@triton.jit
+def _emulate_chunk(a, xk, z, d0, d1, sx0, sx1, WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr,
+                   MODE: tl.constexpr):
     """What :func:`_mma_chunk` computes, from the same words, without inline PTX (interpreter):
     unpack each lane's nibbles into the warp's (16, 64) weight tile, subtract the zeros ``z``
-    (WARPS, 16) rounding to x's dtype, multiply with x's (8 * HALVES, 64) chunk and lay each 8-row
-    half of the (16, 8 * HALVES) result out as the accumulator fragments."""
+    (WARPS, 16) rounding to x's dtype (MODE 0) or add the offset (1, 2), multiply with x's
+    (8 * HALVES, 64) chunk and lay the result out as the accumulator fragments (with x's sums, MODE 1)."""
     # nibble (h, kh, e) of each word sits at bit 4 (h + 2 kh) + 16 e
     n000 = (a & 15).to(tl.float32)
     n001 = ((a >> 16) & 15).to(tl.float32)
@@ -127,18 +183,19 @@ def _emulate_chunk(a, xk, z, d0, d1, WARPS: tl.constexpr, HALVES: tl.constexpr, 
                 tl.join(tl.join(n100, n101), tl.join(n110, n111)))
     w = tl.reshape(w, (WARPS, 8, 4, 4, 2, 2, 2))  # (w, g, c, j, e, kh, h)
     w = tl.reshape(tl.permute(w, (0, 6, 1, 2, 5, 3, 4)), (WARPS, 16, 64))  # n = 8h + g, k = 16c + 8kh + 2j + e
-    w = w - z[:, :, None]
-    w = w.to(tl.float16 if FP16 else tl.bfloat16).to(tl.float32)
-    r = tl.sum(w[:, :, None, :] * xk[None, None, :, :], axis=3)  # (W, 16 n, 8 HALVES m)
-    # accumulator element j of lane (g, c) of half u: n = g + 8 (j // 2), m = 8u + 2c + j % 2
-    r = tl.permute(tl.reshape(r, (WARPS, 2, 8, HALVES, 4, 2)), (0, 2, 4, 1, 5, 3))  # (w, g, c, jh, jl, u)
-    if HALVES == 1:
-        d0 += tl.reshape(r, (32 * WARPS, 4))
+    if MODE == 0:
+        w = (w - z[:, :, None]).to(tl.float16 if FP16 else tl.bfloat16).to(tl.float32)
     else:
-        r0, r1 = tl.split(r)
-        d0 += tl.reshape(r0, (32 * WARPS, 4))
-        d1 += tl.reshape(r1, (32 * WARPS, 4))
-    return d0, d1
+        w = w + (1024.0 if FP16 else 128.0)
+    r0, r1 = _acc_layout(tl.sum(w[:, :, None, :] * xk[None, None, :, :], axis=3), WARPS, HALVES)
+    d0 += r0
+    d1 += r1
+    if MODE == 1:
+        ones = tl.sum(xk, axis=1)  # (8 HALVES,)
+        r0, r1 = _acc_layout(tl.zeros((WARPS, 16, 8 * HALVES), dtype=tl.float32) + ones[None, None, :], WARPS, HALVES)
+        sx0 += r0
+        sx1 += r1
+    return d0, d1, sx0, sx1
 
 
 @triton.jit
@@ -160,8 +217,8 @@ def _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, step, HALVES:
 
 
 @triton.jit
-def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, d0, d1,
-                  WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr):
+def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, d0, d1, sx0, sx1,
+                  WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr):
     """The interpreter's stand-in for one :func:`_mma_chunk` call on the tiles starting at rows
     ``n_w`` (WARPS,): x's chunk and the tiles' zeros loaded plainly."""
     mk = tl.arange(0, 8 * HALVES)
@@ -169,7 +226,7 @@ def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, d0, d1,
     xk = tl.load(x_ptr + mk[:, None] * stride_xm + kk[None, :], mask=(mk < M)[:, None], other=0.0).to(tl.float32)
     xt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
     z = tl.load(z_ptr + grp * N + n_w[:, None] + tl.arange(0, 16)[None, :]).to(xt).to(tl.float32)
-    return _emulate_chunk(a, xk, z, d0, d1, WARPS, HALVES, FP16)
+    return _emulate_chunk(a, xk, z, d0, d1, sx0, sx1, WARPS, HALVES, FP16, MODE)
 
 
 @triton.jit
@@ -201,13 +258,18 @@ def _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.c
 def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                      M, N, K, stride_xm, stride_om,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
-                     ASM: tl.constexpr, CONS: tl.constexpr, HALVES: tl.constexpr, NT: tl.constexpr,
+                     ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
+                     RAWQ: tl.constexpr, HALVES: tl.constexpr, NT: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     CPG: tl.constexpr = G // 64  # chunks per group
     STEPS: tl.constexpr = GROUPS * CPG
     XT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
+    OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
+    # chunk modes (see _chunk_asm): zeros subtracted in A, or raw q with x's sums taken by the first tile
+    MODE1: tl.constexpr = 1 if RAWQ else 0
+    MODE2: tl.constexpr = 2 if RAWQ else 0
     row = tl.arange(0, 32 * WARPS)  # (warp, lane): one row of every (32 * WARPS, 4) tensor per lane
     j = tl.arange(0, 4)
     lane = row % 32
@@ -254,8 +316,10 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     for gi in range(GROUPS):
         s0 = s0_nxt.to(tl.float32)
         s1 = s1_nxt.to(tl.float32)
-        nz0 = (-z0_nxt.to(tl.float32)).to(XT)
-        nz1 = (-z1_nxt.to(tl.float32)).to(XT)
+        z0 = z0_nxt
+        z1 = z1_nxt
+        nz0 = (-z0.to(tl.float32)).to(XT)
+        nz1 = (-z1.to(tl.float32)).to(XT)
         nxt_grp = grp0 + tl.minimum(gi + 1, GROUPS - 1)  # the next group's scales and zeros, early
         s0_nxt = tl.load(s_ptr + nxt_grp * N + n_c)
         z0_nxt = tl.load(z_ptr + nxt_grp * N + n_c)
@@ -266,6 +330,8 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         d01 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
         d10 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
         d11 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        sx0 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        sx1 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
         for ci in range(CPG):
             i = gi * CPG + ci
             a0, a1, b0, b1, b2, b3 = p0
@@ -281,19 +347,28 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                 p1 = p2
                 p2 = nxt
             if USE_ASM:
-                d00, d01 = _mma_chunk(a0, b0, b1, b2, b3, nz0, d00, d01, HALVES, ASM, CONS)
+                d00, d01, sx0, sx1 = _mma_chunk(a0, b0, b1, b2, b3, nz0, d00, d01, sx0, sx1, HALVES, MODE1, ASM, CONS)
                 if NT == 2:
-                    d10, d11 = _mma_chunk(a1, b0, b1, b2, b3, nz1, d10, d11, HALVES, ASM, CONS)
+                    d10, d11, sx0, sx1 = _mma_chunk(a1, b0, b1, b2, b3, nz1, d10, d11, sx0, sx1, HALVES, MODE2, ASM2,
+                                                    CONS2)
             else:
-                d00, d01 = _emulate_tile(a0, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w, d00, d01,
-                                         WARPS, HALVES, FP16)
+                d00, d01, sx0, sx1 = _emulate_tile(a0, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w, d00,
+                                                   d01, sx0, sx1, WARPS, HALVES, FP16, MODE1)
                 if NT == 2:
-                    d10, d11 = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w + 16, d10,
-                                             d11, WARPS, HALVES, FP16)
-        acc00 += s0 * d00
-        acc01 += s0 * d01
-        acc10 += s1 * d10
-        acc11 += s1 * d11
+                    d10, d11, sx0, sx1 = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w + 16,
+                                                       d10, d11, sx0, sx1, WARPS, HALVES, FP16, MODE2)
+        if RAWQ:  # s (d - (z + offset) sum(x)), the zeros in float32
+            zs0 = s0 * (z0.to(tl.float32) + OFFSET)
+            zs1 = s1 * (z1.to(tl.float32) + OFFSET)
+            acc00 += s0 * d00 - zs0 * sx0
+            acc01 += s0 * d01 - zs0 * sx1
+            acc10 += s1 * d10 - zs1 * sx0
+            acc11 += s1 * d11 - zs1 * sx1
+        else:
+            acc00 += s0 * d00
+            acc01 += s0 * d01
+            acc10 += s1 * d10
+            acc11 += s1 * d11
 
     _finish(acc00, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
     if HALVES == 2:
@@ -338,10 +413,12 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
-                    warps: int, tiles_per_warp: int, split: int, depth: int, use_asm: bool) -> None:
+                    warps: int, tiles_per_warp: int, split: int, depth: int, rawq: bool, use_asm: bool) -> None:
     """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout, M <= 16. ``warps``,
     ``tiles_per_warp`` and ``split`` must come from :func:`mma_grid`; ``depth`` (1-3) chunks of
-    loads are kept in flight per warp; ``workspace`` (split, M, N) float32 and ``counters``
+    loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
+    zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
+    the A fragments before the MMA (fewer MMAs); ``workspace`` (split, M, N) float32 and ``counters``
     (N / (16 warps tiles_per_warp)) int32, zero at rest, are used when split > 1."""
     warps_, nt, groups, split_ = mma_grid(n, k, group_size, warps, split, tiles_per_warp)
     assert (warps_, nt, split_) == (warps, tiles_per_warp, split), "warps, tiles and split must come from mma_grid"
@@ -351,5 +428,8 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         x2.shape[0], n, k, x2.stride(0), out.stride(0),
         G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,
-        ASM=CHUNK_ASM[x2.dtype, halves], CONS=_chunk_constraints(halves), HALVES=halves, NT=nt, DEPTH=depth,
+        ASM=CHUNK_ASM[x2.dtype, halves, "raw_sum" if rawq else "zero"][0],
+        CONS=CHUNK_ASM[x2.dtype, halves, "raw_sum" if rawq else "zero"][1],
+        ASM2=CHUNK_ASM[x2.dtype, halves, "raw" if rawq else "zero"][0],
+        CONS2=CHUNK_ASM[x2.dtype, halves, "raw" if rawq else "zero"][1], RAWQ=rawq, HALVES=halves, NT=nt, DEPTH=depth,
         WARPS=warps, GROUPS=groups, SPLIT=split, num_warps=warps, num_stages=1)

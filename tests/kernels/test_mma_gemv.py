@@ -61,14 +61,14 @@ def test_mma_pack_refuses_shapes_it_cannot_hold():
         mma_pack(torch.zeros(64, 40, dtype=torch.uint8), 40, 128)
 
 
-def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1):
+def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1, rawq=False):
     n, k = pw.shape
     wp, nt, _, sp = mma_grid(n, k, pw.group_size, warps, split, tiles)
     out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype or x.dtype, device=DEV)
     ws = torch.empty(sp, x.shape[0], n, dtype=torch.float32, device=DEV)
     cnt = torch.zeros(n // (16 * wp * nt), dtype=torch.int32, device=DEV)
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
-                    group_size=pw.group_size, warps=wp, tiles_per_warp=nt, split=sp, depth=depth,
+                    group_size=pw.group_size, warps=wp, tiles_per_warp=nt, split=sp, depth=depth, rawq=rawq,
                     use_asm=DEV == "cuda")
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
     return out
@@ -79,26 +79,29 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1)
                                                             (80, 256, 128, 2, 2, 3, 1), (32, 512, 256, 2, 2, 2, 2),
                                                             (128, 192, 64, 2, 3, 1, 2)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
-def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype):
+@pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
+def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype, rawq):
     pw, w = packed(n, k, gs, dtype)
     g = torch.Generator().manual_seed(m + n)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
     bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m in (3, 9) else None
     ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
-    out = run_kernel(x, pw, warps, split, bias, depth, tiles=tiles)
+    out = run_kernel(x, pw, warps, split, bias, depth, tiles=tiles, rawq=rawq)
     assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m", [2, 13])
-def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype):
-    """HQQ zeros are not integers: the kernel rounds ``q - z`` to x's dtype (as dequantizing to it
-    rounds ``(q - z) s``) and must stay within that error of the float64 product."""
+@pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
+def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype, rawq):
+    """HQQ zeros are not integers: the zeros-in-A mode rounds ``q - z`` to x's dtype (as
+    dequantizing to it rounds ``(q - z) s``), rawq keeps them in float32; both must stay within
+    the dequantized weight's error of the float64 product."""
     pw, w = packed(32, 256, 128, dtype, method="hqq")
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEV)
     ref = x.double() @ w.double().t()
     dequantized = x.double() @ w.to(dtype).double().t()
-    got = run_kernel(x, pw, 1, 2, out_dtype=torch.float32, tiles=2).double()
+    got = run_kernel(x, pw, 1, 2, out_dtype=torch.float32, tiles=2, rawq=rawq).double()
     assert (got - ref).norm() <= 1.5 * (dequantized - ref).norm() + 1e-6 * ref.norm()
 
 
@@ -200,5 +203,7 @@ def test_full_size_on_gpu(n, k, gs, dtype):
     pw, w = packed(n, k, gs, dtype)
     for m in (1, 2, 8, 11, 16):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
-        for warps, split, depth, tiles in ((1, 4, 3, 2), (2, 16, 2, 1), (8, 32, 1, 2), (4, 8, 2, 2)):
-            assert rel_err(run_kernel(x, pw, warps, split, depth=depth, tiles=tiles), x.float() @ w.t()) <= 1e-2
+        for warps, split, depth, tiles, rawq in ((1, 4, 3, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
+                                                 (4, 8, 2, 2, True), (1, 16, 1, 1, True)):
+            out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
+            assert rel_err(out, x.float() @ w.t()) <= 1e-2
