@@ -1,4 +1,4 @@
-"""Tensor-core decode GEMV for 4-bit weights: ``out (M, N) = x (M, K) @ W.T`` for M <= 8 on
+"""Tensor-core decode GEMV for 4-bit weights: ``out (M, N) = x (M, K) @ W.T`` for M <= 16 on
 ``mma.sync.m16n8k16`` (``mixed_mm``'s ``mma`` path).
 
 The CUDA-core ``gemv`` spends about 3.4 instructions per weight on unpacking and multiply-adds;
@@ -10,16 +10,19 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
   reads one 16-byte vector; word ``j`` is its A fragment for k-step ``j`` of the chunk (8 nibbles:
   register ``r`` of the fragment takes the nibbles at bits ``4r`` and ``16 + 4r``). The MMA's k
   order inside a chunk is permuted so that each lane's B registers over the chunk are 16
-  consecutive in-features of x (two 16-byte loads per chunk);
+  consecutive in-features of x (two 16-byte loads per chunk and 8-row half of x);
 * a Triton tensor of shape ``(32 * warps, 4)`` is laid out one row per lane (checked on the compiled
   TTGIR), so each row is handed to inline PTX (``pack=4``) as that lane's registers;
-* the MMA runs on ``q + 128`` (bf16) / ``q + 1024`` (fp16), built by OR-ing nibbles into the bits
-  of the offset, and each group is rescaled once: ``s (d - (z + offset) sum(x))``, where ``sum(x)``
-  comes from a second MMA with an all-ones A fragment, so it lands in the accumulator's layout;
-* split-K over programs as in ``gemv.py`` (partials + the last-arriving program sums them).
+* the nibbles become ``q + 128`` (bf16) / ``q + 1024`` (fp16) by OR-ing them into the bits of the
+  offset; then either (``rawq``) the MMA runs on that and each group is rescaled once,
+  ``s (d - (z + offset) sum(x))``, with ``sum(x)`` from a second MMA whose A is all ones (so it lands
+  in the accumulator's layout), or two half2 adds make A ``q - z`` first (one MMA per k-step);
+* rows 8-15 of x are a second B fragment on the same A; a warp may take two 16-row tiles of N
+  that share x's fragments; split-K over programs as in ``gemv.py`` (partials + the last-arriving
+  program sums them).
 
 Under TRITON_INTERPRET the inline PTX cannot run; the kernel then emulates the fragments with
-reshapes and ``tl.dot`` (same packed layout, same arithmetic), which is what CI tests.
+reshapes and ``tl.dot``-free sums (same packed layout, same arithmetic), which is what CI tests.
 """
 from __future__ import annotations
 
