@@ -67,7 +67,7 @@ class KernelConfig:
     split: int = 1
     group_m: int = 8
     num_warps: int = 4
-    num_stages: int = 2  # pipeline stages (dot paths); chunks of loads in flight per warp (mma: 1-3)
+    num_stages: int = 2  # pipeline stages (dot paths); chunks of loads in flight per warp (mma: 1-2)
     rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
 
@@ -553,7 +553,7 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                 waves=(2.0, 4.0, 8.0))
     if mb <= MMA_MAX_M:
         # tensor-core GEMV (mma_grid rounds the split down to a divisor of the group count)
-        # (depth 3 and split 32 never won on an H200: benchmarks/NOTES.md v7)
+        # (depth 3 and split 32 never won on an H200, benchmarks/NOTES.md v7; depth 3 was removed)
         for rows in (16, 32):  # rows of N per warp
             for warps in (1, 2, 4):
                 for split in (4, 8, 16):
@@ -652,8 +652,9 @@ _mma_working: dict = {}  # device -> whether the compiled kernel passed its firs
 
 
 def mma_tiles_per_warp(cfg: KernelConfig) -> int:
-    """The mma path's ``block_n`` is the rows of N per warp: 16 or 32 (two tiles sharing x's fragments)."""
-    return 2 if cfg.block_n >= 32 else 1
+    """The mma path's ``block_n`` is the rows of N per warp: 32 means two tiles sharing x's fragments,
+    anything else one tile."""
+    return 2 if cfg.block_n == 32 else 1
 
 
 def mma_enabled() -> bool:
@@ -778,7 +779,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         ws = cnt = out  # never touched
     if cfg.path == "mma":
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                        warps=warps, tiles_per_warp=nt, split=split, depth=min(3, max(1, cfg.num_stages)),
+                        warps=warps, tiles_per_warp=nt, split=split, depth=min(2, max(1, cfg.num_stages)),
                         rawq=cfg.rawq, use_asm=not interpreting())
         return out
     if cfg.path == "gemv":

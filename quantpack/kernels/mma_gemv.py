@@ -303,11 +303,8 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk)
     p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, 0, HALVES, NT)
     p1 = p0
-    p2 = p0
-    if DEPTH >= 2:
+    if DEPTH == 2:
         p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(1, STEPS - 1), HALVES, NT)
-    if DEPTH >= 3:
-        p2 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(2, STEPS - 1), HALVES, NT)
     grp0 = pid_s * GROUPS
     s0_nxt = tl.load(s_ptr + grp0 * N + n_c)
     z0_nxt = tl.load(z_ptr + grp0 * N + n_c)
@@ -342,13 +339,9 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                               HALVES, NT)
             if DEPTH == 1:
                 p0 = nxt
-            elif DEPTH == 2:
-                p0 = p1
-                p1 = nxt
             else:
                 p0 = p1
-                p1 = p2
-                p2 = nxt
+                p1 = nxt
             if USE_ASM:
                 d00, d01, sx0, sx1 = _mma_chunk(a0, b0, b1, b2, b3, nz0, d00, d01, sx0, sx1, HALVES, MODE1, ASM, CONS)
                 if NT == 2:
@@ -418,14 +411,14 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
                     warps: int, tiles_per_warp: int, split: int, depth: int, rawq: bool, use_asm: bool) -> None:
     """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout, M <= 16. ``warps``,
-    ``tiles_per_warp`` and ``split`` must come from :func:`mma_grid`; ``depth`` (1-3) chunks of
+    ``tiles_per_warp`` and ``split`` must come from :func:`mma_grid`; ``depth`` (1 or 2; 3 measured slower) chunks of
     loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
     zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
     the A fragments before the MMA (fewer MMAs); ``workspace`` (split, M, N) float32 and ``counters``
     (N / (16 warps tiles_per_warp)) int32, zero at rest, are used when split > 1."""
     warps_, nt, groups, split_ = mma_grid(n, k, group_size, warps, split, tiles_per_warp)
     assert (warps_, nt, split_) == (warps, tiles_per_warp, split), "warps, tiles and split must come from mma_grid"
-    assert 1 <= depth <= 3 and 1 <= x2.shape[0] <= MAX_M
+    assert depth in (1, 2) and 1 <= x2.shape[0] <= MAX_M
     halves = 1 if x2.shape[0] <= 8 else 2
     _mma_gemv_kernel[(n // (16 * warps * nt), split)](
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,

@@ -76,7 +76,7 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1,
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(16, 128, 64, 1, 1, 1, 1), (48, 192, 64, 4, 3, 2, 1),
-                                                            (80, 256, 128, 2, 2, 3, 1), (32, 512, 256, 2, 2, 2, 2),
+                                                            (80, 256, 128, 2, 2, 1, 1), (32, 512, 256, 2, 2, 2, 2),
                                                             (128, 192, 64, 2, 3, 1, 2)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
@@ -120,21 +120,22 @@ def _spy(monkeypatch):
     real = mm_mod.launch_mma_gemv
 
     def spy(*a, **kw):
-        calls.append(kw["split"])
+        calls.append((kw["split"], kw["tiles_per_warp"], kw["rawq"], kw["depth"]))
         return real(*a, **kw)
     monkeypatch.setattr(mm_mod, "launch_mma_gemv", spy)
     return calls
 
 
 def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
+    """The config's knobs reach the kernel: rows per warp (block_n 32 = two tiles), rawq, depth."""
     calls = _spy(monkeypatch)
     pw, w = packed(64, 256, 128)
-    for m in (1, 5, 16):
+    for m, rows, rawq, depth in ((1, 16, True, 1), (5, 32, False, 2), (16, 32, True, 2)):
         x = torch.randn(m, 256, dtype=torch.float16).to(DEV)
-        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=KernelConfig("mma", 8, num_warps=2,
-                                                                                              split=2))
+        cfg = KernelConfig("mma", 8, rows, num_warps=2, split=2, num_stages=depth, rawq=rawq)
+        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
-    assert len(calls) == 3
+    assert calls == [(2, 1, True, 1), (2, 2, False, 2), (2, 2, True, 2)]
 
 
 @pytest.mark.parametrize("case", ["8-bit", "axis 0", "N % 16", "gs 32", "M = 17", "fp32 x", "disabled", "transposed"])
@@ -203,7 +204,7 @@ def test_full_size_on_gpu(n, k, gs, dtype):
     pw, w = packed(n, k, gs, dtype)
     for m in (1, 2, 8, 11, 16):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
-        for warps, split, depth, tiles, rawq in ((1, 4, 3, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
+        for warps, split, depth, tiles, rawq in ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
                                                  (4, 8, 2, 2, True), (1, 16, 1, 1, True)):
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
