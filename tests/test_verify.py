@@ -25,7 +25,7 @@ from quantpack.verify import (
 )
 
 TRAIN_TOKENS = 128
-TRAIN_STEPS = 30
+TRAIN_STEPS = 60
 # Shared by tests/test_cli_verify.py (which imports this module): built once per session.
 _BUILT: dict[str, object] = {}
 
