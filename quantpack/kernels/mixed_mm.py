@@ -8,7 +8,7 @@ table (``configs/<gpu>.json``) so first use never autotunes:
 * ``gemv``: decode (M = 1 and a few rows), groups along K. CUDA-core GEMV in ``gemv.py``:
   split-K, next step's loads issued before this step's math, nibbles turned into floats with one
   shift and one LOP3, ``words=True`` reads int32 words of 4 columns.
-* ``mma``: decode (M <= 16), 4-bit, groups along K of a multiple of 64. Tensor-core GEMV in
+* ``mma``: decode (M <= 16), 4/8-bit, groups along K of a multiple of 64. Tensor-core GEMV in
   ``mma_gemv.py`` on a copy of the weight repacked once into MMA fragment order (kept per weight
   tensor while it lives; ``QUANTPACK_MMA=0`` turns the path off and saves that memory).
 * ``fma``: small M, any layout (axis 0, groups narrower than a tile). CUDA-core tiles, split-K; the
@@ -508,8 +508,9 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
     return replace(cfg, split=_fill_split(tiles, reduce_steps, sms, 8.0 if m <= 8 else 2.0))
 
 
-def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.device) -> list[KernelConfig]:
-    """The search space the autotuner times for one (direction, M bucket, N, K)."""
+def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.device, bits: int = 4
+                      ) -> list[KernelConfig]:
+    """The search space the autotuner times for one (direction, M bucket, N, K, bits)."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
     mb = m_bucket(m)
@@ -554,11 +555,13 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
     if mb <= MMA_MAX_M:
         # tensor-core GEMV (mma_grid rounds the split down to a divisor of the group count)
         # (depth 3 and split 32 never won on an H200, benchmarks/NOTES.md v7; depth 3 was removed)
-        for rows in (16, 32):  # rows of N per warp
+        # (8-bit: one tile per warp, its two nibble planes always rawq; warps splitting a tile's K range
+        # and summing in shared memory measured no faster, benchmarks/NOTES.md v8)
+        for rows in (16, 32) if bits == 4 else (16,):  # rows of N per warp
             for warps in (1, 2, 4):
                 for split in (4, 8, 16):
                     for depth in (1, 2):
-                        for rawq in (False, True):
+                        for rawq in (False, True) if bits == 4 else (True,):
                             c = KernelConfig("mma", max(8, mb), rows, num_warps=warps, split=split, num_stages=depth,
                                              rawq=rawq)
                             if c not in out:
@@ -606,7 +609,7 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
 
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
     m = x.reshape(-1, x.shape[-1]).shape[0]
-    candidates = candidates or candidate_configs(transposed, m, n, k, x.device)
+    candidates = candidates or candidate_configs(transposed, m, n, k, x.device, bits)
     if not (mma_enabled() and mma_usable(x.reshape(-1, x.shape[-1]), n, k, group_size, bits, axis)):
         candidates = [c for c in candidates if c.path != "mma"]  # (it would time the fallback under its name)
     copies = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone())
@@ -671,21 +674,22 @@ def _mma_self_check(device: torch.device) -> bool:
     if ok is None:
         g = torch.Generator(device=device).manual_seed(0)
         n, k, gs = 64, 256, 128
-        qw = torch.randint(0, 256, (k // 2, n), device=device, dtype=torch.uint8, generator=g)
         s = (torch.rand(k // gs, n, device=device, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
-        z = (torch.rand(k // gs, n, device=device, generator=g) * 15).to(torch.bfloat16)
         x = torch.randn(MMA_MAX_M, k, device=device, generator=g).to(torch.bfloat16)
-        want = x.float() @ reference.dequantize(PackedWeight(qw, s, z, 4, gs, 1, (n, k)), torch.float32).t()
         out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
         try:
             ok = True
-            # one and two 8-row halves of x, one and two tiles per warp, both ways of applying the zeros
-            for m, nt, rawq in ((3, 1, True), (MMA_MAX_M, 2, True), (MMA_MAX_M, 2, False)):
-                warps, nt, _, split = mma_grid(n, k, gs, 2, 1, nt)
-                launch_mma_gemv(x[:m], mma_pack(qw, n, k), s, z, None, out, out, out, n=n, k=k, group_size=gs,
-                                warps=warps, tiles_per_warp=nt, split=split, depth=2, rawq=rawq,
-                                use_asm=not interpreting())
-                ok &= bool(((out[:m] - want[:m]).norm() / want[:m].norm()).item() < 1e-2)
+            # one and two 8-row halves of x, one and two tiles per warp, both ways of applying the zeros, 8-bit planes
+            for bits, m, nt, rawq in ((4, 3, 1, True), (4, MMA_MAX_M, 2, True), (4, MMA_MAX_M, 2, False),
+                                      (8, MMA_MAX_M, 1, True)):
+                qw = torch.randint(0, 256, (k * bits // 8, n), device=device, dtype=torch.uint8, generator=g)
+                z = (torch.rand(k // gs, n, device=device, generator=g) * (2 ** bits - 1)).to(torch.bfloat16)
+                w = reference.dequantize(PackedWeight(qw, s, z, bits, gs, 1, (n, k)), torch.float32)
+                want = x[:m].float() @ w.t()
+                grid = mma_grid(n, k, gs, 2, 1, nt, bits)
+                launch_mma_gemv(x[:m], mma_pack(qw, n, k, bits), s, z, None, out, out, out, n=n, k=k, group_size=gs,
+                                grid=grid, depth=2, rawq=rawq, use_asm=not interpreting(), bits=bits)
+                ok &= bool(((out[:m] - want).norm() / want.norm()).item() < 1e-2)
         except Exception:  # noqa: BLE001  (a compiler that rejects the inline PTX: same outcome)
             ok = False
         if not ok:
@@ -695,7 +699,7 @@ def _mma_self_check(device: torch.device) -> bool:
     return ok
 
 
-def _mma_weight(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+def _mma_weight(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor | None:
     """The :func:`mma_pack` copy of ``qweight``, built on first use and kept while ``qweight`` lives
     (rebuilt if it is modified in place); ``None`` where it cannot be used now: during CUDA-graph
     capture before it exists, or if the kernel failed its self-check."""
@@ -710,7 +714,7 @@ def _mma_weight(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
         return None
     if not _mma_self_check(qweight.device):
         return None
-    packed = mma_pack(qweight, n, k)
+    packed = mma_pack(qweight, n, k, bits)
     _mma_copies[qweight] = (version, packed)
     return packed
 
@@ -763,8 +767,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         _, split, tiles_n = gemv_grid(m, n, k, cfg.block_n, cfg.block_r, split)
         tiles = m * tiles_n
     elif cfg.path == "mma":
-        warps, nt, _, split = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg))
-        tiles = n // (16 * warps * nt)
+        grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits)
+        split, tiles = grid.split, grid.programs
     elif transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:
@@ -778,9 +782,11 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     else:
         ws = cnt = out  # never touched
     if cfg.path == "mma":
+        if grid.split != split:  # (too many programs for the counters: one program per column tile)
+            grid = mma_grid(n, k, group_size, grid.warps, split, grid.tiles_per_warp, bits)
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                        warps=warps, tiles_per_warp=nt, split=split, depth=min(2, max(1, cfg.num_stages)),
-                        rawq=cfg.rawq, use_asm=not interpreting())
+                        grid=grid, depth=min(2, max(1, cfg.num_stages)), rawq=cfg.rawq, use_asm=not interpreting(),
+                        bits=bits)
         return out
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
@@ -860,7 +866,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     if config.path == "mma":
         if mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):  # (_fix_config took transposed)
             with on_device(x2):
-                mma_weight = _mma_weight(qweight, n, k)
+                mma_weight = _mma_weight(qweight, n, k, bits)
         if mma_weight is None:  # the CUDA-core GEMV (or what _fix_config makes of it) instead
             config = _fix_config(gemv_config(x2.shape[0], n, k, x2.device), transposed, x2.shape[0], axis,
                                  group_size)

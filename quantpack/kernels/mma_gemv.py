@@ -1,4 +1,4 @@
-"""Tensor-core decode GEMV for 4-bit weights: ``out (M, N) = x (M, K) @ W.T`` for M <= 16 on
+"""Tensor-core decode GEMV for 4- and 8-bit weights: ``out (M, N) = x (M, K) @ W.T`` for M <= 16 on
 ``mma.sync.m16n8k16`` (``mixed_mm``'s ``mma`` path).
 
 The CUDA-core ``gemv`` spends about 3.4 instructions per weight on unpacking and multiply-adds;
@@ -19,12 +19,19 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
   in the accumulator's layout), or two half2 adds make A ``q - z`` first (one MMA per k-step);
 * rows 8-15 of x are a second B fragment on the same A; a warp may take two 16-row tiles of N
   that share x's fragments; split-K over programs as in ``gemv.py`` (partials + the last-arriving
-  program sums them).
+  program sums them);
+* 8-bit weights ``q = 16 h + l`` are two nibble planes packed as two adjacent 4-bit tiles of the
+  same 16 rows (``h`` then ``l``): a warp runs them as its two tiles in ``rawq`` mode and combines
+  ``s (16 d_h + d_l - (z + 17 offset) sum(x))`` per group. bf16 has no 8-bit magic number (7
+  mantissa bits), and per weight byte this is the 4-bit path's instruction count with the per-chunk
+  overhead (addresses, loads, loop) spread over twice the bytes.
 
 Under TRITON_INTERPRET the inline PTX cannot run; the kernel then emulates the fragments with
 reshapes and ``tl.dot``-free sums (same packed layout, same arithmetic), which is what CI tests.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,11 +41,17 @@ CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
 MAX_M = 16  # rows of x: one or two 8-column B fragments per k-step
 
 
-def mma_pack(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The (K/2, N) uint8 4-bit layout (even k in the low nibble) repacked for :func:`launch_mma_gemv`:
-    (N/16, K/64, 32, 4) int32 (same byte count). Needs N % 16 == 0 and K % 64 == 0."""
+def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
+    """The packed weight repacked for :func:`launch_mma_gemv` (same byte count). 4-bit: the (K/2, N)
+    uint8 layout (even k in the low nibble) becomes (N/16, K/64, 32, 4) int32; 8-bit: the (K, N)
+    layout becomes (N/8, K/64, 32, 4), tile 2t holding the high nibbles of rows 16t.. 16t + 15 and
+    tile 2t + 1 their low nibbles. Needs N % 16 == 0 and K % 64 == 0."""
     if n % 16 or k % CHUNK:
         raise ValueError(f"mma layout needs N % 16 == 0 and K % {CHUNK} == 0, got N={n} K={k}")
+    if bits == 8:
+        planes = [qweight >> 4, qweight & 15]  # (K, N) each
+        planes = [mma_pack(p[0::2] | (p[1::2] << 4), n, k) for p in planes]  # as 4-bit (K/2, N) weights
+        return torch.stack(planes, dim=1).reshape(n // 8, k // CHUNK, 32, 4)
     # nibbles as uint8 (one byte per weight: this runs once per weight, possibly on a full GPU)
     q = torch.stack([qweight & 15, qweight >> 4], dim=1).reshape(k, n).t()  # (N, K), q[n, k]
     # n = 16t + 8h + g, k = 64kc + 16c + 8kh + 2j + e  ->  word[t, kc, 4g + c, j], nibble at 4(h + 2kh) + 16e
@@ -262,8 +275,9 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                      M, N, K, stride_xm, stride_om,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
-                     RAWQ: tl.constexpr, HALVES: tl.constexpr, NT: tl.constexpr,
+                     RAWQ: tl.constexpr, HALVES: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+    # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     CPG: tl.constexpr = G // 64  # chunks per group
@@ -278,7 +292,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     lane = row % 32
     g = lane // 4
     c = lane % 4
-    t = (pid_n * WARPS + row // 32) * NT  # each warp owns NT adjacent 16-row tiles of N
+    t = (pid_n * WARPS + row // 32) * NT  # each warp owns NT adjacent packed tiles
     kc0 = pid_s * STEPS  # first chunk of this program's K range
     a_ptrs = qm_ptr + ((t * (K // 64) + kc0) * 32 + lane)[:, None] * 4 + j[None, :]
     a_tile = (K // 64) * 128  # words from one tile to the next
@@ -291,9 +305,10 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     b_mask0 = (g < M)[:, None] & (j < 4)[None, :]
     b_mask1 = (g + 8 < M)[:, None] & (j < 4)[None, :]
     # accumulator element j of lane (g, c): out[m_c (+ 8 in the second half), n_c (+ 16 in the second tile)]
-    n_c = (t * 16 + g)[:, None] + 8 * (j // 2)[None, :]
+    n_c = ((t // PLANES) * 16 + g)[:, None] + 8 * (j // 2)[None, :]
     m_c = (2 * c)[:, None] + (j % 2)[None, :]
-    n_w = (pid_n * WARPS + tl.arange(0, WARPS)) * NT * 16  # (emulation: first row of each warp's tiles)
+    n_w = (pid_n * WARPS + tl.arange(0, WARPS)) * (NT // PLANES) * 16  # (emulation: each warp's first row)
+    TILE2: tl.constexpr = NT == 2 and PLANES == 1  # a second tile of rows (not a second plane)
 
     # accumulators acc<tile><half> (unused ones stay zero and are never stored)
     acc00 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
@@ -310,7 +325,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     z0_nxt = tl.load(z_ptr + grp0 * N + n_c)
     s1_nxt = s0_nxt
     z1_nxt = z0_nxt
-    if NT == 2:
+    if TILE2:
         s1_nxt = tl.load(s_ptr + grp0 * N + n_c + 16)
         z1_nxt = tl.load(z_ptr + grp0 * N + n_c + 16)
     for gi in range(GROUPS):
@@ -323,7 +338,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         nxt_grp = grp0 + tl.minimum(gi + 1, GROUPS - 1)  # the next group's scales and zeros, early
         s0_nxt = tl.load(s_ptr + nxt_grp * N + n_c)
         z0_nxt = tl.load(z_ptr + nxt_grp * N + n_c)
-        if NT == 2:
+        if TILE2:
             s1_nxt = tl.load(s_ptr + nxt_grp * N + n_c + 16)
             z1_nxt = tl.load(z_ptr + nxt_grp * N + n_c + 16)
         d00 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
@@ -351,9 +366,14 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                 d00, d01, sx0, sx1 = _emulate_tile(a0, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w, d00,
                                                    d01, sx0, sx1, WARPS, HALVES, FP16, MODE1)
                 if NT == 2:
-                    d10, d11, sx0, sx1 = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w + 16,
-                                                       d10, d11, sx0, sx1, WARPS, HALVES, FP16, MODE2)
-        if RAWQ:  # s (d - (z + offset) sum(x)), the zeros in float32
+                    d10, d11, sx0, sx1 = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N,
+                                                       n_w + 16 * (2 - PLANES), d10, d11, sx0, sx1, WARPS, HALVES,
+                                                       FP16, MODE2)
+        if PLANES == 2:  # q = 16 h + l: s (16 d_h + d_l - (z + 17 offset) sum(x))
+            zs0 = s0 * (z0.to(tl.float32) + 17.0 * OFFSET)
+            acc00 += s0 * (16.0 * d00 + d10) - zs0 * sx0
+            acc01 += s0 * (16.0 * d01 + d11) - zs0 * sx1
+        elif RAWQ:  # s (d - (z + offset) sum(x)), the zeros in float32
             zs0 = s0 * (z0.to(tl.float32) + OFFSET)
             zs1 = s1 * (z1.to(tl.float32) + OFFSET)
             acc00 += s0 * d00 - zs0 * sx0
@@ -369,7 +389,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     _finish(acc00, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
     if HALVES == 2:
         _finish(acc01, m_c + 8, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
-    if NT == 2:
+    if TILE2:
         _finish(acc10, m_c, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
         if HALVES == 2:
             _finish(acc11, m_c + 8, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
@@ -381,7 +401,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
             if HALVES == 2:
                 _reduce(m_c + 8, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
-            if NT == 2:
+            if TILE2:
                 _reduce(m_c, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
                 if HALVES == 2:
                     _reduce(m_c + 8, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
@@ -389,43 +409,54 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
 
 
 def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axis: int) -> bool:
-    """Whether this call fits the mma path: 4-bit, groups along K of a multiple of 64, N % 16 == 0,
+    """Whether this call fits the mma path: 4- or 8-bit, groups along K of a multiple of 64, N % 16 == 0,
     at most 16 rows of 16-bit activations with 4-byte aligned rows."""
-    return (bits == 4 and axis == 1 and group_size % CHUNK == 0 and n % 16 == 0 and k % group_size == 0
+    return (bits in (4, 8) and axis == 1 and group_size % CHUNK == 0 and n % 16 == 0 and k % group_size == 0
             and x2.shape[0] <= MAX_M and x2.dtype in (torch.float16, torch.bfloat16) and x2.stride(1) == 1
             and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0)
 
 
-def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1
-             ) -> tuple[int, int, int, int]:
-    """(warps, tiles per warp, groups per program, split): each warp takes 1 or 2 adjacent 16-row
-    tiles of N and warps x tiles divides the tile count; split divides the groups (the largest
-    divisor not above the one asked for)."""
+class MmaGrid(NamedTuple):
+    warps: int  # per program, one tile slot each
+    tiles_per_warp: int  # 16-row tiles of N per warp (1 or 2; 8-bit: 1, its two nibble planes take the slot)
+    groups: int  # quantization groups per program
+    split: int  # programs splitting K (partials summed by the last to finish)
+    programs: int  # along N
+
+
+def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1, bits: int = 4
+             ) -> MmaGrid:
+    """The launch grid nearest to the one asked for that divides the problem: warps x tiles per
+    warp divide the tile count, split is the largest divisor of the group count not above the one asked."""
     tiles, groups = n // 16, k // group_size
-    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 else 1
+    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 and bits == 4 else 1
     warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
     split = max(s for s in range(1, groups + 1) if groups % s == 0 and s <= max(1, split))
-    return warps, nt, groups // split, split
+    return MmaGrid(warps, nt, groups // split, split, tiles // (warps * nt))
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
-                    warps: int, tiles_per_warp: int, split: int, depth: int, rawq: bool, use_asm: bool) -> None:
-    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout, M <= 16. ``warps``,
-    ``tiles_per_warp`` and ``split`` must come from :func:`mma_grid`; ``depth`` (1 or 2; 3 measured slower) chunks of
+                    grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, bits: int = 4) -> None:
+    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout (of ``bits``), M <= 16. ``grid``
+    must come from :func:`mma_grid` (for these bits); ``depth`` (1 or 2; 3 measured slower) chunks of
     loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
     zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
-    the A fragments before the MMA (fewer MMAs); ``workspace`` (split, M, N) float32 and ``counters``
-    (N / (16 warps tiles_per_warp)) int32, zero at rest, are used when split > 1."""
-    warps_, nt, groups, split_ = mma_grid(n, k, group_size, warps, split, tiles_per_warp)
-    assert (warps_, nt, split_) == (warps, tiles_per_warp, split), "warps, tiles and split must come from mma_grid"
-    assert depth in (1, 2) and 1 <= x2.shape[0] <= MAX_M
+    the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq);
+    ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs) int32, zero at rest, are used
+    when split > 1."""
+    assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits), \
+        "grid must come from mma_grid"
+    assert depth in (1, 2) and 1 <= x2.shape[0] <= MAX_M and bits in (4, 8)
     halves = 1 if x2.shape[0] <= 8 else 2
-    _mma_gemv_kernel[(n // (16 * warps * nt), split)](
+    planes = 2 if bits == 8 else 1
+    rawq = rawq or planes == 2
+    _mma_gemv_kernel[(grid.programs, grid.split)](
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         x2.shape[0], n, k, x2.stride(0), out.stride(0),
         G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,
         ASM=CHUNK_ASM[x2.dtype, halves, "raw_sum" if rawq else "zero"][0],
         CONS=CHUNK_ASM[x2.dtype, halves, "raw_sum" if rawq else "zero"][1],
         ASM2=CHUNK_ASM[x2.dtype, halves, "raw" if rawq else "zero"][0],
-        CONS2=CHUNK_ASM[x2.dtype, halves, "raw" if rawq else "zero"][1], RAWQ=rawq, HALVES=halves, NT=nt, DEPTH=depth,
-        WARPS=warps, GROUPS=groups, SPLIT=split, num_warps=warps, num_stages=1)
+        CONS2=CHUNK_ASM[x2.dtype, halves, "raw" if rawq else "zero"][1], RAWQ=rawq, HALVES=halves,
+        NT=grid.tiles_per_warp * planes, PLANES=planes, DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups,
+        SPLIT=grid.split, num_warps=grid.warps, num_stages=1)

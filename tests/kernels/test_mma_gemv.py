@@ -27,21 +27,17 @@ def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def test_packed_words_are_the_mma_fragments():
-    """Decode the packed words as PTX defines the m16n8k16 A fragment (lane = 4g + c; register
+def mma_products(words, x):
+    """Decode packed words as PTX defines the m16n8k16 A fragment (lane = 4g + c; register
     h + 2kh holds rows g + 8h, columns 2c + 8kh + {0, 1}, low half first) and the B registers as the
     kernel loads them (lane (g, c), register kh of k-step j: in-features 16c + 8kh + 2j + {0, 1} of
-    row g); the MMA products summed over k-steps and chunks must be x @ q.T."""
-    n, k = 32, 128
-    g_ = torch.Generator().manual_seed(1)
-    q = torch.randint(0, 16, (n, k), generator=g_)
-    qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).t().contiguous().to(torch.uint8)  # (K/2, N), even k low
-    words = mma_pack(qweight, n, k).to(torch.int64) & 0xFFFFFFFF  # (N/16, K/64, 32, 4)
-    x = torch.randint(-3, 4, (8, k), generator=g_).to(torch.int64)
-    out = torch.zeros(8, n, dtype=torch.int64)
+    row g); return the MMA products summed over k-steps and chunks, (8, 16 tiles)."""
+    words = words.to(torch.int64) & 0xFFFFFFFF
+    tiles, k = words.shape[0], words.shape[1] * 64
+    out = torch.zeros(8, 16 * tiles, dtype=torch.int64)
     lane = torch.arange(32)
     g, c = lane // 4, lane % 4
-    for t in range(n // 16):
+    for t in range(tiles):
         for kc in range(k // 64):
             for j in range(4):
                 a = torch.zeros(16, 16, dtype=torch.int64)
@@ -53,7 +49,29 @@ def test_packed_words_are_the_mma_fragments():
                             a[g + 8 * h, 2 * c + 8 * kh + e] = nib
                             b[2 * c + 8 * kh + e, g] = x[g, 64 * kc + 16 * c + 8 * kh + 2 * j + e]
                 out[:, 16 * t:16 * t + 16] += (a @ b).t()
-    assert torch.equal(out, x @ q.t())
+    return out
+
+
+def test_packed_words_are_the_mma_fragments():
+    """The MMA products of the 4-bit layout's fragments are x @ q.T."""
+    n, k = 32, 128
+    g_ = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (n, k), generator=g_)
+    qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).t().contiguous().to(torch.uint8)  # (K/2, N), even k low
+    x = torch.randint(-3, 4, (8, k), generator=g_).to(torch.int64)
+    assert torch.equal(mma_products(mma_pack(qweight, n, k), x), x @ q.t())
+
+
+def test_8bit_planes_are_high_then_low_nibble_tiles():
+    """8-bit: tile 2t's fragments are the high nibbles of rows 16t.., tile 2t + 1's the low ones."""
+    n, k = 48, 192
+    g_ = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 256, (n, k), generator=g_)
+    x = torch.randint(-3, 4, (8, k), generator=g_).to(torch.int64)
+    words = mma_pack(q.t().contiguous().to(torch.uint8), n, k, bits=8)
+    assert words.shape == (n // 8, k // 64, 32, 4)
+    planes = mma_products(words, x).reshape(8, n // 16, 2, 16)
+    assert torch.equal((16 * planes[:, :, 0] + planes[:, :, 1]).reshape(8, n), x @ q.t())
 
 
 def test_mma_pack_refuses_shapes_it_cannot_hold():
@@ -63,13 +81,12 @@ def test_mma_pack_refuses_shapes_it_cannot_hold():
 
 def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1, rawq=False):
     n, k = pw.shape
-    wp, nt, _, sp = mma_grid(n, k, pw.group_size, warps, split, tiles)
+    grid = mma_grid(n, k, pw.group_size, warps, split, tiles, pw.bits)
     out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype or x.dtype, device=DEV)
-    ws = torch.empty(sp, x.shape[0], n, dtype=torch.float32, device=DEV)
-    cnt = torch.zeros(n // (16 * wp * nt), dtype=torch.int32, device=DEV)
-    launch_mma_gemv(x, mma_pack(pw.qweight, n, k), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
-                    group_size=pw.group_size, warps=wp, tiles_per_warp=nt, split=sp, depth=depth, rawq=rawq,
-                    use_asm=DEV == "cuda")
+    ws = torch.empty(grid.split, x.shape[0], n, dtype=torch.float32, device=DEV)
+    cnt = torch.zeros(grid.programs, dtype=torch.int32, device=DEV)
+    launch_mma_gemv(x, mma_pack(pw.qweight, n, k, pw.bits), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
+                    group_size=pw.group_size, grid=grid, depth=depth, rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
     return out
 
@@ -91,6 +108,21 @@ def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n,k,gs,warps,split,depth", [(16, 128, 64, 1, 1, 1), (48, 192, 64, 4, 3, 2),
+                                                      (64, 256, 128, 2, 2, 1), (96, 512, 256, 2, 2, 2)])
+@pytest.mark.parametrize("m", [1, 3, 9, 16])
+def test_8bit_kernel_matches_reference(m, n, k, gs, warps, split, depth, dtype):
+    """8-bit weights as two nibble planes (always combined per group in float32)."""
+    pw, w = packed(n, k, gs, dtype, bits=8, seed=n + m)
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m == 3 else None
+    ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+    out = run_kernel(x, pw, warps, split, bias, depth, tiles=2)  # (8-bit gets one tile per warp)
+    assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m", [2, 13])
 @pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
 def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype, rawq):
@@ -106,11 +138,13 @@ def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype, rawq):
 
 
 def test_grid_rounds_to_divisors():
-    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 1, 2, 16)
-    assert mma_grid(4096, 14336, 128, 4, 32, 2) == (4, 2, 4, 28)  # 112 groups: the largest divisor <= 32
-    assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3)  # 3 tiles of 16 rows: one warp, one tile each
-    assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3)  # 8 tiles: 4 warps of two
-    assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3)  # 3 pairs of tiles: one warp per program
+    # (warps, tiles per warp, groups per program, split, programs)
+    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 1, 2, 16, 32)
+    assert mma_grid(4096, 14336, 128, 4, 32, 2) == (4, 2, 4, 28, 32)  # 112 groups: the largest divisor <= 32
+    assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3, 3)  # 3 tiles of 16 rows: one warp, one tile each
+    assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3, 1)  # 8 tiles: 4 warps of two
+    assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3, 3)  # 3 pairs of tiles: one warp per program
+    assert mma_grid(128, 192, 64, 4, 3, 2, bits=8) == (4, 1, 1, 3, 2)  # 8-bit: one tile per warp (two planes)
 
 
 def _spy(monkeypatch):
@@ -120,7 +154,7 @@ def _spy(monkeypatch):
     real = mm_mod.launch_mma_gemv
 
     def spy(*a, **kw):
-        calls.append((kw["split"], kw["tiles_per_warp"], kw["rawq"], kw["depth"]))
+        calls.append((kw["grid"].split, kw["grid"].tiles_per_warp, kw["rawq"], kw["depth"], kw["bits"]))
         return real(*a, **kw)
     monkeypatch.setattr(mm_mod, "launch_mma_gemv", spy)
     return calls
@@ -135,15 +169,28 @@ def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
         cfg = KernelConfig("mma", 8, rows, num_warps=2, split=2, num_stages=depth, rawq=rawq)
         out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
-    assert calls == [(2, 1, True, 1), (2, 2, False, 2), (2, 2, True, 2)]
+    assert calls == [(2, 1, True, 1, 4), (2, 2, False, 2, 4), (2, 2, True, 2, 4)]
 
 
-@pytest.mark.parametrize("case", ["8-bit", "axis 0", "N % 16", "gs 32", "M = 17", "fp32 x", "disabled", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_mixed_mm_takes_the_mma_path_for_8bit_decode(dtype, monkeypatch):
+    calls = _spy(monkeypatch)
+    pw, w = packed(64, 256, 128, dtype, bits=8)
+    for m in (1, 11):
+        x = torch.randn(m, 256).to(dtype).to(DEV)
+        cfg = KernelConfig("mma", 8, 32, num_warps=2, split=2, num_stages=2, rawq=False)
+        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, bits=8, config=cfg)
+        assert rel_err(out, x.float() @ w.t()) <= (1e-3 if dtype == torch.float16 else 8e-3)
+    assert calls == [(2, 1, False, 2, 8)] * 2
+
+
+@pytest.mark.parametrize("case", ["8-bit axis 0", "axis 0", "N % 16", "gs 32", "M = 17", "fp32 x", "disabled",
+                                  "transposed"])
 def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
     calls = _spy(monkeypatch)
     n, k, gs, bits, axis, m, dtype = 64, 256, 128, 4, 1, 2, torch.float16
-    if case == "8-bit":
-        bits = 8
+    if case == "8-bit axis 0":
+        bits, axis, gs = 8, 0, 32
     elif case == "axis 0":
         axis, gs = 0, 32
     elif case == "N % 16":
@@ -200,11 +247,12 @@ def test_self_check_passes_on_this_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (14336, 4096, 128), (4096, 14336, 128), (1024, 2048, 64)])
-def test_full_size_on_gpu(n, k, gs, dtype):
-    pw, w = packed(n, k, gs, dtype)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_full_size_on_gpu(n, k, gs, dtype, bits):
+    pw, w = packed(n, k, gs, dtype, bits=bits)
     for m in (1, 2, 8, 11, 16):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         for warps, split, depth, tiles, rawq in ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
-                                                 (4, 8, 2, 2, True), (1, 16, 1, 1, True)):
+                                                 (4, 8, 2, 2, True), (1, 16, 1, 1, True))[:5 if bits == 4 else 3]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
