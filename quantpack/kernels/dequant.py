@@ -171,11 +171,17 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
         z_hi = z_lo
     elif META_COL:  # axis 0, tile columns inside one group: one scale/zero per in-feature
         gc = (pid_n * BLOCK_N) // G
-        hi_mask = r_mask & ((2 * r + 1) < K)
-        s_lo = tl.load(s_ptr + (2 * r) * N_META + gc, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        z_lo = tl.load(z_ptr + (2 * r) * N_META + gc, mask=r_mask, other=0).to(tl.float32)[:, None]
-        s_hi = tl.load(s_ptr + (2 * r + 1) * N_META + gc, mask=hi_mask, other=0.0).to(tl.float32)[:, None]
-        z_hi = tl.load(z_ptr + (2 * r + 1) * N_META + gc, mask=hi_mask, other=0).to(tl.float32)[:, None]
+        # the tile's 2 * BLOCK_R scales (and zeros) as one vector of its own, split into lo/hi after:
+        # indexed by the tile's rows they would be gathered again by every thread holding a row
+        kk = 2 * r0 + tl.arange(0, 2 * BLOCK_R)
+        s_lo, s_hi = tl.split(tl.reshape(tl.load(s_ptr + kk * N_META + gc, mask=kk < K, other=0.0).to(tl.float32),
+                                         (BLOCK_R, 2)))
+        z_lo, z_hi = tl.split(tl.reshape(tl.load(z_ptr + kk * N_META + gc, mask=kk < K, other=0).to(tl.float32),
+                                         (BLOCK_R, 2)))
+        s_lo = s_lo[:, None]
+        z_lo = z_lo[:, None]
+        s_hi = s_hi[:, None]
+        z_hi = z_hi[:, None]
     else:
         s_lo, z_lo = load_meta(s_ptr, z_ptr, 2 * r, n, r_mask, n_mask, N, G, N_META, AXIS)
         s_hi, z_hi = load_meta(s_ptr, z_ptr, 2 * r + 1, n, r_mask & ((2 * r + 1) < K), n_mask, N, G, N_META, AXIS)
@@ -192,10 +198,11 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
 
 
 # (pair rows, columns, warps) per program by (bits, axis, column block), the best of a block sweep on an
-# H200 (BENCHMARKS.md run G; benchmarks/NOTES.md, v5). For axis 0 the column block must divide the group
-# size so each row's scale/zero is one load (META_COL): the widest of 128, 64, 32, 16 that does.
+# H200 (BENCHMARKS.md runs G and J; benchmarks/NOTES.md, v5 and v8). For axis 0 the column block must
+# divide the group size so each row's scale/zero is one load (META_COL): the widest of 128, 64, 32, 16
+# that does; 4-bit gs 128 takes 128 pair rows so its 256 scales/zeros are loaded once, not per thread.
 DEQUANT_BLOCKS = {(4, 1, 128): (32, 128, 8), (8, 1, 128): (64, 128, 8),
-                  (4, 0, 128): (32, 128, 4), (8, 0, 128): (32, 128, 8),
+                  (4, 0, 128): (128, 128, 4), (8, 0, 128): (32, 128, 8),
                   (4, 0, 64): (32, 64, 2), (8, 0, 64): (32, 64, 2)}
 
 
