@@ -8,7 +8,8 @@
 --bench  the table: cuBLAS bf16/fp16 F.linear, hqq reference HQQLinear (PYTORCH backend), torchao
          triton_mixed_mm, tinygemm (HQQLinearTorchWeightOnlyInt4, bf16 only), gemlite
          A16W4_HQQ_INT, quantpack mixed_mm; then the transposed kernel (M >= 1024) against cuBLAS
-         x @ W, the dequant kernel against copy bandwidth, and W8A16 at M = 1.
+         x @ W, the dequant kernel against copy bandwidth, W8A16 at M = 1, and (``stream``) how
+         fast a kernel that only reads each shape's packed bytes, with no math, can be.
 
 Method (as in shared/tools/anchors_gpu.py): random data; every implementation checked against an
 fp32 reference first; each timed as the median of do_bench over CUDA-graph replays of one call per
@@ -29,6 +30,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import importlib  # noqa: E402
@@ -39,7 +42,8 @@ from timing import graph_time as _graph_time, median_ms  # noqa: E402  (benchmar
 mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module (the package exports a function of that name)
 dq_mod = importlib.import_module("quantpack.kernels.dequant")
 DEQUANT_VARIANTS = [(32, 128, 4), (32, 128, 8), (64, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4), (64, 64, 4),
-                    (32, 64, 2)]
+                    (32, 64, 2), (128, 128, 8), (32, 128, 2), (128, 64, 4), (128, 128, 4), (256, 128, 8),
+                    (128, 128, 2), (64, 64, 2)]
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N out, K in)
 GS = 128
@@ -123,7 +127,7 @@ def tune(ms, tr_ms, dtype_name, l2, out_dir):
     jobs = tune_jobs(ms, tr_ms)
     warm = []
     for transposed, bits, m, n, k in jobs:
-        for cfg in mm.candidate_configs(transposed, m, n, k, torch.device("cuda")):
+        for cfg in mm.candidate_configs(transposed, m, n, k, torch.device("cuda"), bits):
             if cfg.path != "dq":
                 warm.append((transposed, bits, m, n, k, dtype_name, cfg.__dict__.copy()))
     t0 = time.time()
@@ -336,8 +340,50 @@ def bench_dequant(bw):
     return rows
 
 
+@triton.jit
+def _read_stream(q_ptr, out_ptr, STEPS: tl.constexpr, WARPS: tl.constexpr):
+    """Read STEPS x (32 WARPS lanes x 16 bytes) contiguous int32 words per program and keep their XOR."""
+    rows = tl.arange(0, 32 * WARPS)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    base = tl.program_id(0) * STEPS * 128 * WARPS
+    acc = tl.zeros((32 * WARPS, 4), dtype=tl.int32)
+    for i in range(STEPS):
+        acc ^= tl.load(q_ptr + base + i * 128 * WARPS + rows)
+    tl.store(out_ptr + tl.program_id(0) * 128 * WARPS + rows, acc)
+
+
+def bench_stream(dtype):
+    """The read-only floor of each decode shape: the fastest of a few launch shapes of a kernel that
+    reads the packed weight + scales/zeros once (one 16-byte load per lane per step, as the GEMV
+    kernels do) and does nothing else, under the same CUDA-graph timing, against cuBLAS at M = 1."""
+    log(f"\n== read-only floor: a kernel that only reads the packed bytes, vs cuBLAS {dtype} at M = 1")
+    rows = []
+    for n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        ws = [w] + [w.clone() for _ in range(replicas(2 * n * k, L2) - 1)]
+        tc, _ = graph_time([lambda i=i: F.linear(x, ws[i]) for i in range(len(ws))])
+        del w, ws
+        for bits in (4, 8):
+            nbytes = n * k * bits // 8 + 4 * (k // GS) * n
+            words = triton.cdiv(nbytes, 4 * 128 * 4 * 32) * 128 * 4 * 32  # whole programs of the largest shape
+            qs = [torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32, device="cuda")
+                  for _ in range(replicas(4 * words, L2))]
+            best = math.inf
+            for warps, steps in ((4, 8), (4, 16), (4, 32), (2, 16), (8, 8)):
+                programs = words // (128 * warps * steps)
+                out = torch.empty(programs * 128 * warps, dtype=torch.int32, device="cuda")
+                t, _ = graph_time([lambda q=q: _read_stream[(programs,)](q, out, STEPS=steps, WARPS=warps,
+                                                                          num_warps=warps) for q in qs])
+                best = min(best, t)
+            log(f"N={n:5d} K={k:5d} W{bits}: {nbytes / 1e6:5.1f} MB read in {best * 1e3:5.1f} us "
+                f"({nbytes / (best * 1e-3) / 1e12:.2f} TB/s); cuBLAS M=1 {tc * 1e3:5.1f} us: at most x{tc / best:.2f}")
+            rows.append({"N": n, "K": k, "bits": bits, "bytes": nbytes, "us": best * 1e3, "cublas": tc * 1e3})
+            del qs
+    return rows
+
+
 def bench_w8(bw, dtype):
-    log("\n== W8A16 (8-bit weights) at M=1 vs cuBLAS")
+    log(f"\n== W8A16 (8-bit weights) at M=1 vs cuBLAS, {dtype}")
     rows = []
     for n, k in SHAPES:
         qw, s, z, w, qps, ws = replicated(n, k, 8, dtype)
@@ -349,9 +395,10 @@ def bench_w8(bw, dtype):
         err = ((out.float() - ref).norm() / ref.norm()).item()
         tq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, bits=8) for i in range(r8)])
         tc, _ = graph_time([lambda i=i: F.linear(x, ws[i]) for i in range(r16)])
+        cfg = mm.pick_config(False, 8, 1, n, k, x.device)
         log(f"N={n:5d} K={k:5d} M=1: quantpack W8 {tq * 1e3:6.1f}us ({nbytes / (tq * 1e-3) / 1e12:.2f} TB/s) "
-            f"cuBLAS {tc * 1e3:6.1f}us  x{tc / tq:.2f}  err {err:.1e}")
-        rows.append({"N": n, "K": k, "quantpack": tq * 1e3, "cublas": tc * 1e3, "err": err})
+            f"cuBLAS {tc * 1e3:6.1f}us  x{tc / tq:.2f}  err {err:.1e}  [{cfg.path} s{cfg.split} w{cfg.num_warps}]")
+        rows.append({"N": n, "K": k, "dtype": str(dtype), "quantpack": tq * 1e3, "cublas": tc * 1e3, "err": err})
     return rows
 
 
@@ -365,14 +412,13 @@ def main():
     ap.add_argument("--tr-ms", default="1024,4096")
     ap.add_argument("--tune-ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--tune-tr-ms", default="256,1024,4096")
-    ap.add_argument("--sections", default="transposed,dequant,w8,main")
+    ap.add_argument("--sections", default="transposed,dequant,w8,stream,main")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     dtypes = args.dtypes.split(",")
     p = torch.cuda.get_device_properties(0)
     L2 = getattr(p, "L2_cache_size", 50 * 2 ** 20)
-    import triton
     log(f"{p.name}, {p.multi_processor_count} SMs, L2 {L2 / 2 ** 20:.0f} MB, torch {torch.__version__}, "
         f"triton {triton.__version__}, config key {mm.device_key(torch.device('cuda'))}")
     bw, peak = ceilings()
@@ -380,13 +426,14 @@ def main():
     results = {"device": p.name, "bw": bw, "peak": peak}
     if args.tune:
         log(f"[{time.strftime('%H:%M:%S')}] tune")
-        tune([int(v) for v in args.tune_ms.split(",")], [int(v) for v in args.tune_tr_ms.split(",") if v], "bf16",
+        tune([int(v) for v in args.tune_ms.split(",") if v], [int(v) for v in args.tune_tr_ms.split(",") if v], "bf16",
              L2, args.out)
     if args.bench:
         for name, fn in (("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],
                                                                  torch.bfloat16, peak, bw)),
                          ("dequant", lambda: bench_dequant(bw)),
-                         ("w8", lambda: bench_w8(bw, torch.bfloat16)),
+                         ("w8", lambda: [row for d in dtypes for row in bench_w8(bw, DT[d])]),
+                         ("stream", lambda: bench_stream(DT[dtypes[0]])),
                          ("main", lambda: bench(ms, dtypes, bw, peak))):
             if name not in args.sections.split(","):
                 continue
