@@ -8,7 +8,7 @@ table (``configs/<gpu>.json``) so first use never autotunes:
 * ``gemv``: decode (M = 1 and a few rows), groups along K. CUDA-core GEMV in ``gemv.py``:
   split-K, next step's loads issued before this step's math, nibbles turned into floats with one
   shift and one LOP3, ``words=True`` reads int32 words of 4 columns.
-* ``mma``: decode (M <= 16), 4/8-bit, groups along K of a multiple of 64. Tensor-core GEMV in
+* ``mma``: decode (M <= 64), 4/8-bit, groups along K of a multiple of 64. Tensor-core GEMV in
   ``mma_gemv.py`` on a copy of the weight repacked once into MMA fragment order (kept per weight
   tensor while it lives; ``QUANTPACK_MMA=0`` turns the path off and saves that memory).
 * ``fma``: small M, any layout (axis 0, groups narrower than a tile). CUDA-core tiles, split-K; the
@@ -479,14 +479,15 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> KernelConfig:
 
 def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
     """A config without tuning, following what tuning chose on an H200 (benchmarks/NOTES.md): the
-    tensor-core GEMV for M <= 16 (the CUDA-core one where its layout needs are not met), split
+    tensor-core GEMV for M <= 16 (the CUDA-core one where its layout needs are not met; tuned tables
+    take it up to M = 64), split
     tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the fused large-M kernels lost to
     it by 2-10x there)."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
     if m > 64 and device.type == "cuda":
         return KernelConfig(path="dq")
-    if m <= MMA_MAX_M and not transposed:
+    if m <= 16 and not transposed:
         # 2-warp programs, ~8 per SM (mma_grid rounds the split to a divisor of the group count)
         return KernelConfig(path="mma", block_m=max(8, m_bucket(m)), block_n=16, num_warps=2, num_stages=2,
                             split=_fill_split(max(1, n // 32), max(1, k // 64), sms, 8.0))
@@ -679,9 +680,9 @@ def _mma_self_check(device: torch.device) -> bool:
         out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
         try:
             ok = True
-            # one and two 8-row halves of x, one and two tiles per warp, both ways of applying the zeros, 8-bit planes
-            for bits, m, nt, rawq in ((4, 3, 1, True), (4, MMA_MAX_M, 2, True), (4, MMA_MAX_M, 2, False),
-                                      (8, MMA_MAX_M, 1, True)):
+            # one and two 8-row halves of x, blocks of 16 rows, one and two tiles per warp, both ways of applying
+            # the zeros, 8-bit planes
+            for bits, m, nt, rawq in ((4, 3, 1, True), (4, 40, 2, True), (4, 16, 2, False), (8, MMA_MAX_M, 1, True)):
                 qw = torch.randint(0, 256, (k * bits // 8, n), device=device, dtype=torch.uint8, generator=g)
                 z = (torch.rand(k // gs, n, device=device, generator=g) * (2 ** bits - 1)).to(torch.bfloat16)
                 w = reference.dequantize(PackedWeight(qw, s, z, bits, gs, 1, (n, k)), torch.float32)
@@ -768,7 +769,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         tiles = m * tiles_n
     elif cfg.path == "mma":
         grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits)
-        split, tiles = grid.split, grid.programs
+        split, tiles = grid.split, grid.programs * triton.cdiv(m, 16)  # (a program per 16 rows of x)
     elif transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:

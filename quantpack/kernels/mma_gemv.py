@@ -1,4 +1,4 @@
-"""Tensor-core decode GEMV for 4- and 8-bit weights: ``out (M, N) = x (M, K) @ W.T`` for M <= 16 on
+"""Tensor-core decode GEMV for 4- and 8-bit weights: ``out (M, N) = x (M, K) @ W.T`` for M <= 64 on
 ``mma.sync.m16n8k16`` (``mixed_mm``'s ``mma`` path).
 
 The CUDA-core ``gemv`` spends about 3.4 instructions per weight on unpacking and multiply-adds;
@@ -17,7 +17,8 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
   offset; then either (``rawq``) the MMA runs on that and each group is rescaled once,
   ``s (d - (z + offset) sum(x))``, with ``sum(x)`` from a second MMA whose A is all ones (so it lands
   in the accumulator's layout), or two half2 adds make A ``q - z`` first (one MMA per k-step);
-* rows 8-15 of x are a second B fragment on the same A; a warp may take two 16-row tiles of N
+* rows 8-15 of x are a second B fragment on the same A (more rows: one program per 16 rows of x,
+  adjacent so the weight they share comes from L2 after the first); a warp may take two 16-row tiles of N
   that share x's fragments; split-K over programs as in ``gemv.py`` (partials + the last-arriving
   program sums them);
 * 8-bit weights ``q = 16 h + l`` are two nibble planes packed as two adjacent 4-bit tiles of the
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
-MAX_M = 16  # rows of x: one or two 8-column B fragments per k-step
+MAX_M = 64  # rows of x: blocks of 16 (one or two 8-column B fragments per k-step), one program each
 
 
 def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
@@ -246,7 +247,7 @@ def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, d0, d1, sx0, s
 
 
 @triton.jit
-def _finish(acc, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.constexpr,
+def _finish(acc, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS: tl.constexpr,
             SPLIT: tl.constexpr):
     """Write one accumulator fragment: to out (plus bias) without split-K, else as this program's partial."""
     mask = (m_c < M) & (n_c < N)
@@ -255,16 +256,17 @@ def _finish(acc, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HA
             acc += tl.load(bias_ptr + n_c).to(tl.float32)
         tl.store(out_ptr + m_c * stride_om + n_c, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(ws_ptr + pid_s * M * N + m_c * N + n_c, acc, mask=mask)
+        tl.store(ws_ptr + pid_s * WS_SPLIT + m_c * N + n_c, acc, mask=mask)
 
 
 @triton.jit
-def _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS: tl.constexpr,
+            SPLIT: tl.constexpr):
     """Sum one fragment's SPLIT partials (plus bias) into out (the last-arriving program does this)."""
     mask = (m_c < M) & (n_c < N)
     total = tl.zeros(m_c.shape, dtype=tl.float32)
     for s_i in range(SPLIT):
-        total += tl.load(ws_ptr + s_i * M * N + m_c * N + n_c, mask=mask, other=0.0, cache_modifier=".cg")
+        total += tl.load(ws_ptr + s_i * WS_SPLIT + m_c * N + n_c, mask=mask, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         total += tl.load(bias_ptr + n_c).to(tl.float32)
     tl.store(out_ptr + m_c * stride_om + n_c, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -277,9 +279,18 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
                      RAWQ: tl.constexpr, HALVES: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
-    # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2)
-    pid_n = tl.program_id(0)
+    # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
+    # Rows of x come in blocks of 16, one program each; the blocks of a column tile are adjacent
+    # programs, so the weight tile they all read is in L2 for the later ones.
+    blocks = (M + 15) // 16
+    pid_m = tl.program_id(0) % blocks
+    pid_n = tl.program_id(0) // blocks
     pid_s = tl.program_id(1)
+    x_ptr += pid_m * 16 * stride_xm
+    out_ptr += pid_m * 16 * stride_om
+    WS_SPLIT = M * N  # (workspace: SPLIT x M x N partials)
+    ws_ptr += pid_m * 16 * N
+    M = tl.minimum(M - pid_m * 16, 16)  # rows of this block
     CPG: tl.constexpr = G // 64  # chunks per group
     STEPS: tl.constexpr = GROUPS * CPG
     XT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
@@ -386,26 +397,27 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             acc10 += s1 * d10
             acc11 += s1 * d11
 
-    _finish(acc00, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+    _finish(acc00, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
     if HALVES == 2:
-        _finish(acc01, m_c + 8, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+        _finish(acc01, m_c + 8, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
     if TILE2:
-        _finish(acc10, m_c, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+        _finish(acc10, m_c, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
         if HALVES == 2:
-            _finish(acc11, m_c + 8, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+            _finish(acc11, m_c + 8, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
+                    SPLIT)
     if SPLIT > 1:
         # partials published: count arrivals; the last program of this column tile sums them all
         tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+            _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
             if HALVES == 2:
-                _reduce(m_c + 8, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+                _reduce(m_c + 8, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
             if TILE2:
-                _reduce(m_c, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
+                _reduce(m_c, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
                 if HALVES == 2:
-                    _reduce(m_c + 8, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, HAS_BIAS, SPLIT)
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+                    _reduce(m_c + 8, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axis: int) -> bool:
@@ -437,20 +449,20 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
                     grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, bits: int = 4) -> None:
-    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout (of ``bits``), M <= 16. ``grid``
+    """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout (of ``bits``), M <= 64. ``grid``
     must come from :func:`mma_grid` (for these bits); ``depth`` (1 or 2; 3 measured slower) chunks of
     loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
     zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
     the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq);
-    ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs) int32, zero at rest, are used
-    when split > 1."""
+    ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs x blocks of 16 rows) int32,
+    zero at rest, are used when split > 1."""
     assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits), \
         "grid must come from mma_grid"
     assert depth in (1, 2) and 1 <= x2.shape[0] <= MAX_M and bits in (4, 8)
     halves = 1 if x2.shape[0] <= 8 else 2
     planes = 2 if bits == 8 else 1
     rawq = rawq or planes == 2
-    _mma_gemv_kernel[(grid.programs, grid.split)](
+    _mma_gemv_kernel[(grid.programs * triton.cdiv(x2.shape[0], 16), grid.split)](
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         x2.shape[0], n, k, x2.stride(0), out.stride(0),
         G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,

@@ -84,7 +84,7 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1,
     grid = mma_grid(n, k, pw.group_size, warps, split, tiles, pw.bits)
     out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype or x.dtype, device=DEV)
     ws = torch.empty(grid.split, x.shape[0], n, dtype=torch.float32, device=DEV)
-    cnt = torch.zeros(grid.programs, dtype=torch.int32, device=DEV)
+    cnt = torch.zeros(grid.programs * -(-x.shape[0] // 16), dtype=torch.int32, device=DEV)  # per 16 rows of x
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k, pw.bits), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
                     group_size=pw.group_size, grid=grid, depth=depth, rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
@@ -95,13 +95,13 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1,
 @pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(16, 128, 64, 1, 1, 1, 1), (48, 192, 64, 4, 3, 2, 1),
                                                             (80, 256, 128, 2, 2, 1, 1), (32, 512, 256, 2, 2, 2, 2),
                                                             (128, 192, 64, 2, 3, 1, 2)])
-@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
 def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype, rawq):
     pw, w = packed(n, k, gs, dtype)
     g = torch.Generator().manual_seed(m + n)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
-    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m in (3, 9) else None
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m in (3, 9, 40) else None
     ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
     out = run_kernel(x, pw, warps, split, bias, depth, tiles=tiles, rawq=rawq)
     assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
@@ -110,7 +110,7 @@ def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth", [(16, 128, 64, 1, 1, 1), (48, 192, 64, 4, 3, 2),
                                                       (64, 256, 128, 2, 2, 1), (96, 512, 256, 2, 2, 2)])
-@pytest.mark.parametrize("m", [1, 3, 9, 16])
+@pytest.mark.parametrize("m", [1, 3, 9, 16, 33])
 def test_8bit_kernel_matches_reference(m, n, k, gs, warps, split, depth, dtype):
     """8-bit weights as two nibble planes (always combined per group in float32)."""
     pw, w = packed(n, k, gs, dtype, bits=8, seed=n + m)
@@ -164,12 +164,12 @@ def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
     """The config's knobs reach the kernel: rows per warp (block_n 32 = two tiles), rawq, depth."""
     calls = _spy(monkeypatch)
     pw, w = packed(64, 256, 128)
-    for m, rows, rawq, depth in ((1, 16, True, 1), (5, 32, False, 2), (16, 32, True, 2)):
+    for m, rows, rawq, depth in ((1, 16, True, 1), (5, 32, False, 2), (16, 32, True, 2), (64, 16, True, 2)):
         x = torch.randn(m, 256, dtype=torch.float16).to(DEV)
         cfg = KernelConfig("mma", 8, rows, num_warps=2, split=2, num_stages=depth, rawq=rawq)
         out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
-    assert calls == [(2, 1, True, 1, 4), (2, 2, False, 2, 4), (2, 2, True, 2, 4)]
+    assert calls == [(2, 1, True, 1, 4), (2, 2, False, 2, 4), (2, 2, True, 2, 4), (2, 1, True, 2, 4)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -184,7 +184,7 @@ def test_mixed_mm_takes_the_mma_path_for_8bit_decode(dtype, monkeypatch):
     assert calls == [(2, 1, False, 2, 8)] * 2
 
 
-@pytest.mark.parametrize("case", ["8-bit axis 0", "axis 0", "N % 16", "gs 32", "M = 17", "fp32 x", "disabled",
+@pytest.mark.parametrize("case", ["8-bit axis 0", "axis 0", "N % 16", "gs 32", "M = 65", "fp32 x", "disabled",
                                   "transposed"])
 def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
     calls = _spy(monkeypatch)
@@ -197,8 +197,8 @@ def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
         n = 72
     elif case == "gs 32":
         gs = 32
-    elif case == "M = 17":
-        m = 17
+    elif case == "M = 65":
+        m = 65
     elif case == "fp32 x":
         dtype = torch.float32
     elif case == "disabled":
@@ -250,7 +250,7 @@ def test_self_check_passes_on_this_gpu():
 @pytest.mark.parametrize("bits", [4, 8])
 def test_full_size_on_gpu(n, k, gs, dtype, bits):
     pw, w = packed(n, k, gs, dtype, bits=bits)
-    for m in (1, 2, 8, 11, 16):
+    for m in (1, 2, 8, 11, 16, 33, 64):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         for warps, split, depth, tiles, rawq in ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
                                                  (4, 8, 2, 2, True), (1, 16, 1, 1, True))[:5 if bits == 4 else 3]:
