@@ -209,7 +209,8 @@ def test_default_config_dispatch():
     assert mm_mod._fix_config(cfg, True, 1, 1, 128).path == "dot"
     cfg16 = mm_mod.heuristic_config(False, 16, 4096, 4096, torch.device(DEV))  # two 8-row halves of x
     assert cfg16.path == "mma" and mm_mod._fix_config(cfg16, False, 16, 1, 128).path == "mma"
-    assert mm_mod._fix_config(cfg16, False, 17, 1, 128).path == "dot"
+    assert mm_mod._fix_config(cfg16, False, 64, 1, 128).path == "mma"  # blocks of 16 rows of x, up to 64
+    assert mm_mod._fix_config(cfg16, False, 65, 1, 128).path == "dot"
     assert mm_mod.gemv_config(1, 4096, 4096, torch.device(DEV)).path == "gemv"
 
 
