@@ -111,23 +111,30 @@ def _warm(job):
         return f"{cfg}: {repr(e)[:160]}"
 
 
-def tune_jobs(ms, tr_ms):
+def tune_jobs(ms, tr_ms, w8=True):
     jobs = []
     for n, k in SHAPES:
         for m in ms:
             jobs.append((False, 4, m, n, k))
         for m in tr_ms:
             jobs.append((True, 4, m, n, k))
-        jobs.append((False, 8, 1, n, k))
+        if w8:
+            jobs.append((False, 8, 1, n, k))
     return jobs
 
 
-def tune(ms, tr_ms, dtype_name, l2, out_dir):
+def candidates(transposed, bits, m, n, k, paths):
+    """The tuner's candidates for one key, limited to ``paths`` (all when empty)."""
+    return [c for c in mm.candidate_configs(transposed, m, n, k, torch.device("cuda"), bits)
+            if not paths or c.path in paths]
+
+
+def tune(ms, tr_ms, dtype_name, l2, out_dir, w8=True, paths=()):
     dtype = DT[dtype_name]
-    jobs = tune_jobs(ms, tr_ms)
+    jobs = tune_jobs(ms, tr_ms, w8)
     warm = []
     for transposed, bits, m, n, k in jobs:
-        for cfg in mm.candidate_configs(transposed, m, n, k, torch.device("cuda"), bits):
+        for cfg in candidates(transposed, bits, m, n, k, paths):
             if cfg.path != "dq":
                 warm.append((transposed, bits, m, n, k, dtype_name, cfg.__dict__.copy()))
     t0 = time.time()
@@ -143,13 +150,14 @@ def tune(ms, tr_ms, dtype_name, l2, out_dir):
         x = torch.randn(m, n if transposed else k, device="cuda", dtype=dtype)
         nbytes = qw.numel() + 2 * s.numel() * s.element_size()
         best, times = mm.autotune(x, qw, s, z, group_size=GS, bits=bits, transposed=transposed,
+                                  candidates=candidates(transposed, bits, m, n, k, paths),
                                   weight_copies=min(16, replicas(nbytes, l2)))
         key = mm.config_key(transposed, bits, n, k, m)
         ranked = sorted(times.items(), key=lambda kv: kv[1])
         results[key] = [(c.__dict__, t) for c, t in ranked[:6]]
         log(f"tune {key}: best {times[best]:.1f}us {best}  | next: " +
             "; ".join(f"{t:.1f}us {c.path}{'/raw' if c.rawq else ''}{'/words' if c.words else ''}"
-                      f"{f'/r{c.block_n}/d{c.num_stages}' if c.path == 'mma' else f'/{c.block_m}x{c.block_n}x{c.block_r}'}"
+                      f"{f'/x{c.block_m}/r{c.block_n}/d{c.num_stages}' if c.path == 'mma' else f'/{c.block_m}x{c.block_n}x{c.block_r}'}"
                       f"/s{c.split}/w{c.num_warps}"
                       for c, t in ranked[1:4]))
         del qw, s, z, x
@@ -266,8 +274,9 @@ def bench(ms, dtypes, bw, peak):
                     extra = (f" | {(nbytes4 + 2 * m * k + 2 * m * n) / (q * 1e-6) / 1e12:5.2f} "
                              f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
                 cfg = mm.pick_config(False, 4, m, n, k, x.device)
-                # (mma: r = rows of N per warp, d = chunks of loads in flight)
-                tile = f"r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma" else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} "
+                # (mma: x = rows of x per program, r = rows of N per warp, d = chunks of loads in flight)
+                tile = (f"x{max(16, cfg.block_m)} r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma"
+                        else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} ")
                 extra += (f"  [{cfg.path}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''} "
                           f"{tile}s{cfg.split} w{cfg.num_warps}]")
                 log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)
@@ -412,6 +421,8 @@ def main():
     ap.add_argument("--tr-ms", default="1024,4096")
     ap.add_argument("--tune-ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--tune-tr-ms", default="256,1024,4096")
+    ap.add_argument("--tune-w8", default=1, type=int, help="also tune 8-bit weights at M = 1 (0: skip)")
+    ap.add_argument("--tune-paths", default="", help="tune only these paths (comma-separated; default all)")
     ap.add_argument("--sections", default="transposed,dequant,w8,stream,main")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
@@ -427,7 +438,7 @@ def main():
     if args.tune:
         log(f"[{time.strftime('%H:%M:%S')}] tune")
         tune([int(v) for v in args.tune_ms.split(",") if v], [int(v) for v in args.tune_tr_ms.split(",") if v], "bf16",
-             L2, args.out)
+             L2, args.out, bool(args.tune_w8), tuple(p for p in args.tune_paths.split(",") if p))
     if args.bench:
         for name, fn in (("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],
                                                                  torch.bfloat16, peak, bw)),

@@ -58,7 +58,10 @@ def _alloc(shape, dtype, device) -> torch.Tensor:
 @dataclass(frozen=True)
 class KernelConfig:
     """One launch configuration. ``block_r`` counts pair rows (2 in-features each) per K step
-    (forward) or per output tile (transposed); ``split`` splits the reduction over programs."""
+    (forward) or per output tile (transposed); ``split`` splits the reduction over programs. The
+    ``mma`` path reads ``block_m`` as the rows of x per program (16 or less: one 16-row block; 32 or
+    64: two or four blocks sharing each unpacked weight fragment) and ``block_n`` as the rows of N
+    per warp (:func:`mma_tiles_per_warp`)."""
 
     path: str = "dot"
     block_m: int = 16
@@ -558,15 +561,18 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         # (depth 3 and split 32 never won on an H200, benchmarks/NOTES.md v7; depth 3 was removed)
         # (8-bit: one tile per warp, its two nibble planes always rawq; warps splitting a tile's K range
         # and summing in shared memory measured no faster, benchmarks/NOTES.md v8)
-        for rows in (16, 32) if bits == 4 else (16,):  # rows of N per warp
-            for warps in (1, 2, 4):
-                for split in (4, 8, 16):
-                    for depth in (1, 2):
-                        for rawq in (False, True) if bits == 4 else (True,):
-                            c = KernelConfig("mma", max(8, mb), rows, num_warps=warps, split=split, num_stages=depth,
-                                             rawq=rawq)
-                            if c not in out:
-                                out.append(c)
+        # (block_m: rows of x per program; several 16-row blocks of x in one program always subtract the zeros
+        # in A, and take two tiles per warp only up to two blocks: mma_grid)
+        for x_rows in (min(16, max(8, mb)),) + ((mb,) if mb > 16 and bits == 4 else ()):
+            for rows in (16, 32) if bits == 4 and x_rows <= 32 else (16,):  # rows of N per warp
+                for warps in (1, 2, 4):
+                    for split in (4, 8, 16):
+                        for depth in (1, 2):
+                            for rawq in (False, True) if bits == 4 and x_rows <= 16 else (bits == 8,):
+                                c = KernelConfig("mma", x_rows, rows, num_warps=warps, split=split,
+                                                 num_stages=depth, rawq=rawq)
+                                if c not in out:
+                                    out.append(c)
     if 8 < mb <= 64 or mb == 8:
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
                                       (128, 32, 4, 4)):
@@ -661,6 +667,11 @@ def mma_tiles_per_warp(cfg: KernelConfig) -> int:
     return 2 if cfg.block_n == 32 else 1
 
 
+def mma_blocks(cfg: KernelConfig) -> int:
+    """The mma path's 16-row blocks of x per program, from ``block_m`` (the rows of x it covers)."""
+    return max(1, cfg.block_m // 16)
+
+
 def mma_enabled() -> bool:
     return os.environ.get("QUANTPACK_MMA", "1") != "0"
 
@@ -680,14 +691,15 @@ def _mma_self_check(device: torch.device) -> bool:
         out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
         try:
             ok = True
-            # one and two 8-row halves of x, blocks of 16 rows, one and two tiles per warp, both ways of applying
-            # the zeros, 8-bit planes
-            for bits, m, nt, rawq in ((4, 3, 1, True), (4, 40, 2, True), (4, 16, 2, False), (8, MMA_MAX_M, 1, True)):
+            # one and two 8-row halves of x, programs of one and of four 16-row blocks, one and two tiles per
+            # warp, both ways of applying the zeros, 8-bit planes
+            for bits, m, nt, rawq, blocks in ((4, 3, 1, True, 1), (4, 40, 2, True, 1), (4, 16, 2, False, 1),
+                                              (4, MMA_MAX_M, 1, False, 4), (8, MMA_MAX_M, 1, True, 1)):
                 qw = torch.randint(0, 256, (k * bits // 8, n), device=device, dtype=torch.uint8, generator=g)
                 z = (torch.rand(k // gs, n, device=device, generator=g) * (2 ** bits - 1)).to(torch.bfloat16)
                 w = reference.dequantize(PackedWeight(qw, s, z, bits, gs, 1, (n, k)), torch.float32)
                 want = x[:m].float() @ w.t()
-                grid = mma_grid(n, k, gs, 2, 1, nt, bits)
+                grid = mma_grid(n, k, gs, 2, 1, nt, bits, blocks)
                 launch_mma_gemv(x[:m], mma_pack(qw, n, k, bits), s, z, None, out, out, out, n=n, k=k, group_size=gs,
                                 grid=grid, depth=2, rawq=rawq, use_asm=not interpreting(), bits=bits)
                 ok &= bool(((out[:m] - want).norm() / want.norm()).item() < 1e-2)
@@ -768,8 +780,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         _, split, tiles_n = gemv_grid(m, n, k, cfg.block_n, cfg.block_r, split)
         tiles = m * tiles_n
     elif cfg.path == "mma":
-        grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits)
-        split, tiles = grid.split, grid.programs * triton.cdiv(m, 16)  # (a program per 16 rows of x)
+        grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))
+        split, tiles = grid.split, grid.programs * grid.row_programs(m)
     elif transposed:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
     else:
@@ -784,7 +796,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         ws = cnt = out  # never touched
     if cfg.path == "mma":
         if grid.split != split:  # (too many programs for the counters: one program per column tile)
-            grid = mma_grid(n, k, group_size, grid.warps, split, grid.tiles_per_warp, bits)
+            grid = mma_grid(n, k, group_size, grid.warps, split, grid.tiles_per_warp, bits, grid.blocks)
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
                         grid=grid, depth=min(2, max(1, cfg.num_stages)), rawq=cfg.rawq, use_asm=not interpreting(),
                         bits=bits)

@@ -17,10 +17,12 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
   offset; then either (``rawq``) the MMA runs on that and each group is rescaled once,
   ``s (d - (z + offset) sum(x))``, with ``sum(x)`` from a second MMA whose A is all ones (so it lands
   in the accumulator's layout), or two half2 adds make A ``q - z`` first (one MMA per k-step);
-* rows 8-15 of x are a second B fragment on the same A (more rows: one program per 16 rows of x,
-  adjacent so the weight they share comes from L2 after the first); a warp may take two 16-row tiles of N
-  that share x's fragments; split-K over programs as in ``gemv.py`` (partials + the last-arriving
-  program sums them);
+* rows 8-15 of x are a second B fragment on the same A; a program may take up to four 16-row blocks
+  of x (``MmaGrid.blocks``), every fragment of them multiplied with each A the warp unpacks, so a
+  weight tile is read and unpacked once for all 64 rows (with fewer blocks per program, the programs
+  of one weight tile are adjacent and the later ones read it from L2); a warp may take two 16-row
+  tiles of N that share x's fragments; split-K over programs as in ``gemv.py`` (partials + the
+  last-arriving program sums them);
 * 8-bit weights ``q = 16 h + l`` are two nibble planes packed as two adjacent 4-bit tiles of the
   same 16 rows (``h`` then ``l``): a warp runs them as its two tiles in ``rawq`` mode and combines
   ``s (16 d_h + d_l - (z + 17 offset) sum(x))`` per group. bf16 has no 8-bit magic number (7
@@ -32,6 +34,7 @@ reshapes and ``tl.dot``-free sums (same packed layout, same arithmetic), which i
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -39,7 +42,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
-MAX_M = 64  # rows of x: blocks of 16 (one or two 8-column B fragments per k-step), one program each
+MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each), up to 4 blocks per program
 
 
 def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
@@ -71,39 +74,39 @@ def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tens
 MODES = ("zero", "raw_sum", "raw")
 
 
-def _chunk_asm(fp16: bool, halves: int, mode: str) -> str:
+def _chunk_asm(fp16: bool, frags: int, mode: str) -> str:
     """PTX for one 64-in-feature chunk on each lane's fragments (one row of a (32*W, 4) tensor per
     lane, ``pack=4``): per k-step j, unpack word j of A (shift + LOP3 to ``q + offset``) and run
-    ``d[h] += A . B[h]`` for each 8-row half h of x. ``mode``:
+    ``d[f] += A . B[f]`` for each 8-row fragment f of x (one unpack serves them all). ``mode``:
 
     * ``zero``: A becomes ``q - z`` first (two adds: exact, then rounded to x's dtype, as
-      dequantizing rounds): 15 integer/half2 instructions and one MMA per k-step and half;
+      dequantizing rounds): 15 integer/half2 instructions and one MMA per k-step and fragment;
     * ``raw_sum``: A stays ``q + offset`` (7 instructions) and a second MMA with an all-ones A gives
-      ``sx[h] += sum(x)`` in the accumulator layout, for the per-group ``s (d - (z + offset) sx)``;
+      ``sx[f] += sum(x)`` in the accumulator layout, for the per-group ``s (d - (z + offset) sx)``;
     * ``raw``: as ``raw_sum`` without the sums (a warp's second tile reuses its first tile's).
 
-    Operands in order: outputs ``d[h]`` (4 f32 each), then ``sx[h]`` (raw_sum); inputs: A words (4),
-    per half the first and second B registers (4 + 4), ``-z`` of rows g and g + 8 as 16-bit pairs
-    (2, zero), ``d[h]`` in, ``sx[h]`` in (raw_sum). Inputs are copied to local registers first so
+    Operands in order: outputs ``d[f]`` (4 f32 each), then ``sx[f]`` (raw_sum); inputs: A words (4),
+    per fragment the first and second B registers (4 + 4), ``-z`` of rows g and g + 8 as 16-bit pairs
+    (2, zero), ``d[f]`` in, ``sx[f]`` in (raw_sum). Inputs are copied to local registers first so
     no output can alias an input that is still to be read."""
     assert mode in MODES
     magic, offset, one, ty = (("0x64006400", "0xE400E400", "0x3C003C00", "f16") if fp16 else
                               ("0x43004300", "0xC300C300", "0x3F803F80", "bf16"))
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
     sums = mode == "raw_sum"
-    regs = iter(range(256))
+    regs = iter(range(1024))
 
     def take(count):
         return [f"${next(regs)}" for _ in range(count)]
-    d_out = [take(4) for _ in range(halves)]
-    sx_out = [take(4) for _ in range(halves)] if sums else []
+    d_out = [take(4) for _ in range(frags)]
+    sx_out = [take(4) for _ in range(frags)] if sums else []
     words = take(4)
-    b = [(take(4), take(4)) for _ in range(halves)]
+    b = [(take(4), take(4)) for _ in range(frags)]
     nz = take(2) if mode == "zero" else []
-    d_in = [take(4) for _ in range(halves)]
-    sx_in = [take(4) for _ in range(halves)] if sums else []
-    acc = [[f"d{h}{i}" for i in range(4)] for h in range(halves)]
-    acc_sx = [[f"e{h}{i}" for i in range(4)] for h in range(halves)] if sums else []
+    d_in = [take(4) for _ in range(frags)]
+    sx_in = [take(4) for _ in range(frags)] if sums else []
+    acc = [[f"d{f}_{i}" for i in range(4)] for f in range(frags)]
+    acc_sx = [[f"e{f}_{i}" for i in range(4)] for f in range(frags)] if sums else []
     s = "{ .reg .b32 q0, q1, q2, q3, t, z0, z1, off, one; .reg .f32 " + ", ".join(sum(acc + acc_sx, [])) + ";"
     if mode == "zero":
         s += f" mov.b32 z0, {nz[0]}; mov.b32 z1, {nz[1]}; mov.b32 off, {offset};"
@@ -118,74 +121,61 @@ def _chunk_asm(fp16: bool, halves: int, mode: str) -> str:
             s += f" lop3.b32 q{r}, {w if r == 0 else 't'}, 0x000F000F, {magic}, 0xEA;"
             if mode == "zero":
                 s += f" add.{ty}x2 q{r}, q{r}, off; add.{ty}x2 q{r}, q{r}, z{r % 2};"
-        for h in range(halves):
-            frag_b = f"{{{b[h][0][j]}, {b[h][1][j]}}}"
-            d = ", ".join(acc[h])
+        for f in range(frags):
+            frag_b = f"{{{b[f][0][j]}, {b[f][1][j]}}}"
+            d = ", ".join(acc[f])
             s += f" {mma} {{{d}}}, {{q0, q1, q2, q3}}, {frag_b}, {{{d}}};"
             if sums:
-                e = ", ".join(acc_sx[h])
+                e = ", ".join(acc_sx[f])
                 s += f" {mma} {{{e}}}, {{one, one, one, one}}, {frag_b}, {{{e}}};"
     s += "".join(f" mov.f32 {v}, {r};" for regs_, vals in zip(acc + acc_sx, d_out + sx_out)
                  for r, v in zip(regs_, vals))
     return s + " }"
 
 
-def _chunk_constraints(halves: int, mode: str) -> str:
+def _chunk_constraints(frags: int, mode: str) -> str:
     sums = 2 if mode == "raw_sum" else 1
-    return ",".join(["=f"] * (4 * halves * sums) + ["r"] * (4 + 8 * halves + (2 if mode == "zero" else 0))
-                    + ["f"] * (4 * halves * sums))
+    return ",".join(["=f"] * (4 * frags * sums) + ["r"] * (4 + 8 * frags + (2 if mode == "zero" else 0))
+                    + ["f"] * (4 * frags * sums))
 
 
-CHUNK_ASM = {(dtype, halves, mode): (_chunk_asm(dtype == torch.float16, halves, mode), _chunk_constraints(halves, mode))
-             for dtype in (torch.bfloat16, torch.float16) for halves in (1, 2) for mode in MODES}
+@functools.cache
+def chunk_asm(dtype: torch.dtype, frags: int, mode: str) -> tuple[str, str]:
+    """The chunk's PTX and its operand constraints for x's dtype, ``frags`` 8-row fragments of x and ``mode``."""
+    return _chunk_asm(dtype == torch.float16, frags, mode), _chunk_constraints(frags, mode)
 
 
 @triton.jit
-def _mma_chunk(a, b0, b1, b2, b3, nz, d0, d1, sx0, sx1, HALVES: tl.constexpr, MODE: tl.constexpr,
-               ASM: tl.constexpr, CONS: tl.constexpr):
-    """Four MMA k-steps of one 64-in-feature chunk (MODE 0 ``zero``: ``d[h] += (q - z) . x[8h:8h+8]``;
-    1 ``raw_sum``: ``d[h] += (q + offset) . x[8h:8h+8]``, ``sx[h] += 1 . x[8h:8h+8]``; 2 ``raw``: ``d`` only)."""
+def _mma_chunk(a, bs, nz, ds, sxs, FRAGS: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr,
+               CONS: tl.constexpr):
+    """Four MMA k-steps of one 64-in-feature chunk for FRAGS 8-row fragments of x (B registers
+    ``bs[2f]``, ``bs[2f + 1]``) on one A (MODE 0 ``zero``: ``ds[f] += (q - z) . x_f``; 1 ``raw_sum``:
+    ``ds[f] += (q + offset) . x_f``, ``sxs[f] += 1 . x_f``; 2 ``raw``: ``ds`` only)."""
     if MODE == 0:
-        if HALVES == 1:
-            d0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, nz, d0], dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            d0, d1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, nz, d0, d1],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        ds = tl.inline_asm_elementwise(ASM, CONS, (a,) + bs + (nz,) + ds, dtype=(tl.float32,) * FRAGS, is_pure=True,
+                                       pack=4)
     elif MODE == 1:
-        if HALVES == 1:
-            d0, sx0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, d0, sx0], dtype=(tl.float32, tl.float32),
-                                                is_pure=True, pack=4)
-        else:
-            d0, d1, sx0, sx1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, d0, d1, sx0, sx1],
-                                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                                                         is_pure=True, pack=4)
+        r = tl.inline_asm_elementwise(ASM, CONS, (a,) + bs + ds + sxs, dtype=(tl.float32,) * (2 * FRAGS),
+                                      is_pure=True, pack=4)
+        ds = r[:FRAGS]
+        sxs = r[FRAGS:]
     else:
-        if HALVES == 1:
-            d0 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, d0], dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            d0, d1 = tl.inline_asm_elementwise(ASM, CONS, [a, b0, b1, b2, b3, d0, d1], dtype=(tl.float32, tl.float32),
-                                               is_pure=True, pack=4)
-    return d0, d1, sx0, sx1
+        ds = tl.inline_asm_elementwise(ASM, CONS, (a,) + bs + ds, dtype=(tl.float32,) * FRAGS, is_pure=True, pack=4)
+    return ds, sxs
 
 
 @triton.jit
-def _acc_layout(r, WARPS: tl.constexpr, HALVES: tl.constexpr):
-    """A (WARPS, 16 n, 8 HALVES m) result as the accumulator fragments of each 8-row half of x:
-    element j of lane (g, c) of half u holds n = g + 8 (j // 2), m = 8u + 2c + j % 2."""
-    r = tl.permute(tl.reshape(r, (WARPS, 2, 8, HALVES, 4, 2)), (0, 2, 4, 1, 5, 3))  # (w, g, c, jh, jl, u)
-    if HALVES == 1:
-        return tl.reshape(r, (32 * WARPS, 4)), tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    r0, r1 = tl.split(r)
-    return tl.reshape(r0, (32 * WARPS, 4)), tl.reshape(r1, (32 * WARPS, 4))
+def _acc_layout(r, WARPS: tl.constexpr):
+    """A (WARPS, 16 n, 8 m) result as accumulator fragments: element j of lane (g, c) holds
+    n = g + 8 (j // 2), m = 2c + j % 2."""
+    r = tl.permute(tl.reshape(r, (WARPS, 2, 8, 4, 2)), (0, 2, 3, 1, 4))  # (w, g, c, jh, jl)
+    return tl.reshape(r, (32 * WARPS, 4))
 
 
 @triton.jit
-def _emulate_chunk(a, xk, z, d0, d1, sx0, sx1, WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr,
-                   MODE: tl.constexpr):
-    """What :func:`_mma_chunk` computes, from the same words, without inline PTX (interpreter):
-    unpack each lane's nibbles into the warp's (16, 64) weight tile, subtract the zeros ``z``
-    (WARPS, 16) rounding to x's dtype (MODE 0) or add the offset (1, 2), multiply with x's
-    (8 * HALVES, 64) chunk and lay the result out as the accumulator fragments (with x's sums, MODE 1)."""
+def _emulate_weight(a, z, WARPS: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr):
+    """The warps' (16, 64) weight tiles as :func:`_mma_chunk` sees them, from the same words, without
+    inline PTX (interpreter): ``q - z`` rounded to x's dtype (MODE 0, ``z`` (WARPS, 16)) or ``q + offset``."""
     # nibble (h, kh, e) of each word sits at bit 4 (h + 2 kh) + 16 e
     n000 = (a & 15).to(tl.float32)
     n001 = ((a >> 16) & 15).to(tl.float32)
@@ -204,46 +194,67 @@ def _emulate_chunk(a, xk, z, d0, d1, sx0, sx1, WARPS: tl.constexpr, HALVES: tl.c
         w = (w - z[:, :, None]).to(tl.float16 if FP16 else tl.bfloat16).to(tl.float32)
     else:
         w = w + (1024.0 if FP16 else 128.0)
-    r0, r1 = _acc_layout(tl.sum(w[:, :, None, :] * xk[None, None, :, :], axis=3), WARPS, HALVES)
-    d0 += r0
-    d1 += r1
-    if MODE == 1:
-        ones = tl.sum(xk, axis=1)  # (8 HALVES,)
-        r0, r1 = _acc_layout(tl.zeros((WARPS, 16, 8 * HALVES), dtype=tl.float32) + ones[None, None, :], WARPS, HALVES)
-        sx0 += r0
-        sx1 += r1
-    return d0, d1, sx0, sx1
+    return w
 
 
 @triton.jit
-def _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, step, HALVES: tl.constexpr, NT: tl.constexpr):
-    """One chunk's A words (of each of the warp's NT tiles) and B registers (rows 8-15 of x too
-    when HALVES == 2; unused slots repeat a loaded tensor)."""
+def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, ds, sxs,
+                  WARPS: tl.constexpr, FRAGS: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr):
+    """The interpreter's stand-in for one :func:`_mma_chunk` call on the tiles starting at rows
+    ``n_w`` (WARPS,): x's chunk and the tiles' zeros loaded plainly, one product per 8-row fragment."""
+    xt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
+    z = tl.load(z_ptr + grp * N + n_w[:, None] + tl.arange(0, 16)[None, :]).to(xt).to(tl.float32)
+    w = _emulate_weight(a, z, WARPS, FP16, MODE)
+    kk = kc * 64 + tl.arange(0, 64)
+    new_ds = ()
+    new_sxs = ()
+    for f in tl.static_range(FRAGS):
+        mk = 8 * f + tl.arange(0, 8)
+        xk = tl.load(x_ptr + mk[:, None] * stride_xm + kk[None, :], mask=(mk < M)[:, None], other=0.0).to(tl.float32)
+        new_ds = new_ds + (ds[f] + _acc_layout(tl.sum(w[:, :, None, :] * xk[None, None, :, :], axis=3), WARPS),)
+        if MODE == 1:
+            ones = tl.zeros((WARPS, 16, 8), dtype=tl.float32) + tl.sum(xk, axis=1)[None, None, :]
+            new_sxs = new_sxs + (sxs[f] + _acc_layout(ones, WARPS),)
+    if MODE != 1:
+        new_sxs = sxs
+    return new_ds, new_sxs
+
+
+@triton.jit
+def _load_b(b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr):
+    """One chunk's B registers for each 8-row fragment of x (rows beyond M read as zero)."""
+    bs = ()
+    for f in tl.static_range(FRAGS):
+        p = b_ptrs + f * fstride + step * 32
+        bs = bs + (tl.load(p, mask=b_masks[f], other=0), tl.load(p + 4, mask=b_masks[f], other=0))
+    return bs
+
+
+@triton.jit
+def _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr, NT: tl.constexpr,
+                WITH_B: tl.constexpr):
+    """One chunk's A words (of each of the warp's NT tiles; an unused slot repeats the first) and,
+    if WITH_B, its B registers."""
     a0 = tl.load(a_ptrs + step * 128)
     a1 = a0
     if NT == 2:
         a1 = tl.load(a_ptrs + a_tile + step * 128)
-    b0 = tl.load(b_ptrs + step * 32, mask=b_mask0, other=0)
-    b1 = tl.load(b_ptrs + step * 32 + 4, mask=b_mask0, other=0)
-    b2 = b0
-    b3 = b1
-    if HALVES == 2:
-        b2 = tl.load(b_ptrs + hstride + step * 32, mask=b_mask1, other=0)
-        b3 = tl.load(b_ptrs + hstride + step * 32 + 4, mask=b_mask1, other=0)
-    return a0, a1, b0, b1, b2, b3
+    bs = ()
+    if WITH_B:
+        bs = _load_b(b_ptrs, b_masks, fstride, step, FRAGS)
+    return a0, a1, bs
 
 
 @triton.jit
-def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, d0, d1, sx0, sx1,
-                  WARPS: tl.constexpr, HALVES: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr):
-    """The interpreter's stand-in for one :func:`_mma_chunk` call on the tiles starting at rows
-    ``n_w`` (WARPS,): x's chunk and the tiles' zeros loaded plainly."""
-    mk = tl.arange(0, 8 * HALVES)
-    kk = kc * 64 + tl.arange(0, 64)
-    xk = tl.load(x_ptr + mk[:, None] * stride_xm + kk[None, :], mask=(mk < M)[:, None], other=0.0).to(tl.float32)
-    xt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
-    z = tl.load(z_ptr + grp * N + n_w[:, None] + tl.arange(0, 16)[None, :]).to(xt).to(tl.float32)
-    return _emulate_chunk(a, xk, z, d0, d1, sx0, sx1, WARPS, HALVES, FP16, MODE)
+def _rescale(acc, ds, sxs, s, zs, FRAGS: tl.constexpr, SUMS: tl.constexpr):
+    """``acc[f] + s ds[f] (- zs sxs[f])``: one group's products, scaled, into the accumulators."""
+    out = ()
+    for f in tl.static_range(FRAGS):
+        if SUMS:
+            out = out + (acc[f] + s * ds[f] - zs * sxs[f],)
+        else:
+            out = out + (acc[f] + s * ds[f],)
+    return out
 
 
 @triton.jit
@@ -277,20 +288,22 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                      M, N, K, stride_xm, stride_om,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
-                     RAWQ: tl.constexpr, HALVES: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
+                     RAWQ: tl.constexpr, FRAGS: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
     # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
-    # Rows of x come in blocks of 16, one program each; the blocks of a column tile are adjacent
-    # programs, so the weight tile they all read is in L2 for the later ones.
-    blocks = (M + 15) // 16
+    # A program takes ROWS rows of x as FRAGS 8-row B fragments, all multiplied with each A fragment it
+    # unpacks; with more rows than that, the programs of a column tile are adjacent, so the weight tile
+    # they all read is in L2 for the later ones.
+    ROWS: tl.constexpr = 16 if FRAGS <= 2 else 8 * FRAGS
+    blocks = (M + ROWS - 1) // ROWS
     pid_m = tl.program_id(0) % blocks
     pid_n = tl.program_id(0) // blocks
     pid_s = tl.program_id(1)
-    x_ptr += pid_m * 16 * stride_xm
-    out_ptr += pid_m * 16 * stride_om
+    x_ptr += pid_m * ROWS * stride_xm
+    out_ptr += pid_m * ROWS * stride_om
     WS_SPLIT = M * N  # (workspace: SPLIT x M x N partials)
-    ws_ptr += pid_m * 16 * N
-    M = tl.minimum(M - pid_m * 16, 16)  # rows of this block
+    ws_ptr += pid_m * ROWS * N
+    M = tl.minimum(M - pid_m * ROWS, ROWS)  # rows of this program
     CPG: tl.constexpr = G // 64  # chunks per group
     STEPS: tl.constexpr = GROUPS * CPG
     XT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
@@ -298,6 +311,9 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     # chunk modes (see _chunk_asm): zeros subtracted in A, or raw q with x's sums taken by the first tile
     MODE1: tl.constexpr = 1 if RAWQ else 0
     MODE2: tl.constexpr = 2 if RAWQ else 0
+    # B registers ride in the load ring with A for one or two fragments; for more, only A is loaded
+    # ahead (x's loads, L1 hits shared by the program's warps, would cost 8 registers per fragment and chunk)
+    B_AHEAD: tl.constexpr = FRAGS <= 2
     row = tl.arange(0, 32 * WARPS)  # (warp, lane): one row of every (32 * WARPS, 4) tensor per lane
     j = tl.arange(0, 4)
     lane = row % 32
@@ -308,29 +324,28 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     a_ptrs = qm_ptr + ((t * (K // 64) + kc0) * 32 + lane)[:, None] * 4 + j[None, :]
     a_tile = (K // 64) * 128  # words from one tile to the next
     # B fragments: x[g, 16c .. 16c + 7] of each chunk (4 words of bf16/fp16 pairs, one per k-step)
-    # for the first B register, x[g, 16c + 8 .. 16c + 15] for the second (rows g + 8 for the second
-    # half); rows >= M read as zero. Shared by the warp's NT tiles.
+    # for the first B register, x[g, 16c + 8 .. 16c + 15] for the second (rows g + 8f for fragment f);
+    # rows >= M read as zero. Shared by the warp's NT tiles.
     xw = x_ptr.to(tl.pointer_type(tl.int32))
     b_ptrs = xw + (g * (stride_xm // 2) + kc0 * 32 + 8 * c)[:, None] + j[None, :]
-    hstride = 8 * (stride_xm // 2)
-    b_mask0 = (g < M)[:, None] & (j < 4)[None, :]
-    b_mask1 = (g + 8 < M)[:, None] & (j < 4)[None, :]
-    # accumulator element j of lane (g, c): out[m_c (+ 8 in the second half), n_c (+ 16 in the second tile)]
+    fstride = 8 * (stride_xm // 2)
+    b_masks = ()
+    for f in tl.static_range(FRAGS):
+        b_masks = b_masks + ((g + 8 * f < M)[:, None] & (j < 4)[None, :],)
+    # accumulator element j of lane (g, c): out[m_c + 8f, n_c (+ 16 in the second tile)] of fragment f
     n_c = ((t // PLANES) * 16 + g)[:, None] + 8 * (j // 2)[None, :]
     m_c = (2 * c)[:, None] + (j % 2)[None, :]
     n_w = (pid_n * WARPS + tl.arange(0, WARPS)) * (NT // PLANES) * 16  # (emulation: each warp's first row)
     TILE2: tl.constexpr = NT == 2 and PLANES == 1  # a second tile of rows (not a second plane)
 
-    # accumulators acc<tile><half> (unused ones stay zero and are never stored)
-    acc00 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    acc01 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    acc10 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    acc11 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+    acc0 = (zero,) * FRAGS  # per fragment of x: the first tile (or 8-bit weight)
+    acc1 = acc0  # the second tile (TILE2)
     # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk)
-    p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, 0, HALVES, NT)
+    p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, 0, FRAGS, NT, B_AHEAD)
     p1 = p0
     if DEPTH == 2:
-        p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(1, STEPS - 1), HALVES, NT)
+        p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS, NT, B_AHEAD)
     grp0 = pid_s * GROUPS
     s0_nxt = tl.load(s_ptr + grp0 * N + n_c)
     z0_nxt = tl.load(z_ptr + grp0 * N + n_c)
@@ -352,77 +367,62 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         if TILE2:
             s1_nxt = tl.load(s_ptr + nxt_grp * N + n_c + 16)
             z1_nxt = tl.load(z_ptr + nxt_grp * N + n_c + 16)
-        d00 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-        d01 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-        d10 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-        d11 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-        sx0 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-        sx1 = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
+        d0 = (zero,) * FRAGS  # this group's products: first tile (8-bit: high plane)
+        d1 = d0  # second tile (8-bit: low plane)
+        sx = d0  # x's sums (rawq)
         for ci in range(CPG):
             i = gi * CPG + ci
-            a0, a1, b0, b1, b2, b3 = p0
-            nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_mask0, b_mask1, hstride, tl.minimum(i + DEPTH, STEPS - 1),
-                              HALVES, NT)
+            a0, a1, bs = p0
+            nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(i + DEPTH, STEPS - 1), FRAGS, NT,
+                              B_AHEAD)
             if DEPTH == 1:
                 p0 = nxt
             else:
                 p0 = p1
                 p1 = nxt
             if USE_ASM:
-                d00, d01, sx0, sx1 = _mma_chunk(a0, b0, b1, b2, b3, nz0, d00, d01, sx0, sx1, HALVES, MODE1, ASM, CONS)
+                if not B_AHEAD:
+                    bs = _load_b(b_ptrs, b_masks, fstride, i, FRAGS)
+                d0, sx = _mma_chunk(a0, bs, nz0, d0, sx, FRAGS, MODE1, ASM, CONS)
                 if NT == 2:
-                    d10, d11, sx0, sx1 = _mma_chunk(a1, b0, b1, b2, b3, nz1, d10, d11, sx0, sx1, HALVES, MODE2, ASM2,
-                                                    CONS2)
+                    d1, sx = _mma_chunk(a1, bs, nz1, d1, sx, FRAGS, MODE2, ASM2, CONS2)
             else:
-                d00, d01, sx0, sx1 = _emulate_tile(a0, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w, d00,
-                                                   d01, sx0, sx1, WARPS, HALVES, FP16, MODE1)
+                d0, sx = _emulate_tile(a0, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w, d0, sx, WARPS,
+                                       FRAGS, FP16, MODE1)
                 if NT == 2:
-                    d10, d11, sx0, sx1 = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N,
-                                                       n_w + 16 * (2 - PLANES), d10, d11, sx0, sx1, WARPS, HALVES,
-                                                       FP16, MODE2)
+                    d1, sx = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N,
+                                           n_w + 16 * (2 - PLANES), d1, sx, WARPS, FRAGS, FP16, MODE2)
         if PLANES == 2:  # q = 16 h + l: s (16 d_h + d_l - (z + 17 offset) sum(x))
             zs0 = s0 * (z0.to(tl.float32) + 17.0 * OFFSET)
-            acc00 += s0 * (16.0 * d00 + d10) - zs0 * sx0
-            acc01 += s0 * (16.0 * d01 + d11) - zs0 * sx1
-        elif RAWQ:  # s (d - (z + offset) sum(x)), the zeros in float32
-            zs0 = s0 * (z0.to(tl.float32) + OFFSET)
-            zs1 = s1 * (z1.to(tl.float32) + OFFSET)
-            acc00 += s0 * d00 - zs0 * sx0
-            acc01 += s0 * d01 - zs0 * sx1
-            acc10 += s1 * d10 - zs1 * sx0
-            acc11 += s1 * d11 - zs1 * sx1
-        else:
-            acc00 += s0 * d00
-            acc01 += s0 * d01
-            acc10 += s1 * d10
-            acc11 += s1 * d11
+            d0 = _rescale(d1, d0, d0, 16.0, 0.0, FRAGS, False)
+            acc0 = _rescale(acc0, d0, sx, s0, zs0, FRAGS, True)
+        else:  # rawq: s (d - (z + offset) sum(x)), the zeros in float32
+            acc0 = _rescale(acc0, d0, sx, s0, s0 * (z0.to(tl.float32) + OFFSET), FRAGS, RAWQ)
+            if TILE2:
+                acc1 = _rescale(acc1, d1, sx, s1, s1 * (z1.to(tl.float32) + OFFSET), FRAGS, RAWQ)
 
-    _finish(acc00, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
-    if HALVES == 2:
-        _finish(acc01, m_c + 8, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
-    if TILE2:
-        _finish(acc10, m_c, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
-        if HALVES == 2:
-            _finish(acc11, m_c + 8, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
-                    SPLIT)
+    for f in tl.static_range(FRAGS):
+        _finish(acc0[f], m_c + 8 * f, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
+                SPLIT)
+        if TILE2:
+            _finish(acc1[f], m_c + 8 * f, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT,
+                    HAS_BIAS, SPLIT)
     if SPLIT > 1:
         # partials published: count arrivals; the last program of this column tile sums them all
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
-            if HALVES == 2:
-                _reduce(m_c + 8, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
-            if TILE2:
-                _reduce(m_c, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
-                if HALVES == 2:
-                    _reduce(m_c + 8, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
+            for f in tl.static_range(FRAGS):
+                _reduce(m_c + 8 * f, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
+                if TILE2:
+                    _reduce(m_c + 8 * f, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
+                            SPLIT)
             tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axis: int) -> bool:
     """Whether this call fits the mma path: 4- or 8-bit, groups along K of a multiple of 64, N % 16 == 0,
-    at most 16 rows of 16-bit activations with 4-byte aligned rows."""
+    at most 64 rows of 16-bit activations with 4-byte aligned rows."""
     return (bits in (4, 8) and axis == 1 and group_size % CHUNK == 0 and n % 16 == 0 and k % group_size == 0
             and x2.shape[0] <= MAX_M and x2.dtype in (torch.float16, torch.bfloat16) and x2.stride(1) == 1
             and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0)
@@ -434,17 +434,29 @@ class MmaGrid(NamedTuple):
     groups: int  # quantization groups per program
     split: int  # programs splitting K (partials summed by the last to finish)
     programs: int  # along N
+    blocks: int = 1  # 16-row blocks of x per program, sharing each unpacked weight fragment (4-bit, up to 4)
+
+    def row_blocks(self, m: int) -> int:
+        """The 16-row blocks of x one program takes for ``m`` rows (no more than there are)."""
+        return max(1, min(self.blocks, -(-m // 16)))
+
+    def row_programs(self, m: int) -> int:
+        """Programs along the rows of x for ``m`` rows (each program's counter slot is its own)."""
+        return -(-m // (16 * self.row_blocks(m)))
 
 
-def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1, bits: int = 4
-             ) -> MmaGrid:
+def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1, bits: int = 4,
+             blocks: int = 1) -> MmaGrid:
     """The launch grid nearest to the one asked for that divides the problem: warps x tiles per
-    warp divide the tile count, split is the largest divisor of the group count not above the one asked."""
+    warp divide the tile count, split is the largest divisor of the group count not above the one asked.
+    ``blocks`` of 16 rows of x per program: 4-bit only (8-bit planes run rawq, whose sums would need a
+    register set per block), and two tiles per warp only up to two blocks (registers)."""
     tiles, groups = n // 16, k // group_size
-    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 and bits == 4 else 1
+    blocks = 1 if bits == 8 else max(1, min(MAX_M // 16, blocks))
+    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 and bits == 4 and blocks <= 2 else 1
     warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
     split = max(s for s in range(1, groups + 1) if groups % s == 0 and s <= max(1, split))
-    return MmaGrid(warps, nt, groups // split, split, tiles // (warps * nt))
+    return MmaGrid(warps, nt, groups // split, split, tiles // (warps * nt), blocks)
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
@@ -453,22 +465,24 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     must come from :func:`mma_grid` (for these bits); ``depth`` (1 or 2; 3 measured slower) chunks of
     loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
     zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
-    the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq);
-    ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs x blocks of 16 rows) int32,
-    zero at rest, are used when split > 1."""
-    assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits), \
+    the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq; a program of
+    several 16-row blocks always subtracts them: one unpack then serves 4-8 MMAs, and the sums would
+    double those); ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs x
+    grid.row_programs(M)) int32, zero at rest, are used when split > 1."""
+    assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits, grid.blocks), \
         "grid must come from mma_grid"
-    assert depth in (1, 2) and 1 <= x2.shape[0] <= MAX_M and bits in (4, 8)
-    halves = 1 if x2.shape[0] <= 8 else 2
+    m = x2.shape[0]
+    assert depth in (1, 2) and 1 <= m <= MAX_M and bits in (4, 8)
+    blocks = grid.row_blocks(m)
+    frags = 1 if m <= 8 else 2 * blocks  # 8-row fragments of x per program
     planes = 2 if bits == 8 else 1
-    rawq = rawq or planes == 2
-    _mma_gemv_kernel[(grid.programs * triton.cdiv(x2.shape[0], 16), grid.split)](
+    rawq = (rawq and blocks == 1) or planes == 2
+    asm, cons = chunk_asm(x2.dtype, frags, "raw_sum" if rawq else "zero")
+    asm2, cons2 = chunk_asm(x2.dtype, frags, "raw" if rawq else "zero")
+    _mma_gemv_kernel[(grid.programs * grid.row_programs(m), grid.split)](
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
-        x2.shape[0], n, k, x2.stride(0), out.stride(0),
+        m, n, k, x2.stride(0), out.stride(0),
         G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,
-        ASM=CHUNK_ASM[x2.dtype, halves, "raw_sum" if rawq else "zero"][0],
-        CONS=CHUNK_ASM[x2.dtype, halves, "raw_sum" if rawq else "zero"][1],
-        ASM2=CHUNK_ASM[x2.dtype, halves, "raw" if rawq else "zero"][0],
-        CONS2=CHUNK_ASM[x2.dtype, halves, "raw" if rawq else "zero"][1], RAWQ=rawq, HALVES=halves,
+        ASM=asm, CONS=cons, ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags,
         NT=grid.tiles_per_warp * planes, PLANES=planes, DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups,
         SPLIT=grid.split, num_warps=grid.warps, num_stages=1)

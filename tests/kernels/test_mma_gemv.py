@@ -79,12 +79,12 @@ def test_mma_pack_refuses_shapes_it_cannot_hold():
         mma_pack(torch.zeros(64, 40, dtype=torch.uint8), 40, 128)
 
 
-def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1, rawq=False):
+def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1, rawq=False, blocks=1):
     n, k = pw.shape
-    grid = mma_grid(n, k, pw.group_size, warps, split, tiles, pw.bits)
+    grid = mma_grid(n, k, pw.group_size, warps, split, tiles, pw.bits, blocks)
     out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype or x.dtype, device=DEV)
     ws = torch.empty(grid.split, x.shape[0], n, dtype=torch.float32, device=DEV)
-    cnt = torch.zeros(grid.programs * -(-x.shape[0] // 16), dtype=torch.int32, device=DEV)  # per 16 rows of x
+    cnt = torch.zeros(grid.programs * grid.row_programs(x.shape[0]), dtype=torch.int32, device=DEV)
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k, pw.bits), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
                     group_size=pw.group_size, grid=grid, depth=depth, rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
@@ -108,6 +108,23 @@ def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(48, 192, 64, 4, 3, 2, 1), (80, 256, 128, 2, 2, 1, 1),
+                                                            (32, 512, 256, 2, 2, 2, 2), (128, 192, 64, 2, 1, 1, 2)])
+@pytest.mark.parametrize("m,blocks", [(9, 4), (17, 2), (33, 2), (40, 4), (64, 4), (50, 3)])
+def test_row_blocks_match_reference(m, blocks, n, k, gs, warps, split, depth, tiles, dtype):
+    """Several 16-row blocks of x per program (every 8-row fragment on each unpacked A): fewer rows
+    than the blocks hold, a ragged last program (m = 50 with 3 blocks: 48 + 2 rows), two tiles per warp
+    where the grid allows them; rawq asked for is ignored (the zeros are subtracted in A)."""
+    pw, w = packed(n, k, gs, dtype, seed=m)
+    g = torch.Generator().manual_seed(m + n + blocks)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m in (17, 40) else None
+    ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+    out = run_kernel(x, pw, warps, split, bias, depth, tiles=tiles, rawq=m == 33, blocks=blocks)
+    assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth", [(16, 128, 64, 1, 1, 1), (48, 192, 64, 4, 3, 2),
                                                       (64, 256, 128, 2, 2, 1), (96, 512, 256, 2, 2, 2)])
 @pytest.mark.parametrize("m", [1, 3, 9, 16, 33])
@@ -123,9 +140,9 @@ def test_8bit_kernel_matches_reference(m, n, k, gs, warps, split, depth, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("m", [2, 13])
+@pytest.mark.parametrize("m,blocks", [(2, 1), (13, 1), (40, 4)])
 @pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
-def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype, rawq):
+def test_fractional_zeros_lose_no_more_than_dequantizing(m, blocks, dtype, rawq):
     """HQQ zeros are not integers: the zeros-in-A mode rounds ``q - z`` to x's dtype (as
     dequantizing to it rounds ``(q - z) s``), rawq keeps them in float32; both must stay within
     the dequantized weight's error of the float64 product."""
@@ -133,18 +150,31 @@ def test_fractional_zeros_lose_no_more_than_dequantizing(m, dtype, rawq):
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEV)
     ref = x.double() @ w.double().t()
     dequantized = x.double() @ w.to(dtype).double().t()
-    got = run_kernel(x, pw, 1, 2, out_dtype=torch.float32, tiles=2, rawq=rawq).double()
+    got = run_kernel(x, pw, 1, 2, out_dtype=torch.float32, tiles=2, rawq=rawq, blocks=blocks).double()
     assert (got - ref).norm() <= 1.5 * (dequantized - ref).norm() + 1e-6 * ref.norm()
 
 
 def test_grid_rounds_to_divisors():
-    # (warps, tiles per warp, groups per program, split, programs)
-    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 1, 2, 16, 32)
-    assert mma_grid(4096, 14336, 128, 4, 32, 2) == (4, 2, 4, 28, 32)  # 112 groups: the largest divisor <= 32
-    assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3, 3)  # 3 tiles of 16 rows: one warp, one tile each
-    assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3, 1)  # 8 tiles: 4 warps of two
-    assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3, 3)  # 3 pairs of tiles: one warp per program
-    assert mma_grid(128, 192, 64, 4, 3, 2, bits=8) == (4, 1, 1, 3, 2)  # 8-bit: one tile per warp (two planes)
+    # (warps, tiles per warp, groups per program, split, programs, 16-row blocks of x per program)
+    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 1, 2, 16, 32, 1)
+    assert mma_grid(4096, 14336, 128, 4, 32, 2) == (4, 2, 4, 28, 32, 1)  # 112 groups: the largest divisor <= 32
+    assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3, 3, 1)  # 3 tiles of 16 rows: one warp, one tile each
+    assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3, 1, 1)  # 8 tiles: 4 warps of two
+    assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3, 3, 1)  # 3 pairs of tiles: one warp per program
+    assert mma_grid(128, 192, 64, 4, 3, 2, bits=8) == (4, 1, 1, 3, 2, 1)  # 8-bit: one tile per warp (two planes)
+    assert mma_grid(128, 192, 64, 4, 3, 2, blocks=2) == (4, 2, 1, 3, 1, 2)  # two blocks keep two tiles per warp
+    assert mma_grid(128, 192, 64, 4, 3, 2, blocks=4) == (4, 1, 1, 3, 2, 4)  # four: one tile (registers)
+    assert mma_grid(128, 192, 64, 4, 3, 1, bits=8, blocks=4).blocks == 1  # 8-bit planes: one block
+    assert mma_grid(128, 192, 64, 4, 3, blocks=9).blocks == 4  # at most 64 rows
+
+
+@pytest.mark.parametrize("blocks,m,row_blocks,row_programs", [(1, 1, 1, 1), (1, 64, 1, 4), (4, 9, 1, 1), (4, 17, 2, 1),
+                                                               (4, 50, 4, 1), (2, 50, 2, 2), (3, 64, 3, 2)])
+def test_grid_rows_of_x(blocks, m, row_blocks, row_programs):
+    """A program takes no more blocks than x has; the programs along M cover every row."""
+    grid = mma_grid(4096, 4096, 128, 2, 8, 1, 4, blocks)
+    assert (grid.row_blocks(m), grid.row_programs(m)) == (row_blocks, row_programs)
+    assert grid.row_programs(m) * 16 * grid.row_blocks(m) >= m
 
 
 def _spy(monkeypatch):
@@ -154,22 +184,26 @@ def _spy(monkeypatch):
     real = mm_mod.launch_mma_gemv
 
     def spy(*a, **kw):
-        calls.append((kw["grid"].split, kw["grid"].tiles_per_warp, kw["rawq"], kw["depth"], kw["bits"]))
+        calls.append((kw["grid"].split, kw["grid"].tiles_per_warp, kw["rawq"], kw["depth"], kw["bits"],
+                      kw["grid"].blocks))
         return real(*a, **kw)
     monkeypatch.setattr(mm_mod, "launch_mma_gemv", spy)
     return calls
 
 
 def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
-    """The config's knobs reach the kernel: rows per warp (block_n 32 = two tiles), rawq, depth."""
+    """The config's knobs reach the kernel: rows per warp (block_n 32 = two tiles), rawq, depth, rows of x
+    per program (block_m 32 / 64 = two / four 16-row blocks)."""
     calls = _spy(monkeypatch)
     pw, w = packed(64, 256, 128)
-    for m, rows, rawq, depth in ((1, 16, True, 1), (5, 32, False, 2), (16, 32, True, 2), (64, 16, True, 2)):
+    for m, x_rows, rows, rawq, depth in ((1, 8, 16, True, 1), (5, 8, 32, False, 2), (16, 16, 32, True, 2),
+                                         (64, 16, 16, True, 2), (64, 64, 16, False, 2), (40, 32, 32, False, 1)):
         x = torch.randn(m, 256, dtype=torch.float16).to(DEV)
-        cfg = KernelConfig("mma", 8, rows, num_warps=2, split=2, num_stages=depth, rawq=rawq)
+        cfg = KernelConfig("mma", x_rows, rows, num_warps=2, split=2, num_stages=depth, rawq=rawq)
         out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
-    assert calls == [(2, 1, True, 1, 4), (2, 2, False, 2, 4), (2, 2, True, 2, 4), (2, 1, True, 2, 4)]
+    assert calls == [(2, 1, True, 1, 4, 1), (2, 2, False, 2, 4, 1), (2, 2, True, 2, 4, 1), (2, 1, True, 2, 4, 1),
+                     (2, 1, False, 2, 4, 4), (2, 2, False, 1, 4, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -181,7 +215,7 @@ def test_mixed_mm_takes_the_mma_path_for_8bit_decode(dtype, monkeypatch):
         cfg = KernelConfig("mma", 8, 32, num_warps=2, split=2, num_stages=2, rawq=False)
         out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, bits=8, config=cfg)
         assert rel_err(out, x.float() @ w.t()) <= (1e-3 if dtype == torch.float16 else 8e-3)
-    assert calls == [(2, 1, False, 2, 8)] * 2
+    assert calls == [(2, 1, False, 2, 8, 1)] * 2
 
 
 @pytest.mark.parametrize("case", ["8-bit axis 0", "axis 0", "N % 16", "gs 32", "M = 65", "fp32 x", "disabled",
@@ -255,4 +289,8 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
         for warps, split, depth, tiles, rawq in ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
                                                  (4, 8, 2, 2, True), (1, 16, 1, 1, True))[:5 if bits == 4 else 3]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
+            assert rel_err(out, x.float() @ w.t()) <= 1e-2
+        for warps, split, depth, tiles, blocks in ((2, 8, 2, 1, 4), (1, 4, 1, 1, 4), (4, 16, 2, 2, 2),
+                                                   (2, 4, 2, 1, 3))[:4 if bits == 4 and m > 8 else 0]:
+            out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, blocks=blocks)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
