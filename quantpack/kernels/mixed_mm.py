@@ -563,7 +563,7 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         # and summing in shared memory measured no faster, benchmarks/NOTES.md v8)
         # (block_m: rows of x per program; several 16-row blocks of x in one program always subtract the zeros
         # in A, and take two tiles per warp only up to two blocks: mma_grid)
-        for x_rows in (min(16, max(8, mb)),) + ((mb,) if mb > 16 and bits == 4 else ()):
+        for x_rows in (min(16, max(8, mb)),) + (tuple(r for r in (32, 64) if r <= mb) if bits == 4 else ()):
             for rows in (16, 32) if bits == 4 and x_rows <= 32 else (16,):  # rows of N per warp
                 for warps in (1, 2, 4):
                     for split in (4, 8, 16):

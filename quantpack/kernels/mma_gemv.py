@@ -311,9 +311,9 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     # chunk modes (see _chunk_asm): zeros subtracted in A, or raw q with x's sums taken by the first tile
     MODE1: tl.constexpr = 1 if RAWQ else 0
     MODE2: tl.constexpr = 2 if RAWQ else 0
-    # B registers ride in the load ring with A for one or two fragments; for more, only A is loaded
-    # ahead (x's loads, L1 hits shared by the program's warps, would cost 8 registers per fragment and chunk)
-    B_AHEAD: tl.constexpr = FRAGS <= 2
+    # B registers ride in the load ring with A for up to four fragments; for more, only A is loaded
+    # ahead (8 registers per fragment and chunk: eight fragments would spill)
+    B_AHEAD: tl.constexpr = FRAGS <= 4
     row = tl.arange(0, 32 * WARPS)  # (warp, lane): one row of every (32 * WARPS, 4) tensor per lane
     j = tl.arange(0, 4)
     lane = row % 32
