@@ -59,9 +59,9 @@ def _alloc(shape, dtype, device) -> torch.Tensor:
 class KernelConfig:
     """One launch configuration. ``block_r`` counts pair rows (2 in-features each) per K step
     (forward) or per output tile (transposed); ``split`` splits the reduction over programs. The
-    ``mma`` path reads ``block_m`` as the rows of x per program (16 or less: one 16-row block; 32 or
-    64: two or four blocks sharing each unpacked weight fragment) and ``block_n`` as the rows of N
-    per warp (:func:`mma_tiles_per_warp`)."""
+    ``mma`` path reads ``block_m`` as the rows of x per program (16 or less: one 16-row block; 32: two
+    blocks sharing each unpacked weight fragment) and ``block_n`` as the rows of N per warp
+    (:func:`mma_tiles_per_warp`)."""
 
     path: str = "dot"
     block_m: int = 16
@@ -561,10 +561,10 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         # (depth 3 and split 32 never won on an H200, benchmarks/NOTES.md v7; depth 3 was removed)
         # (8-bit: one tile per warp, its two nibble planes always rawq; warps splitting a tile's K range
         # and summing in shared memory measured no faster, benchmarks/NOTES.md v8)
-        # (block_m: rows of x per program; several 16-row blocks of x in one program always subtract the zeros
-        # in A, and take two tiles per warp only up to two blocks: mma_grid)
-        for x_rows in (min(16, max(8, mb)),) + (tuple(r for r in (32, 64) if r <= mb) if bits == 4 else ()):
-            for rows in (16, 32) if bits == 4 and x_rows <= 32 else (16,):  # rows of N per warp
+        # (block_m: rows of x per program; two 16-row blocks of x in one program always subtract the zeros
+        # in A; four measured 1.4-1.8x slower, benchmarks/NOTES.md v9)
+        for x_rows in (min(16, max(8, mb)),) + ((32,) if mb >= 32 and bits == 4 else ()):
+            for rows in (16, 32) if bits == 4 else (16,):  # rows of N per warp
                 for warps in (1, 2, 4):
                     for split in (4, 8, 16):
                         for depth in (1, 2):
@@ -691,10 +691,10 @@ def _mma_self_check(device: torch.device) -> bool:
         out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
         try:
             ok = True
-            # one and two 8-row halves of x, programs of one and of four 16-row blocks, one and two tiles per
+            # one and two 8-row halves of x, programs of one and of two 16-row blocks, one and two tiles per
             # warp, both ways of applying the zeros, 8-bit planes
             for bits, m, nt, rawq, blocks in ((4, 3, 1, True, 1), (4, 40, 2, True, 1), (4, 16, 2, False, 1),
-                                              (4, MMA_MAX_M, 1, False, 4), (8, MMA_MAX_M, 1, True, 1)):
+                                              (4, MMA_MAX_M, 2, False, 2), (8, MMA_MAX_M, 1, True, 1)):
                 qw = torch.randint(0, 256, (k * bits // 8, n), device=device, dtype=torch.uint8, generator=g)
                 z = (torch.rand(k // gs, n, device=device, generator=g) * (2 ** bits - 1)).to(torch.bfloat16)
                 w = reference.dequantize(PackedWeight(qw, s, z, bits, gs, 1, (n, k)), torch.float32)

@@ -17,12 +17,11 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
   offset; then either (``rawq``) the MMA runs on that and each group is rescaled once,
   ``s (d - (z + offset) sum(x))``, with ``sum(x)`` from a second MMA whose A is all ones (so it lands
   in the accumulator's layout), or two half2 adds make A ``q - z`` first (one MMA per k-step);
-* rows 8-15 of x are a second B fragment on the same A; a program may take up to four 16-row blocks
-  of x (``MmaGrid.blocks``), every fragment of them multiplied with each A the warp unpacks, so a
-  weight tile is read and unpacked once for all 64 rows (with fewer blocks per program, the programs
-  of one weight tile are adjacent and the later ones read it from L2); a warp may take two 16-row
-  tiles of N that share x's fragments; split-K over programs as in ``gemv.py`` (partials + the
-  last-arriving program sums them);
+* rows 8-15 of x are a second B fragment on the same A; a program may take two 16-row blocks of x
+  (``MmaGrid.blocks``), all four fragments multiplied with each A the warp unpacks; beyond its rows,
+  the programs of one weight tile are adjacent, so the later ones read it from L2; a warp may take
+  two 16-row tiles of N that share x's fragments; split-K over programs as in ``gemv.py`` (partials +
+  the last-arriving program sums them);
 * 8-bit weights ``q = 16 h + l`` are two nibble planes packed as two adjacent 4-bit tiles of the
   same 16 rows (``h`` then ``l``): a warp runs them as its two tiles in ``rawq`` mode and combines
   ``s (16 d_h + d_l - (z + 17 offset) sum(x))`` per group. bf16 has no 8-bit magic number (7
@@ -42,7 +41,8 @@ import triton
 import triton.language as tl
 
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
-MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each), up to 4 blocks per program
+MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each)
+MAX_BLOCKS = 2  # 16-row blocks of x per program (four measured 1.4-1.8x slower: benchmarks/NOTES.md v9)
 
 
 def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
@@ -221,27 +221,17 @@ def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, ds, sxs,
 
 
 @triton.jit
-def _load_b(b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr):
-    """One chunk's B registers for each 8-row fragment of x (rows beyond M read as zero)."""
-    bs = ()
-    for f in tl.static_range(FRAGS):
-        p = b_ptrs + f * fstride + step * 32
-        bs = bs + (tl.load(p, mask=b_masks[f], other=0), tl.load(p + 4, mask=b_masks[f], other=0))
-    return bs
-
-
-@triton.jit
-def _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr, NT: tl.constexpr,
-                WITH_B: tl.constexpr):
-    """One chunk's A words (of each of the warp's NT tiles; an unused slot repeats the first) and,
-    if WITH_B, its B registers."""
+def _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr, NT: tl.constexpr):
+    """One chunk's A words (of each of the warp's NT tiles; an unused slot repeats the first) and the
+    B registers of each 8-row fragment of x (rows beyond M read as zero)."""
     a0 = tl.load(a_ptrs + step * 128)
     a1 = a0
     if NT == 2:
         a1 = tl.load(a_ptrs + a_tile + step * 128)
     bs = ()
-    if WITH_B:
-        bs = _load_b(b_ptrs, b_masks, fstride, step, FRAGS)
+    for f in tl.static_range(FRAGS):
+        p = b_ptrs + f * fstride + step * 32
+        bs = bs + (tl.load(p, mask=b_masks[f], other=0), tl.load(p + 4, mask=b_masks[f], other=0))
     return a0, a1, bs
 
 
@@ -311,9 +301,6 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     # chunk modes (see _chunk_asm): zeros subtracted in A, or raw q with x's sums taken by the first tile
     MODE1: tl.constexpr = 1 if RAWQ else 0
     MODE2: tl.constexpr = 2 if RAWQ else 0
-    # B registers ride in the load ring with A for up to four fragments; for more, only A is loaded
-    # ahead (8 registers per fragment and chunk: eight fragments would spill)
-    B_AHEAD: tl.constexpr = FRAGS <= 4
     row = tl.arange(0, 32 * WARPS)  # (warp, lane): one row of every (32 * WARPS, 4) tensor per lane
     j = tl.arange(0, 4)
     lane = row % 32
@@ -342,10 +329,10 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     acc0 = (zero,) * FRAGS  # per fragment of x: the first tile (or 8-bit weight)
     acc1 = acc0  # the second tile (TILE2)
     # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk)
-    p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, 0, FRAGS, NT, B_AHEAD)
+    p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, 0, FRAGS, NT)
     p1 = p0
     if DEPTH == 2:
-        p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS, NT, B_AHEAD)
+        p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS, NT)
     grp0 = pid_s * GROUPS
     s0_nxt = tl.load(s_ptr + grp0 * N + n_c)
     z0_nxt = tl.load(z_ptr + grp0 * N + n_c)
@@ -373,16 +360,13 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         for ci in range(CPG):
             i = gi * CPG + ci
             a0, a1, bs = p0
-            nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(i + DEPTH, STEPS - 1), FRAGS, NT,
-                              B_AHEAD)
+            nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(i + DEPTH, STEPS - 1), FRAGS, NT)
             if DEPTH == 1:
                 p0 = nxt
             else:
                 p0 = p1
                 p1 = nxt
             if USE_ASM:
-                if not B_AHEAD:
-                    bs = _load_b(b_ptrs, b_masks, fstride, i, FRAGS)
                 d0, sx = _mma_chunk(a0, bs, nz0, d0, sx, FRAGS, MODE1, ASM, CONS)
                 if NT == 2:
                     d1, sx = _mma_chunk(a1, bs, nz1, d1, sx, FRAGS, MODE2, ASM2, CONS2)
@@ -434,7 +418,7 @@ class MmaGrid(NamedTuple):
     groups: int  # quantization groups per program
     split: int  # programs splitting K (partials summed by the last to finish)
     programs: int  # along N
-    blocks: int = 1  # 16-row blocks of x per program, sharing each unpacked weight fragment (4-bit, up to 4)
+    blocks: int = 1  # 16-row blocks of x per program, sharing each unpacked weight fragment (4-bit, 1 or 2)
 
     def row_blocks(self, m: int) -> int:
         """The 16-row blocks of x one program takes for ``m`` rows (no more than there are)."""
@@ -449,11 +433,11 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_
              blocks: int = 1) -> MmaGrid:
     """The launch grid nearest to the one asked for that divides the problem: warps x tiles per
     warp divide the tile count, split is the largest divisor of the group count not above the one asked.
-    ``blocks`` of 16 rows of x per program: 4-bit only (8-bit planes run rawq, whose sums would need a
-    register set per block), and two tiles per warp only up to two blocks (registers)."""
+    ``blocks`` of 16 rows of x per program: 1 or 2, 4-bit only (8-bit planes run rawq, whose sums would
+    need a register set per block)."""
     tiles, groups = n // 16, k // group_size
-    blocks = 1 if bits == 8 else max(1, min(MAX_M // 16, blocks))
-    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 and bits == 4 and blocks <= 2 else 1
+    blocks = 1 if bits == 8 else max(1, min(MAX_BLOCKS, blocks))
+    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 and bits == 4 else 1
     warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
     split = max(s for s in range(1, groups + 1) if groups % s == 0 and s <= max(1, split))
     return MmaGrid(warps, nt, groups // split, split, tiles // (warps * nt), blocks)
@@ -466,7 +450,7 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
     zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
     the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq; a program of
-    several 16-row blocks always subtracts them: one unpack then serves 4-8 MMAs, and the sums would
+    two 16-row blocks always subtracts them: one unpack then serves four MMAs, and the sums would
     double those); ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs x
     grid.row_programs(M)) int32, zero at rest, are used when split > 1."""
     assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits, grid.blocks), \
