@@ -378,7 +378,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                                            n_w + 16 * (2 - PLANES), d1, sx, WARPS, FRAGS, FP16, MODE2)
         if PLANES == 2:  # q = 16 h + l: s (16 d_h + d_l - (z + 17 offset) sum(x))
             zs0 = s0 * (z0.to(tl.float32) + 17.0 * OFFSET)
-            d0 = _rescale(d1, d0, d0, 16.0, 0.0, FRAGS, False)
+            d0 = _rescale(d1, d0, d0, 16.0, 0.0, FRAGS, False)  # d_l + 16 d_h
             acc0 = _rescale(acc0, d0, sx, s0, zs0, FRAGS, True)
         else:  # rawq: s (d - (z + offset) sum(x)), the zeros in float32
             acc0 = _rescale(acc0, d0, sx, s0, s0 * (z0.to(tl.float32) + OFFSET), FRAGS, RAWQ)
