@@ -457,16 +457,23 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
         "grid must come from mma_grid"
     m = x2.shape[0]
     assert depth in (1, 2) and 1 <= m <= MAX_M and bits in (4, 8)
-    blocks = grid.row_blocks(m)
-    frags = 1 if m <= 8 else 2 * blocks  # 8-row fragments of x per program
-    planes = 2 if bits == 8 else 1
-    rawq = (rawq and blocks == 1) or planes == 2
-    asm, cons = chunk_asm(x2.dtype, frags, "raw_sum" if rawq else "zero")
-    asm2, cons2 = chunk_asm(x2.dtype, frags, "raw" if rawq else "zero")
     _mma_gemv_kernel[(grid.programs * grid.row_programs(m), grid.split)](
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         m, n, k, x2.stride(0), out.stride(0),
-        G=group_size, HAS_BIAS=bias is not None, FP16=x2.dtype == torch.float16, USE_ASM=use_asm,
-        ASM=asm, CONS=cons, ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags,
-        NT=grid.tiles_per_warp * planes, PLANES=planes, DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups,
-        SPLIT=grid.split, num_warps=grid.warps, num_stages=1)
+        **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=bits,
+                            has_bias=bias is not None, use_asm=use_asm),
+        num_warps=grid.warps, num_stages=1)
+
+
+def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: int, depth: int, rawq: bool,
+                      bits: int, has_bias: bool, use_asm: bool) -> dict:
+    """The compile-time arguments of :func:`_mma_gemv_kernel` for ``m`` rows of x of ``dtype`` on ``grid``
+    (what :func:`launch_mma_gemv` passes; tests/kernels/sm90_compile.py compiles the same for sm_90)."""
+    frags = 1 if m <= 8 else 2 * grid.row_blocks(m)  # 8-row fragments of x per program
+    planes = 2 if bits == 8 else 1
+    rawq = (rawq and grid.row_blocks(m) == 1) or planes == 2
+    asm, cons = chunk_asm(dtype, frags, "raw_sum" if rawq else "zero")
+    asm2, cons2 = chunk_asm(dtype, frags, "raw" if rawq else "zero")
+    return dict(G=group_size, HAS_BIAS=has_bias, FP16=dtype == torch.float16, USE_ASM=use_asm, ASM=asm, CONS=cons,
+                ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags, NT=grid.tiles_per_warp * planes, PLANES=planes,
+                DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups, SPLIT=grid.split)

@@ -278,11 +278,11 @@ def test_weights_made_in_inference_mode_run_the_mma_path(monkeypatch):
 
 
 def test_kernel_compiles_for_hopper():
-    """The inline PTX of each mode, fragment count, 8-bit planes and fp16 gets through Triton and ptxas
-    for sm_90 with one MMA count per chunk as designed (no GPU needed; the interpreter never sees
-    the PTX)."""
+    """The inline PTX of each mode, fragment count, 8-bit planes and fp16, with the compile-time
+    arguments a launch passes, gets through Triton and ptxas for sm_90 with one MMA count per chunk
+    as designed (no GPU needed; the interpreter never sees the PTX)."""
     pytest.importorskip("triton.backends.nvidia")
-    from sm90_compile import VARIANTS, mma_per_chunk  # tests/kernels/sm90_compile.py
+    from sm90_compile import VARIANTS  # tests/kernels/sm90_compile.py
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
@@ -291,8 +291,9 @@ def test_kernel_compiles_for_hopper():
     assert [tuple(line["variant"]) for line in lines] == VARIANTS, done.stderr[-2000:]
     for line in lines:
         assert "error" not in line, line
-        _, frags, nt, planes, rawq, _, _ = line["variant"]
-        assert line["cubin"] > 0 and line["mma"] > 0 and line["mma"] % mma_per_chunk(frags, nt, planes, rawq) == 0, line
+        assert line["cubin"] > 0 and line["mma"] > 0 and line["mma"] % line["per_chunk"] == 0, line
+    # the 8-bit variant runs its two planes with x's sums: 4 k-steps x 2 fragments x (2 planes + 1)
+    assert lines[4]["per_chunk"] == 24
 
 
 @pytest.mark.gpu
