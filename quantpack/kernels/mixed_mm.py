@@ -563,8 +563,10 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         # and summing in shared memory measured no faster, benchmarks/NOTES.md v8)
         # (block_m: rows of x per program; two 16-row blocks of x in one program always subtract the zeros
         # in A; four measured 1.4-1.8x slower, benchmarks/NOTES.md v9)
+        # (rows of N per warp: 64, four tiles sharing x's fragments, with one block of x only: with two the
+        # per-group products and accumulators alone would take 128 registers)
         for x_rows in (min(16, max(8, mb)),) + ((32,) if mb >= 32 and bits == 4 else ()):
-            for rows in (16, 32) if bits == 4 else (16,):  # rows of N per warp
+            for rows in ((16, 32) + ((64,) if x_rows <= 16 else ())) if bits == 4 else (16,):
                 for warps in (1, 2, 4):
                     for split in (4, 8, 16):
                         for depth in (1, 2):
@@ -662,9 +664,9 @@ _mma_working: dict = {}  # device -> whether the compiled kernel passed its firs
 
 
 def mma_tiles_per_warp(cfg: KernelConfig) -> int:
-    """The mma path's ``block_n`` is the rows of N per warp: 32 means two tiles sharing x's fragments,
-    anything else one tile."""
-    return 2 if cfg.block_n == 32 else 1
+    """The mma path's ``block_n`` is the rows of N per warp: 32 or 64 mean two or four 16-row tiles
+    sharing x's fragments, anything else one tile."""
+    return {32: 2, 64: 4}.get(cfg.block_n, 1)
 
 
 def mma_blocks(cfg: KernelConfig) -> int:
@@ -691,9 +693,10 @@ def _mma_self_check(device: torch.device) -> bool:
         out = torch.empty(MMA_MAX_M, n, dtype=torch.float32, device=device)
         try:
             ok = True
-            # one and two 8-row halves of x, programs of one and of two 16-row blocks, one and two tiles per
-            # warp, both ways of applying the zeros, 8-bit planes
+            # one and two 8-row halves of x, programs of one and of two 16-row blocks, one, two and four tiles
+            # per warp, both ways of applying the zeros, 8-bit planes
             for bits, m, nt, rawq, blocks in ((4, 3, 1, True, 1), (4, 40, 2, True, 1), (4, 16, 2, False, 1),
+                                              (4, 20, 4, True, 1), (4, 64, 4, False, 1),
                                               (4, MMA_MAX_M, 2, False, 2), (8, MMA_MAX_M, 1, True, 1)):
                 qw = torch.randint(0, 256, (k * bits // 8, n), device=device, dtype=torch.uint8, generator=g)
                 z = (torch.rand(k // gs, n, device=device, generator=g) * (2 ** bits - 1)).to(torch.bfloat16)

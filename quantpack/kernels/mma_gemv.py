@@ -20,7 +20,8 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
 * rows 8-15 of x are a second B fragment on the same A; a program may take two 16-row blocks of x
   (``MmaGrid.blocks``), all four fragments multiplied with each A the warp unpacks; beyond its rows,
   the programs of one weight tile are adjacent, so the later ones read it from L2; a warp may take
-  two 16-row tiles of N that share x's fragments; split-K over programs as in ``gemv.py`` (partials +
+  two or four 16-row tiles of N that share x's fragments (x's reads from L2 per weight byte fall with
+  the count); split-K over programs as in ``gemv.py`` (partials +
   the last-arriving program sums them);
 * 8-bit weights ``q = 16 h + l`` are two nibble planes packed as two adjacent 4-bit tiles of the
   same 16 rows (``h`` then ``l``): a warp runs them as its two tiles in ``rawq`` mode and combines
@@ -222,17 +223,16 @@ def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, ds, sxs,
 
 @triton.jit
 def _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr, NT: tl.constexpr):
-    """One chunk's A words (of each of the warp's NT tiles; an unused slot repeats the first) and the
-    B registers of each 8-row fragment of x (rows beyond M read as zero)."""
-    a0 = tl.load(a_ptrs + step * 128)
-    a1 = a0
-    if NT == 2:
-        a1 = tl.load(a_ptrs + a_tile + step * 128)
+    """One chunk's A words of each of the warp's NT packed tiles (adjacent, ``a_tile`` words apart) and
+    the B registers of each 8-row fragment of x (rows beyond M read as zero)."""
+    a = ()
+    for i in tl.static_range(NT):
+        a = a + (tl.load(a_ptrs + i * a_tile + step * 128),)
     bs = ()
     for f in tl.static_range(FRAGS):
         p = b_ptrs + f * fstride + step * 32
         bs = bs + (tl.load(p, mask=b_masks[f], other=0), tl.load(p + 4, mask=b_masks[f], other=0))
-    return a0, a1, bs
+    return a, bs
 
 
 @triton.jit
@@ -319,87 +319,91 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     b_masks = ()
     for f in tl.static_range(FRAGS):
         b_masks = b_masks + ((g + 8 * f < M)[:, None] & (j < 4)[None, :],)
-    # accumulator element j of lane (g, c): out[m_c + 8f, n_c (+ 16 in the second tile)] of fragment f
+    # accumulator element j of lane (g, c): out[m_c + 8f, n_c + 16i] of fragment f and tile i
     n_c = ((t // PLANES) * 16 + g)[:, None] + 8 * (j // 2)[None, :]
     m_c = (2 * c)[:, None] + (j % 2)[None, :]
     n_w = (pid_n * WARPS + tl.arange(0, WARPS)) * (NT // PLANES) * 16  # (emulation: each warp's first row)
-    TILE2: tl.constexpr = NT == 2 and PLANES == 1  # a second tile of rows (not a second plane)
+    TILES: tl.constexpr = NT // PLANES  # 16-row tiles of N per warp (each with its own scales and zeros)
 
     zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
-    acc0 = (zero,) * FRAGS  # per fragment of x: the first tile (or 8-bit weight)
-    acc1 = acc0  # the second tile (TILE2)
+    acc = (zero,) * (TILES * FRAGS)  # tile i, fragment f of x at i * FRAGS + f
     # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk)
     p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, 0, FRAGS, NT)
     p1 = p0
     if DEPTH == 2:
         p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS, NT)
     grp0 = pid_s * GROUPS
-    s0_nxt = tl.load(s_ptr + grp0 * N + n_c)
-    z0_nxt = tl.load(z_ptr + grp0 * N + n_c)
-    s1_nxt = s0_nxt
-    z1_nxt = z0_nxt
-    if TILE2:
-        s1_nxt = tl.load(s_ptr + grp0 * N + n_c + 16)
-        z1_nxt = tl.load(z_ptr + grp0 * N + n_c + 16)
+    s_nxt = ()
+    z_nxt = ()
+    for ti in tl.static_range(TILES):
+        s_nxt = s_nxt + (tl.load(s_ptr + grp0 * N + n_c + 16 * ti),)
+        z_nxt = z_nxt + (tl.load(z_ptr + grp0 * N + n_c + 16 * ti),)
     for gi in range(GROUPS):
-        s0 = s0_nxt.to(tl.float32)
-        s1 = s1_nxt.to(tl.float32)
-        z0 = z0_nxt
-        z1 = z1_nxt
-        nz0 = (-z0.to(tl.float32)).to(XT)
-        nz1 = (-z1.to(tl.float32)).to(XT)
+        ss = s_nxt
+        zs = z_nxt
+        nzs = ()
+        for ti in tl.static_range(TILES):
+            nzs = nzs + ((-zs[ti].to(tl.float32)).to(XT),)
         nxt_grp = grp0 + tl.minimum(gi + 1, GROUPS - 1)  # the next group's scales and zeros, early
-        s0_nxt = tl.load(s_ptr + nxt_grp * N + n_c)
-        z0_nxt = tl.load(z_ptr + nxt_grp * N + n_c)
-        if TILE2:
-            s1_nxt = tl.load(s_ptr + nxt_grp * N + n_c + 16)
-            z1_nxt = tl.load(z_ptr + nxt_grp * N + n_c + 16)
-        d0 = (zero,) * FRAGS  # this group's products: first tile (8-bit: high plane)
-        d1 = d0  # second tile (8-bit: low plane)
-        sx = d0  # x's sums (rawq)
+        s_nxt = ()
+        z_nxt = ()
+        for ti in tl.static_range(TILES):
+            s_nxt = s_nxt + (tl.load(s_ptr + nxt_grp * N + n_c + 16 * ti),)
+            z_nxt = z_nxt + (tl.load(z_ptr + nxt_grp * N + n_c + 16 * ti),)
+        d = (zero,) * (NT * FRAGS)  # this group's products, packed tile i (8-bit: plane) at i * FRAGS + f
+        sx = (zero,) * FRAGS  # x's sums (rawq), taken with the first tile
         for ci in range(CPG):
             i = gi * CPG + ci
-            a0, a1, bs = p0
+            a, bs = p0
             nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(i + DEPTH, STEPS - 1), FRAGS, NT)
             if DEPTH == 1:
                 p0 = nxt
             else:
                 p0 = p1
                 p1 = nxt
-            if USE_ASM:
-                d0, sx = _mma_chunk(a0, bs, nz0, d0, sx, FRAGS, MODE1, ASM, CONS)
-                if NT == 2:
-                    d1, sx = _mma_chunk(a1, bs, nz1, d1, sx, FRAGS, MODE2, ASM2, CONS2)
-            else:
-                d0, sx = _emulate_tile(a0, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w, d0, sx, WARPS,
-                                       FRAGS, FP16, MODE1)
-                if NT == 2:
-                    d1, sx = _emulate_tile(a1, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N,
-                                           n_w + 16 * (2 - PLANES), d1, sx, WARPS, FRAGS, FP16, MODE2)
+            dn = ()
+            for ti in tl.static_range(NT):
+                di = d[ti * FRAGS:(ti + 1) * FRAGS]
+                if USE_ASM:
+                    if ti == 0:
+                        di, sx = _mma_chunk(a[ti], bs, nzs[ti // PLANES], di, sx, FRAGS, MODE1, ASM, CONS)
+                    else:
+                        di, sx = _mma_chunk(a[ti], bs, nzs[ti // PLANES], di, sx, FRAGS, MODE2, ASM2, CONS2)
+                else:
+                    n_t = n_w + 16 * (ti // PLANES)
+                    if ti == 0:
+                        di, sx = _emulate_tile(a[ti], x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_t, di, sx,
+                                               WARPS, FRAGS, FP16, MODE1)
+                    else:
+                        di, sx = _emulate_tile(a[ti], x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_t, di, sx,
+                                               WARPS, FRAGS, FP16, MODE2)
+                dn = dn + di
+            d = dn
         if PLANES == 2:  # q = 16 h + l: s (16 d_h + d_l - (z + 17 offset) sum(x))
-            zs0 = s0 * (z0.to(tl.float32) + 17.0 * OFFSET)
-            d0 = _rescale(d1, d0, d0, 16.0, 0.0, FRAGS, False)  # d_l + 16 d_h
-            acc0 = _rescale(acc0, d0, sx, s0, zs0, FRAGS, True)
+            s0 = ss[0].to(tl.float32)
+            zs0 = s0 * (zs[0].to(tl.float32) + 17.0 * OFFSET)
+            dhl = _rescale(d[FRAGS:], d[:FRAGS], d[:FRAGS], 16.0, 0.0, FRAGS, False)  # d_l + 16 d_h
+            acc = _rescale(acc, dhl, sx, s0, zs0, FRAGS, True)
         else:  # rawq: s (d - (z + offset) sum(x)), the zeros in float32
-            acc0 = _rescale(acc0, d0, sx, s0, s0 * (z0.to(tl.float32) + OFFSET), FRAGS, RAWQ)
-            if TILE2:
-                acc1 = _rescale(acc1, d1, sx, s1, s1 * (z1.to(tl.float32) + OFFSET), FRAGS, RAWQ)
+            accn = ()
+            for ti in tl.static_range(TILES):
+                s_t = ss[ti].to(tl.float32)
+                accn = accn + _rescale(acc[ti * FRAGS:(ti + 1) * FRAGS], d[ti * FRAGS:(ti + 1) * FRAGS], sx, s_t,
+                                       s_t * (zs[ti].to(tl.float32) + OFFSET), FRAGS, RAWQ)
+            acc = accn
 
-    for f in tl.static_range(FRAGS):
-        _finish(acc0[f], m_c + 8 * f, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
-                SPLIT)
-        if TILE2:
-            _finish(acc1[f], m_c + 8 * f, n_c + 16, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT,
-                    HAS_BIAS, SPLIT)
+    for ti in tl.static_range(TILES):
+        for f in tl.static_range(FRAGS):
+            _finish(acc[ti * FRAGS + f], m_c + 8 * f, n_c + 16 * ti, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr,
+                    WS_SPLIT, HAS_BIAS, SPLIT)
     if SPLIT > 1:
         # partials published: count arrivals; the last program of this column tile sums them all
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
-            for f in tl.static_range(FRAGS):
-                _reduce(m_c + 8 * f, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS, SPLIT)
-                if TILE2:
-                    _reduce(m_c + 8 * f, n_c + 16, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
+            for ti in tl.static_range(TILES):
+                for f in tl.static_range(FRAGS):
+                    _reduce(m_c + 8 * f, n_c + 16 * ti, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
                             SPLIT)
             tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
@@ -414,7 +418,7 @@ def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axi
 
 class MmaGrid(NamedTuple):
     warps: int  # per program, one tile slot each
-    tiles_per_warp: int  # 16-row tiles of N per warp (1 or 2; 8-bit: 1, its two nibble planes take the slot)
+    tiles_per_warp: int  # 16-row tiles of N per warp (1, 2 or 4; 8-bit: 1, its two nibble planes take the slot)
     groups: int  # quantization groups per program
     split: int  # programs splitting K (partials summed by the last to finish)
     programs: int  # along N
@@ -432,12 +436,12 @@ class MmaGrid(NamedTuple):
 def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1, bits: int = 4,
              blocks: int = 1) -> MmaGrid:
     """The launch grid nearest to the one asked for that divides the problem: warps x tiles per
-    warp divide the tile count, split is the largest divisor of the group count not above the one asked.
+    warp (1, 2 or 4, 4-bit; the most up to the one asked) divide the tile count, split is the largest divisor of the group count not above the one asked.
     ``blocks`` of 16 rows of x per program: 1 or 2, 4-bit only (8-bit planes run rawq, whose sums would
     need a register set per block)."""
     tiles, groups = n // 16, k // group_size
     blocks = 1 if bits == 8 else max(1, min(MAX_BLOCKS, blocks))
-    nt = 2 if tiles_per_warp >= 2 and tiles % 2 == 0 and bits == 4 else 1
+    nt = max(t for t in (1, 2, 4) if t <= max(1, tiles_per_warp) and tiles % t == 0) if bits == 4 else 1
     warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
     split = max(s for s in range(1, groups + 1) if groups % s == 0 and s <= max(1, split))
     return MmaGrid(warps, nt, groups // split, split, tiles // (warps * nt), blocks)

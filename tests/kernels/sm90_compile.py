@@ -24,9 +24,10 @@ ARGS = {"x_ptr": "*{x}", "qm_ptr": "*i32", "s_ptr": "*{x}", "z_ptr": "*{x}", "bi
         "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
         "stride_om": "i32"}
 # (x dtype, rows of x, bits, rawq asked, tiles per warp, 16-row blocks per program, depth, warps): each
-# zero mode, 1 / 2 / 4 fragments of x, two tiles per warp, 8-bit planes, fp16
+# zero mode, 1 / 2 / 4 fragments of x, two and four tiles per warp, 8-bit planes, fp16
 VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2), ("bf16", 16, 4, True, 2, 1, 2, 1), ("bf16", 16, 4, False, 1, 1, 2, 4),
-            ("bf16", 32, 4, False, 2, 2, 1, 1), ("bf16", 16, 8, True, 1, 1, 2, 2), ("fp16", 16, 4, False, 2, 1, 2, 2)]
+            ("bf16", 32, 4, False, 2, 2, 1, 1), ("bf16", 16, 8, True, 1, 1, 2, 2), ("fp16", 16, 4, False, 2, 1, 2, 2),
+            ("bf16", 16, 4, True, 4, 1, 2, 2), ("bf16", 16, 4, False, 4, 1, 2, 1)]
 N, K, GROUP = 4096, 4096, 128
 
 

@@ -98,7 +98,7 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(16, 128, 64, 1, 1, 1, 1), (48, 192, 64, 4, 3, 2, 1),
                                                             (80, 256, 128, 2, 2, 1, 1), (32, 512, 256, 2, 2, 2, 2),
-                                                            (128, 192, 64, 2, 3, 1, 2)])
+                                                            (128, 192, 64, 2, 3, 1, 2), (128, 256, 128, 2, 2, 2, 4)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
 def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype, rawq):
@@ -113,12 +113,13 @@ def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(48, 192, 64, 4, 3, 2, 1), (80, 256, 128, 2, 2, 1, 1),
-                                                            (32, 512, 256, 2, 2, 2, 2), (128, 192, 64, 2, 1, 1, 2)])
+                                                            (32, 512, 256, 2, 2, 2, 2), (128, 192, 64, 2, 1, 1, 2),
+                                                            (64, 192, 64, 1, 3, 2, 4)])
 @pytest.mark.parametrize("m", [9, 17, 33, 40, 50, 64])
 def test_row_blocks_match_reference(m, n, k, gs, warps, split, depth, tiles, dtype):
     """Two 16-row blocks of x per program (four 8-row fragments on each unpacked A): fewer rows than
-    the blocks hold (9, 17), a ragged last program (33, 40, 50: 32 + 1, 8, 18 rows), one and two tiles
-    per warp; rawq asked for is ignored (the zeros are subtracted in A)."""
+    the blocks hold (9, 17), a ragged last program (33, 40, 50: 32 + 1, 8, 18 rows), one, two and four
+    tiles per warp; rawq asked for is ignored (the zeros are subtracted in A)."""
     blocks = 2
     pw, w = packed(n, k, gs, dtype, seed=m)
     g = torch.Generator().manual_seed(m + n + blocks)
@@ -166,7 +167,11 @@ def test_grid_rounds_to_divisors():
     assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3, 3, 1)  # 3 tiles of 16 rows: one warp, one tile each
     assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3, 1, 1)  # 8 tiles: 4 warps of two
     assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3, 3, 1)  # 3 pairs of tiles: one warp per program
+    assert mma_grid(128, 192, 64, 4, 3, 4) == (2, 4, 1, 3, 1, 1)  # 8 tiles: 2 warps of four
+    assert mma_grid(96, 192, 64, 4, 3, 4) == (1, 2, 1, 3, 3, 1)  # 6 tiles: four per warp does not divide, two does
+    assert mma_grid(64, 192, 64, 4, 3, 3).tiles_per_warp == 2  # 3 asked: the most of 1, 2, 4 not above it
     assert mma_grid(128, 192, 64, 4, 3, 2, bits=8) == (4, 1, 1, 3, 2, 1)  # 8-bit: one tile per warp (two planes)
+    assert mma_grid(128, 192, 64, 4, 3, 4, bits=8).tiles_per_warp == 1
     assert mma_grid(128, 192, 64, 4, 3, 2, blocks=2) == (4, 2, 1, 3, 1, 2)  # two blocks, two tiles per warp
     assert mma_grid(128, 192, 64, 4, 3, 2, blocks=4).blocks == 2  # at most two blocks per program
     assert mma_grid(128, 192, 64, 4, 3, 1, bits=8, blocks=2).blocks == 1  # 8-bit planes: one block
@@ -196,18 +201,19 @@ def _spy(monkeypatch):
 
 
 def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
-    """The config's knobs reach the kernel: rows per warp (block_n 32 = two tiles), rawq, depth, rows of x
+    """The config's knobs reach the kernel: rows per warp (block_n 32 / 64 = two / four tiles), rawq, depth, rows of x
     per program (block_m 32 = two 16-row blocks; 64 asks for four, the grid allows two)."""
     calls = _spy(monkeypatch)
     pw, w = packed(64, 256, 128)
     for m, x_rows, rows, rawq, depth in ((1, 8, 16, True, 1), (5, 8, 32, False, 2), (16, 16, 32, True, 2),
-                                         (64, 16, 16, True, 2), (64, 64, 16, False, 2), (40, 32, 32, False, 1)):
+                                         (64, 16, 16, True, 2), (64, 64, 16, False, 2), (40, 32, 32, False, 1),
+                                         (17, 16, 64, True, 2)):
         x = torch.randn(m, 256, dtype=torch.float16).to(DEV)
         cfg = KernelConfig("mma", x_rows, rows, num_warps=2, split=2, num_stages=depth, rawq=rawq)
         out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
     assert calls == [(2, 1, True, 1, 4, 1), (2, 2, False, 2, 4, 1), (2, 2, True, 2, 4, 1), (2, 1, True, 2, 4, 1),
-                     (2, 1, False, 2, 4, 2), (2, 2, False, 1, 4, 2)]
+                     (2, 1, False, 2, 4, 2), (2, 2, False, 1, 4, 2), (2, 4, True, 2, 4, 1)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -310,7 +316,8 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
     for m in (1, 2, 8, 11, 16, 33, 64):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         for warps, split, depth, tiles, rawq in ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
-                                                 (4, 8, 2, 2, True), (1, 16, 1, 1, True))[:5 if bits == 4 else 3]:
+                                                 (4, 8, 2, 2, True), (1, 16, 1, 1, True), (2, 4, 2, 4, True),
+                                                 (1, 8, 1, 4, False))[:7 if bits == 4 else 3]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
         for warps, split, depth, tiles, blocks in ((2, 8, 2, 1, 2), (1, 4, 1, 1, 2), (4, 16, 2, 2, 2),
