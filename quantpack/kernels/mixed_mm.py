@@ -25,6 +25,7 @@ counter, which it resets) sums them and writes the output, so one launch does it
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -563,10 +564,10 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         # and summing in shared memory measured no faster, benchmarks/NOTES.md v8)
         # (block_m: rows of x per program; two 16-row blocks of x in one program always subtract the zeros
         # in A; four measured 1.4-1.8x slower, benchmarks/NOTES.md v9)
-        # (rows of N per warp: 64, four tiles sharing x's fragments, with one block of x only: with two the
-        # per-group products and accumulators alone would take 128 registers)
+        # (rows of N per warp: 16 or 32; four tiles per warp (64), half of x's reads per weight byte, measured
+        # 9-22% slower at M = 32..64 on an H200: 255 registers, so 8 warps per SM; benchmarks/NOTES.md v10)
         for x_rows in (min(16, max(8, mb)),) + ((32,) if mb >= 32 and bits == 4 else ()):
-            for rows in ((16, 32) + ((64,) if x_rows <= 16 else ())) if bits == 4 else (16,):
+            for rows in (16, 32) if bits == 4 else (16,):
                 for warps in (1, 2, 4):
                     for split in (4, 8, 16):
                         for depth in (1, 2):
@@ -678,6 +679,24 @@ def mma_enabled() -> bool:
     return os.environ.get("QUANTPACK_MMA", "1") != "0"
 
 
+PDL_MAX_M = 8  # rows of x up to which the mma path may launch with PDL (H200: M = 16 measured up to 10% slower)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether decode kernels launch with programmatic dependent launch (Hopper and later): each starts
+    while the kernel before it finishes, waiting only before it reads anything another kernel may write.
+    Off unless QUANTPACK_PDL=1: on an H200 it made back-to-back M = 1 calls 8-17% faster, but M = 4/8
+    and 8-bit 4096^2 calls 3-9% slower and 8B-shaped graph decode no faster (benchmarks/NOTES.md v10)."""
+    return (device.type == "cuda" and not interpreting() and os.environ.get("QUANTPACK_PDL", "0") == "1"
+            and _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9)
+
+
+@functools.cache
+def _major(index: int) -> int:
+    """The compute capability's major number of CUDA device ``index``."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _mma_self_check(device: torch.device) -> bool:
     """Run the mma kernel once on a small problem against the reference. Its correctness rests on
     Triton giving each lane one row of a (32 * warps, 4) tensor (true of every Triton it was tested
@@ -715,24 +734,25 @@ def _mma_self_check(device: torch.device) -> bool:
     return ok
 
 
-def _mma_weight(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor | None:
+def _mma_weight(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> tuple[torch.Tensor | None, bool]:
     """The :func:`mma_pack` copy of ``qweight``, built on first use and kept while ``qweight`` lives
-    (rebuilt if it is modified in place); ``None`` where it cannot be used now: during CUDA-graph
-    capture before it exists, or if the kernel failed its self-check."""
+    (rebuilt if it is modified in place), and whether this call built it (then the kernels that wrote
+    it may still be running: the launch that reads it must not use PDL); ``None`` where it cannot be
+    used now: during CUDA-graph capture before it exists, or if the kernel failed its self-check."""
     try:
         version = qweight._version
     except RuntimeError:  # an inference-mode tensor keeps no version counter (nor can it change outside one)
         version = -1
     hit = _mma_copies.get(qweight)
     if hit is not None and hit[0] == version:
-        return hit[1]
+        return hit[1], False
     if qweight.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
+        return None, False
     if not _mma_self_check(qweight.device):
-        return None
+        return None, False
     packed = mma_pack(qweight, n, k, bits)
     _mma_copies[qweight] = (version, packed)
-    return packed
+    return packed, True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -756,7 +776,7 @@ def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_si
 
 
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis: int, group_size: int, bits: int,
-            transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig, mma_weight=None) -> torch.Tensor:
+            transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig, mma_weight=None, pdl: bool = False) -> torch.Tensor:
     m = x2.shape[0]
     out_cols = k if transposed else n
     if cfg.path == "dq":
@@ -802,7 +822,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
             grid = mma_grid(n, k, group_size, grid.warps, split, grid.tiles_per_warp, bits, grid.blocks)
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
                         grid=grid, depth=min(2, max(1, cfg.num_stages)), rawq=cfg.rawq, use_asm=not interpreting(),
-                        bits=bits)
+                        bits=bits, pdl=pdl)
         return out
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
@@ -878,17 +898,18 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
         config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
-    mma_weight = None
+    mma_weight, pdl = None, False
     if config.path == "mma":
         if mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):  # (_fix_config took transposed)
             with on_device(x2):
-                mma_weight = _mma_weight(qweight, n, k, bits)
+                mma_weight, built_now = _mma_weight(qweight, n, k, bits)
+            pdl = not built_now and x2.shape[0] <= PDL_MAX_M and pdl_enabled(x2.device)
         if mma_weight is None:  # the CUDA-core GEMV (or what _fix_config makes of it) instead
             config = _fix_config(gemv_config(x2.shape[0], n, k, x2.device), transposed, x2.shape[0], axis,
                                  group_size)
     with on_device(x2):  # Triton launches on the current device: make it x's (device maps over GPUs)
         out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config,
-                      mma_weight)
+                      mma_weight, pdl)
     return out.reshape(*lead, out.shape[-1])
 
 

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
 MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each)
@@ -222,17 +223,27 @@ def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, ds, sxs,
 
 
 @triton.jit
-def _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr, NT: tl.constexpr):
-    """One chunk's A words of each of the warp's NT packed tiles (adjacent, ``a_tile`` words apart) and
-    the B registers of each 8-row fragment of x (rows beyond M read as zero)."""
+def _load_a(a_ptrs, a_tile, step, NT: tl.constexpr):
+    """One chunk's A words of each of the warp's NT packed tiles (adjacent, ``a_tile`` words apart)."""
     a = ()
     for i in tl.static_range(NT):
         a = a + (tl.load(a_ptrs + i * a_tile + step * 128),)
+    return a
+
+
+@triton.jit
+def _load_b(b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr):
+    """One chunk's B registers of each 8-row fragment of x (rows beyond M read as zero)."""
     bs = ()
     for f in tl.static_range(FRAGS):
         p = b_ptrs + f * fstride + step * 32
         bs = bs + (tl.load(p, mask=b_masks[f], other=0), tl.load(p + 4, mask=b_masks[f], other=0))
-    return a, bs
+    return bs
+
+
+@triton.jit
+def _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, step, FRAGS: tl.constexpr, NT: tl.constexpr):
+    return _load_a(a_ptrs, a_tile, step, NT), _load_b(b_ptrs, b_masks, fstride, step, FRAGS)
 
 
 @triton.jit
@@ -279,7 +290,8 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
                      RAWQ: tl.constexpr, FRAGS: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
-                     DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr):
+                     DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
+                     PDL: tl.constexpr):
     # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
     # A program takes ROWS rows of x as FRAGS 8-row B fragments, all multiplied with each A fragment it
     # unpacks; with more rows than that, the programs of a column tile are adjacent, so the weight tile
@@ -327,11 +339,22 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
 
     zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
     acc = (zero,) * (TILES * FRAGS)  # tile i, fragment f of x at i * FRAGS + f
-    # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk)
-    p0 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, 0, FRAGS, NT)
+    # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk).
+    # Programmatic dependent launch (PDL): this grid may start while the previous kernel in the stream
+    # is still running; only the mma-ordered weight copy, which no other kernel writes (it is built
+    # before a launch without PDL), is read before waiting for that kernel; x, scales, zeros, the
+    # workspace and the output after.
+    a0 = _load_a(a_ptrs, a_tile, 0, NT)
+    a1 = a0
+    if DEPTH == 2:
+        a1 = _load_a(a_ptrs, a_tile, tl.minimum(1, STEPS - 1), NT)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()  # (the next grid may start once every program of this one is past its wait)
+    p0 = (a0, _load_b(b_ptrs, b_masks, fstride, 0, FRAGS))
     p1 = p0
     if DEPTH == 2:
-        p1 = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS, NT)
+        p1 = (a1, _load_b(b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS))
     grp0 = pid_s * GROUPS
     s_nxt = ()
     z_nxt = ()
@@ -448,7 +471,7 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
-                    grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, bits: int = 4) -> None:
+                    grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, bits: int = 4, pdl: bool = False) -> None:
     """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout (of ``bits``), M <= 64. ``grid``
     must come from :func:`mma_grid` (for these bits); ``depth`` (1 or 2; 3 measured slower) chunks of
     loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
@@ -456,7 +479,10 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq; a program of
     two 16-row blocks always subtracts them: one unpack then serves four MMAs, and the sums would
     double those); ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs x
-    grid.row_programs(M)) int32, zero at rest, are used when split > 1."""
+    grid.row_programs(M)) int32, zero at rest, are used when split > 1. ``pdl`` (Hopper and later, with
+    ``use_asm``) launches with programmatic dependent launch: the grid starts while the previous kernel in
+    the stream finishes and reads ``packed`` before waiting for it, so no kernel may be writing ``packed``
+    then (see :func:`_mma_gemv_kernel`)."""
     assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits, grid.blocks), \
         "grid must come from mma_grid"
     m = x2.shape[0]
@@ -465,12 +491,12 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         m, n, k, x2.stride(0), out.stride(0),
         **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=bits,
-                            has_bias=bias is not None, use_asm=use_asm),
-        num_warps=grid.warps, num_stages=1)
+                            has_bias=bias is not None, use_asm=use_asm, pdl=pdl),
+        num_warps=grid.warps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
 
 
 def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: int, depth: int, rawq: bool,
-                      bits: int, has_bias: bool, use_asm: bool) -> dict:
+                      bits: int, has_bias: bool, use_asm: bool, pdl: bool = False) -> dict:
     """The compile-time arguments of :func:`_mma_gemv_kernel` for ``m`` rows of x of ``dtype`` on ``grid``
     (what :func:`launch_mma_gemv` passes; tests/kernels/sm90_compile.py compiles the same for sm_90)."""
     frags = 1 if m <= 8 else 2 * grid.row_blocks(m)  # 8-row fragments of x per program
@@ -480,4 +506,4 @@ def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: 
     asm2, cons2 = chunk_asm(dtype, frags, "raw" if rawq else "zero")
     return dict(G=group_size, HAS_BIAS=has_bias, FP16=dtype == torch.float16, USE_ASM=use_asm, ASM=asm, CONS=cons,
                 ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags, NT=grid.tiles_per_warp * planes, PLANES=planes,
-                DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups, SPLIT=grid.split)
+                DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups, SPLIT=grid.split, PDL=pdl and use_asm)

@@ -263,11 +263,12 @@ def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
 
 def test_repacked_copy_is_cached_and_follows_in_place_changes():
     pw, _ = packed(32, 128, 64)
-    first = mm_mod._mma_weight(pw.qweight, 32, 128)
-    assert mm_mod._mma_weight(pw.qweight, 32, 128) is first
+    first, built = mm_mod._mma_weight(pw.qweight, 32, 128)
+    again, built = mm_mod._mma_weight(pw.qweight, 32, 128)
+    assert again is first and not built
     pw.qweight[0, 0] ^= 0x11  # in place: the copy is rebuilt
-    second = mm_mod._mma_weight(pw.qweight, 32, 128)
-    assert second is not first and torch.equal(second, mma_pack(pw.qweight, 32, 128))
+    second, built = mm_mod._mma_weight(pw.qweight, 32, 128)
+    assert built and second is not first and torch.equal(second, mma_pack(pw.qweight, 32, 128))
 
 
 def test_weights_made_in_inference_mode_run_the_mma_path(monkeypatch):
@@ -280,7 +281,7 @@ def test_weights_made_in_inference_mode_run_the_mma_path(monkeypatch):
         for _ in range(2):
             out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
     assert rel_err(out, x.float() @ w.t()) <= 1e-3
-    assert len(calls) == 2 and mm_mod._mma_weight(pw.qweight, 64, 256) is mm_mod._mma_weight(pw.qweight, 64, 256)
+    assert len(calls) == 2 and mm_mod._mma_weight(pw.qweight, 64, 256)[0] is mm_mod._mma_weight(pw.qweight, 64, 256)[0]
 
 
 def test_kernel_compiles_for_hopper():
@@ -324,3 +325,60 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
                                                    (2, 4, 1, 2, 2))[:4 if bits == 4 and m > 8 else 0]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, blocks=blocks)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
+
+
+def test_pdl_is_opt_in(monkeypatch):
+    """PDL is off unless QUANTPACK_PDL=1, and never used off a Hopper GPU (nor by the interpreter)."""
+    flags = []
+    real = mm_mod.launch_mma_gemv
+    monkeypatch.setattr(mm_mod, "launch_mma_gemv", lambda *a, **kw: flags.append(kw["pdl"]) or real(*a, **kw))
+    monkeypatch.delenv("QUANTPACK_PDL", raising=False)
+    pw, w = packed(32, 128, 64)
+    x = torch.randn(1, 128, dtype=torch.float16).to(DEV)
+    for _ in range(2):
+        mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=KernelConfig("mma", 8, split=2))
+    assert flags == [False, False]
+    monkeypatch.setenv("QUANTPACK_PDL", "1")
+    assert not mm_mod.pdl_enabled(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_pdl_chains_read_what_the_previous_kernel_wrote(m, monkeypatch):
+    """With QUANTPACK_PDL=1 decode kernels launch with PDL (Hopper): each starts while the previous one
+    finishes and waits before reading x. Two layers back to back, the second reading the first's output (split-K, so the
+    shared counters too), eagerly and replayed in a CUDA graph, must match the reference every time;
+    the launch that builds the mma copy does not use PDL, later ones do up to PDL_MAX_M rows."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs Hopper or later")
+    monkeypatch.setenv("QUANTPACK_PDL", "1")
+    flags = []
+    real = mm_mod.launch_mma_gemv
+    monkeypatch.setattr(mm_mod, "launch_mma_gemv", lambda *a, **kw: flags.append(kw["pdl"]) or real(*a, **kw))
+    n = k = 4096
+    p1, w1 = packed(n, k, 128, torch.bfloat16, seed=1)
+    p2, w2 = packed(n, k, 128, torch.bfloat16, seed=2)
+    cfg = KernelConfig("mma", 16, 16, num_warps=2, split=8, num_stages=2, rawq=True)
+
+    def two_layers(x):
+        h = mixed_mm(x, p1.qweight, p1.scales, p1.zeros, group_size=128, config=cfg)
+        return mixed_mm(h, p2.qweight, p2.scales, p2.zeros, group_size=128, config=cfg)
+
+    def check(x, out):
+        h = (x.float() @ w1.t()).to(torch.bfloat16).float()
+        assert rel_err(out, h @ w2.t()) <= 1e-2
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    check(x, two_layers(x))
+    assert flags[-2:] == [False, False]  # (each weight's first launch built its mma copy)
+    for _ in range(20):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        check(x, two_layers(x))
+    assert flags[-1] is (m <= mm_mod.PDL_MAX_M)
+    static_x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = two_layers(static_x)
+    for _ in range(10):
+        static_x.copy_(torch.randn(m, k, device=DEV, dtype=torch.bfloat16))
+        graph.replay()
+        check(static_x, static_out)
