@@ -327,11 +327,19 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
 
 
-def test_pdl_is_opt_in(monkeypatch):
-    """PDL is off unless QUANTPACK_PDL=1, and never used off a Hopper GPU (nor by the interpreter)."""
+def _spy_pdl(monkeypatch):
+    """Record whether each mma launch asks for PDL (after the once-per-device self-check, which launches
+    the kernel too)."""
+    mm_mod._mma_self_check(torch.device(DEV))
     flags = []
     real = mm_mod.launch_mma_gemv
     monkeypatch.setattr(mm_mod, "launch_mma_gemv", lambda *a, **kw: flags.append(kw["pdl"]) or real(*a, **kw))
+    return flags
+
+
+def test_pdl_is_opt_in(monkeypatch):
+    """PDL is off unless QUANTPACK_PDL=1, and never used off a Hopper GPU (nor by the interpreter)."""
+    flags = _spy_pdl(monkeypatch)
     monkeypatch.delenv("QUANTPACK_PDL", raising=False)
     pw, w = packed(32, 128, 64)
     x = torch.randn(1, 128, dtype=torch.float16).to(DEV)
@@ -352,9 +360,7 @@ def test_pdl_chains_read_what_the_previous_kernel_wrote(m, monkeypatch):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or later")
     monkeypatch.setenv("QUANTPACK_PDL", "1")
-    flags = []
-    real = mm_mod.launch_mma_gemv
-    monkeypatch.setattr(mm_mod, "launch_mma_gemv", lambda *a, **kw: flags.append(kw["pdl"]) or real(*a, **kw))
+    flags = _spy_pdl(monkeypatch)
     n = k = 4096
     p1, w1 = packed(n, k, 128, torch.bfloat16, seed=1)
     p2, w2 = packed(n, k, 128, torch.bfloat16, seed=2)
