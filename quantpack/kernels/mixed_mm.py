@@ -569,7 +569,9 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         for x_rows in (min(16, max(8, mb)),) + ((32,) if mb >= 32 and bits == 4 else ()):
             for rows in (16, 32) if bits == 4 else (16,):
                 for warps in (1, 2, 4):
-                    for split in (4, 8, 16):
+                    # (beyond 16 rows there are 2-4x the programs along M, and split-K's float32 partials,
+                    # split x M x N x 4 bytes written and read again, rival the weight: fewer splits)
+                    for split in (4, 8, 16) if mb <= 16 else (1, 2, 4, 8):
                         for depth in (1, 2):
                             for rawq in (False, True) if bits == 4 and x_rows <= 16 else (bits == 8,):
                                 c = KernelConfig("mma", x_rows, rows, num_warps=warps, split=split,
