@@ -778,7 +778,8 @@ def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_si
 
 
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis: int, group_size: int, bits: int,
-            transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig, mma_weight=None, pdl: bool = False) -> torch.Tensor:
+            transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig, mma_weight=None,
+            pdl: bool = False) -> torch.Tensor:
     m = x2.shape[0]
     out_cols = k if transposed else n
     if cfg.path == "dq":

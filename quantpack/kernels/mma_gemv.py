@@ -20,8 +20,8 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
 * rows 8-15 of x are a second B fragment on the same A; a program may take two 16-row blocks of x
   (``MmaGrid.blocks``), all four fragments multiplied with each A the warp unpacks; beyond its rows,
   the programs of one weight tile are adjacent, so the later ones read it from L2; a warp may take
-  two or four 16-row tiles of N that share x's fragments (x's reads from L2 per weight byte fall with
-  the count); split-K over programs as in ``gemv.py`` (partials +
+  two or four 16-row tiles of N that share x's fragments (four, half of x's reads per weight byte,
+  measured slower: registers halve the warps per SM, benchmarks/NOTES.md v10); split-K over programs as in ``gemv.py`` (partials +
   the last-arriving program sums them);
 * 8-bit weights ``q = 16 h + l`` are two nibble planes packed as two adjacent 4-bit tiles of the
   same 16 rows (``h`` then ``l``): a warp runs them as its two tiles in ``rawq`` mode and combines
@@ -247,6 +247,17 @@ def _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, step, FRAGS: tl.conste
 
 
 @triton.jit
+def _load_group_meta(s_ptr, z_ptr, grp, N, n_c, TILES: tl.constexpr):
+    """Group ``grp``'s scales and zeros of each of the warp's TILES tiles, in the accumulator layout."""
+    ss = ()
+    zs = ()
+    for ti in tl.static_range(TILES):
+        ss = ss + (tl.load(s_ptr + grp * N + n_c + 16 * ti),)
+        zs = zs + (tl.load(z_ptr + grp * N + n_c + 16 * ti),)
+    return ss, zs
+
+
+@triton.jit
 def _rescale(acc, ds, sxs, s, zs, FRAGS: tl.constexpr, SUMS: tl.constexpr):
     """``acc[f] + s ds[f] (- zs sxs[f])``: one group's products, scaled, into the accumulators."""
     out = ()
@@ -356,23 +367,15 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     if DEPTH == 2:
         p1 = (a1, _load_b(b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS))
     grp0 = pid_s * GROUPS
-    s_nxt = ()
-    z_nxt = ()
-    for ti in tl.static_range(TILES):
-        s_nxt = s_nxt + (tl.load(s_ptr + grp0 * N + n_c + 16 * ti),)
-        z_nxt = z_nxt + (tl.load(z_ptr + grp0 * N + n_c + 16 * ti),)
+    s_nxt, z_nxt = _load_group_meta(s_ptr, z_ptr, grp0, N, n_c, TILES)
     for gi in range(GROUPS):
         ss = s_nxt
         zs = z_nxt
         nzs = ()
         for ti in tl.static_range(TILES):
             nzs = nzs + ((-zs[ti].to(tl.float32)).to(XT),)
-        nxt_grp = grp0 + tl.minimum(gi + 1, GROUPS - 1)  # the next group's scales and zeros, early
-        s_nxt = ()
-        z_nxt = ()
-        for ti in tl.static_range(TILES):
-            s_nxt = s_nxt + (tl.load(s_ptr + nxt_grp * N + n_c + 16 * ti),)
-            z_nxt = z_nxt + (tl.load(z_ptr + nxt_grp * N + n_c + 16 * ti),)
+        # the next group's scales and zeros, early
+        s_nxt, z_nxt = _load_group_meta(s_ptr, z_ptr, grp0 + tl.minimum(gi + 1, GROUPS - 1), N, n_c, TILES)
         d = (zero,) * (NT * FRAGS)  # this group's products, packed tile i (8-bit: plane) at i * FRAGS + f
         sx = (zero,) * FRAGS  # x's sums (rawq), taken with the first tile
         for ci in range(CPG):
@@ -385,21 +388,15 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                 p0 = p1
                 p1 = nxt
             dn = ()
-            for ti in tl.static_range(NT):
+            for ti in tl.static_range(NT):  # (the first tile also takes x's sums in rawq)
                 di = d[ti * FRAGS:(ti + 1) * FRAGS]
                 if USE_ASM:
-                    if ti == 0:
-                        di, sx = _mma_chunk(a[ti], bs, nzs[ti // PLANES], di, sx, FRAGS, MODE1, ASM, CONS)
-                    else:
-                        di, sx = _mma_chunk(a[ti], bs, nzs[ti // PLANES], di, sx, FRAGS, MODE2, ASM2, CONS2)
+                    di, sx = _mma_chunk(a[ti], bs, nzs[ti // PLANES], di, sx, FRAGS, MODE1 if ti == 0 else MODE2,
+                                        ASM if ti == 0 else ASM2, CONS if ti == 0 else CONS2)
                 else:
-                    n_t = n_w + 16 * (ti // PLANES)
-                    if ti == 0:
-                        di, sx = _emulate_tile(a[ti], x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_t, di, sx,
-                                               WARPS, FRAGS, FP16, MODE1)
-                    else:
-                        di, sx = _emulate_tile(a[ti], x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_t, di, sx,
-                                               WARPS, FRAGS, FP16, MODE2)
+                    di, sx = _emulate_tile(a[ti], x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N,
+                                           n_w + 16 * (ti // PLANES), di, sx, WARPS, FRAGS, FP16,
+                                           MODE1 if ti == 0 else MODE2)
                 dn = dn + di
             d = dn
         if PLANES == 2:  # q = 16 h + l: s (16 d_h + d_l - (z + 17 offset) sum(x))
@@ -459,7 +456,8 @@ class MmaGrid(NamedTuple):
 def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1, bits: int = 4,
              blocks: int = 1) -> MmaGrid:
     """The launch grid nearest to the one asked for that divides the problem: warps x tiles per
-    warp (1, 2 or 4, 4-bit; the most up to the one asked) divide the tile count, split is the largest divisor of the group count not above the one asked.
+    warp (1, 2 or 4, 4-bit; the most up to the one asked) divide the tile count, split is the largest
+    divisor of the group count not above the one asked.
     ``blocks`` of 16 rows of x per program: 1 or 2, 4-bit only (8-bit planes run rawq, whose sums would
     need a register set per block)."""
     tiles, groups = n // 16, k // group_size

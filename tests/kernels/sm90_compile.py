@@ -41,7 +41,8 @@ def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl):
                                        has_bias=True, use_asm=True, pdl=pdl)
     sig = {name: ty.format(x=xname) for name, ty in ARGS.items()} | {name: "constexpr" for name in const}
     kernel = triton.compile(ASTSource(fn=mma_gemv._mma_gemv_kernel, signature=sig, constexprs=const),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": grid.warps, "num_stages": 1, "launch_pdl": pdl})
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": grid.warps, "num_stages": 1, "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL: the kernel waits for the previous grid exactly when asked"
     return const, ptx.count("mma.sync.aligned.m16n8k16"), len(kernel.asm["cubin"])

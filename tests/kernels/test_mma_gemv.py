@@ -346,7 +346,16 @@ def test_pdl_is_opt_in(monkeypatch):
     for _ in range(2):
         mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=KernelConfig("mma", 8, split=2))
     assert flags == [False, False]
-    monkeypatch.setenv("QUANTPACK_PDL", "1")
+    # the gate itself, on a pretend GPU: on only with QUANTPACK_PDL=1 and compute capability 9 or later
+    monkeypatch.setattr(mm_mod, "interpreting", lambda: False)
+    gpu = torch.device("cuda", 0)
+    for env, major, want in ((None, 9, False), ("0", 9, False), ("1", 9, True), ("1", 8, False)):
+        if env is None:
+            monkeypatch.delenv("QUANTPACK_PDL", raising=False)
+        else:
+            monkeypatch.setenv("QUANTPACK_PDL", env)
+        monkeypatch.setattr(mm_mod, "_major", lambda index, major=major: major)
+        assert mm_mod.pdl_enabled(gpu) is want, (env, major)
     assert not mm_mod.pdl_enabled(torch.device("cpu"))
 
 
