@@ -275,7 +275,9 @@ def bench(ms, dtypes, bw, peak):
                              f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
                 cfg = mm.pick_config(False, 4, m, n, k, x.device)
                 # (mma: x = rows of x per program, r = rows of N per warp, d = chunks of loads in flight)
+                # (wgmma: rows of x x weight rows x in-features per K step, d = TMA ring depth)
                 tile = (f"x{max(16, cfg.block_m)} r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma"
+                        else f"{cfg.block_m}x{cfg.block_n}xk{2 * cfg.block_r} d{cfg.num_stages} " if cfg.path == "wgmma"
                         else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} ")
                 extra += (f"  [{cfg.path}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''} "
                           f"{tile}s{cfg.split} w{cfg.num_warps}]")

@@ -43,12 +43,13 @@ from triton.runtime.errors import OutOfResources
 
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
+from .wgmma_mm import HAVE_GLUON, launch_wgmma, wgmma_grid, wgmma_usable
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
                       meta_rowwise, on_device, triton_usable)
 from .. import reference
 from ..format import PackedWeight
 
-PATHS = ("gemv", "mma", "fma", "dot", "dot_t", "dq")
+PATHS = ("gemv", "mma", "wgmma", "fma", "dot", "dot_t", "dq")
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
@@ -62,7 +63,9 @@ class KernelConfig:
     (forward) or per output tile (transposed); ``split`` splits the reduction over programs. The
     ``mma`` path reads ``block_m`` as the rows of x per program (16 or less: one 16-row block; 32: two
     blocks sharing each unpacked weight fragment) and ``block_n`` as the rows of N per warp
-    (:func:`mma_tiles_per_warp`)."""
+    (:func:`mma_tiles_per_warp`). The ``wgmma`` path (Hopper) reads ``block_m`` as the rows of x per
+    program (16-256), ``block_n`` as the weight rows per program (64 or 128: 4 warps per 64),
+    ``block_r`` as the pair rows per K step (32 or 64) and ``num_stages`` as its TMA ring depth."""
 
     path: str = "dot"
     block_m: int = 16
@@ -481,14 +484,24 @@ def gemv_config(m: int, n: int, k: int, device: torch.device) -> KernelConfig:
                                           8.0))
 
 
-def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
+def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.device, wgmma: bool = True
+                     ) -> KernelConfig:
     """A config without tuning, following what tuning chose on an H200 (benchmarks/NOTES.md): the
     tensor-core GEMV for M <= 16 (the CUDA-core one where its layout needs are not met; tuned tables
     take it up to M = 64), split
     tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the fused large-M kernels lost to
-    it by 2-10x there)."""
+    it by 2-10x there); on Hopper (``wgmma``) the asynchronous warpgroup-MMA kernel for 17-512 rows."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
+    if wgmma and not transposed and 16 < m <= WGMMA_MAX_M and wgmma_device(device):
+        # the shapes of the H200 table (benchmarks/NOTES.md v11): one 64-row weight tile per program
+        # up to 256 rows of x, split until the tiles fill the GPU
+        bm = min(256, max(32, m_bucket(m)))
+        bn = 64 if bm <= 128 else 128
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        return KernelConfig("wgmma", block_m=bm, block_n=bn, block_r=64 if bm <= 128 else 32, num_warps=bn // 16,
+                            num_stages=4 if bm <= 128 else 3,
+                            split=min(4, _fill_split(tiles, max(1, k // 128), sms, 1.0)))
     if m > 64 and device.type == "cuda":
         return KernelConfig(path="dq")
     if m <= 16 and not transposed:
@@ -586,6 +599,16 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                     waves=(1.0, 2.0, 4.0))
         for rawq in (False, True):
             add(KernelConfig("dot", max(16, mb), 64, 64, num_warps=4, num_stages=3, rawq=rawq), waves=(2.0, 4.0))
+    if 16 <= mb <= WGMMA_MAX_M and wgmma_device(device):
+        # Hopper: (rows of x, weight rows, pair rows per K step) per program, ring depth, split
+        for bm in sorted({min(bm, max(16, mb)) for bm in (64, 128, 256)}):
+            for bn in (64, 128):
+                for br in (32, 64) if bm <= 128 else (32,):  # (256 x 128 in-features: over shared memory)
+                    for stages in (3, 4):
+                        for split in (1, 2, 4):
+                            c = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages)
+                            if c not in out:
+                                out.append(c)
     if mb > 64:
         for path, bm, bn, br, warps, stages in (("dot", 64, 128, 32, 4, 4), ("dot", 128, 128, 32, 8, 3),
                                                 ("dot", 128, 256, 32, 8, 3), ("dot", 128, 128, 64, 8, 3),
@@ -681,6 +704,17 @@ def mma_enabled() -> bool:
     return os.environ.get("QUANTPACK_MMA", "1") != "0"
 
 
+WGMMA_MAX_M = 512  # rows of x up to which Hopper runs the wgmma kernel (beyond, dq + cuBLAS measured faster)
+
+
+def wgmma_device(device: torch.device) -> bool:
+    """Whether ``device`` can run the wgmma kernel: a Hopper GPU (9.x), Gluon in this Triton, and not
+    turned off with QUANTPACK_WGMMA=0."""
+    return (HAVE_GLUON and device.type == "cuda" and not interpreting()
+            and os.environ.get("QUANTPACK_WGMMA", "1") != "0"
+            and _major(device.index if device.index is not None else torch.cuda.current_device()) == 9)
+
+
 PDL_MAX_M = 8  # rows of x up to which the mma path may launch with PDL (H200: M = 16 measured up to 10% slower)
 
 
@@ -764,6 +798,8 @@ def _mma_weight(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> tuple[t
 def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_size: int) -> KernelConfig:
     """Clamp a (possibly nearest-shape) config to what this call can run (the mma path's layout
     needs are checked by mixed_mm, which has the tensors)."""
+    if cfg.path == "wgmma" and transposed:
+        cfg = KernelConfig("dot", block_m=16 if m <= 16 else 64, block_n=64, block_r=64, split=cfg.split, num_stages=3)
     if cfg.path == "mma" and (transposed or m > MMA_MAX_M):
         cfg = KernelConfig("dot", block_m=16, block_n=64, block_r=64, split=cfg.split, num_stages=3)
     if cfg.path == "gemv" and (transposed or axis != 1 or group_size % (2 * cfg.block_r) or m > 8):
@@ -805,6 +841,9 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     if cfg.path == "gemv":
         _, split, tiles_n = gemv_grid(m, n, k, cfg.block_n, cfg.block_r, split)
         tiles = m * tiles_n
+    elif cfg.path == "wgmma":
+        wg = wgmma_grid(m, n, k, group_size, cfg.block_m, cfg.block_n, 2 * cfg.block_r, split, cfg.num_stages)
+        split, tiles = wg.split, triton.cdiv(n, wg.block_n) * triton.cdiv(m, wg.block_m)
     elif cfg.path == "mma":
         grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))
         split, tiles = grid.split, grid.programs * grid.row_programs(m)
@@ -827,6 +866,16 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
                         grid=grid, depth=min(2, max(1, cfg.num_stages)), rawq=cfg.rawq, use_asm=not interpreting(),
                         bits=bits, pdl=pdl)
         return out
+    if cfg.path == "wgmma":
+        # a forced or borrowed table entry whose ring does not fit this GPU runs with fewer stages
+        for stages in range(wg.stages, 1, -1):
+            try:
+                launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
+                             grid=replace(wg, split=split, stages=stages))
+                return out
+            except OutOfResources:
+                if stages == 2:
+                    raise
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
                     block_n=cfg.block_n, block_r=cfg.block_r, split=split, words=cfg.words, num_warps=cfg.num_warps)
@@ -901,6 +950,10 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
         config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
+    if config.path == "wgmma" and not (wgmma_device(x2.device)
+                                       and wgmma_usable(x2, qweight, scales, zeros, n, k, group_size, bits, axis)):
+        config = _fix_config(heuristic_config(transposed, x2.shape[0], n, k, x2.device, wgmma=False), transposed,
+                             x2.shape[0], axis, group_size)
     mma_weight, pdl = None, False
     if config.path == "mma":
         if mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):  # (_fix_config took transposed)

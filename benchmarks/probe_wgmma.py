@@ -1,0 +1,88 @@
+"""Probe the Hopper wgmma path: correctness against a float32 reference, then a tile sweep timed like
+bench_kernels (CUDA-graph replays over weight replicas past L2) beside cuBLAS and the shipped path.
+
+    python benchmarks/probe_wgmma.py --shapes 4096x4096,14336x4096 --ms 64,256,1024
+"""
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_kernels import L2, graph_time, random_packed, ref_weight, replicas  # noqa: E402
+import importlib  # noqa: E402
+mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
+from quantpack.kernels import wgmma_mm as wg  # noqa: E402
+
+
+def run_wg(x, qw, s, z, n, k, gs, g, bias=None):
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(g.split, m, n, dtype=torch.float32, device=x.device) if g.split > 1 else out
+    cnt = torch.zeros(triton_cdiv(n, g.block_n) * triton_cdiv(m, g.block_m), dtype=torch.int32, device=x.device)
+    return wg.launch_wgmma(x, qw, s, z, bias, out, ws, cnt, n=n, k=k, group_size=gs, grid=g)
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
+    ap.add_argument("--ms", default="64,256,1024")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--gs", type=int, default=128)
+    args = ap.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    gs = args.gs
+    t0 = time.time()
+    for shape in args.shapes.split(","):
+        n, k = (int(v) for v in shape.split("x"))
+        qw, s, z = random_packed(n, k, 4, dtype, gs=gs)
+        wref = ref_weight(qw, s, z, 4, gs=gs)
+        wd = wref.to(dtype)
+        r4 = replicas(qw.numel() + 4 * s.numel(), L2)
+        qps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r4 - 1)]
+        wds = [wd] + [wd.clone() for _ in range(replicas(2 * n * k, L2) - 1)]
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, dtype=dtype, device="cuda")
+            ref = x.float() @ wref.t()
+            tb, _ = graph_time([lambda w=w: F.linear(x, w) for w in wds])
+            tq, _ = graph_time([lambda p=p: mm.mixed_mm(x, *p, group_size=gs) for p in qps])
+            cfg = mm.pick_config(False, 4, m, n, k, x.device)
+            print(f"\n== N={n} K={k} M={m} {args.dtype}: cuBLAS {tb*1e3:.1f} us; shipped {tq*1e3:.1f} us "
+                  f"x{tb/tq:.2f} [{cfg.path} {cfg.block_m}x{cfg.block_n} s{cfg.split}]", flush=True)
+            results = []
+            bms = sorted({min(bm, max(16, triton_cdiv(m, 16) * 16)) for bm in (64, 128, 256)})
+            for bm, bn, bk, split, stages in itertools.product(bms, (64, 128), (64, 128), (1, 2, 4), (3, 4)):
+                g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages)
+                if g.split != split:
+                    continue
+                try:
+                    out = run_wg(x, qw, s, z, n, k, gs, g)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2:
+                        print(f"  {g}: WRONG rel err {err:.2e}", flush=True)
+                        continue
+                    t, mode = graph_time([lambda p=p: run_wg(x, *p, n, k, gs, g) for p in qps])
+                    results.append((t, g, err))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            results.sort(key=lambda r: r[0])
+            for t, g, err in results[:6]:
+                print(f"  {t*1e3:7.1f} us x{tb/t:5.2f}  bm{g.block_m} bn{g.block_n} bk{g.block_k} s{g.split} "
+                      f"st{g.stages} w{g.warps}  err {err:.1e}", flush=True)
+        del qps, wds
+        torch.cuda.empty_cache()
+    print(f"done in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Compile the wgmma kernel (Gluon) for sm_90 on any machine, GPU or not, and run the bundled ptxas
+on its PTX: a Gluon API or layout error fails here, and so does ptxas serializing the asynchronous
+MMAs (its C7515 notice), which costs the kernel half its speed. The descriptors' types come from
+:func:`quantpack.kernels.wgmma_mm.descriptor_types`, as a launch builds them. Run without
+TRITON_INTERPRET; prints one JSON line per variant: ``{"variant": [...], "wgmma": <wgmma.mma_async in
+the PTX>, "per_step": <expected per K step>, "serialized": <bool>}`` or ``"error"``.
+
+    python tests/kernels/sm90_compile_wgmma.py
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from quantpack.kernels import wgmma_mm  # noqa: E402
+
+# (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias): the tiles the
+# tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K
+VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True), ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False),
+            ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True), ("bf16", "fp32", 16, 128, 128, 1, 4, 128, False),
+            ("fp16", "fp16", 128, 64, 128, 2, 2, 256, False)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias):
+    grid = wgmma_mm.WgmmaGrid(bm, bn, bk, split, stages, bn // 16)
+    sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid)
+    sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32"}
+    const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "num_warps": grid.warps}
+    sig |= {name: "constexpr" for name in const}
+    kernel = triton.compile(GluonASTSource(fn=wgmma_mm._wgmma_kernel, signature=sig, constexprs=const),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": grid.warps})
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-1000:])
+    return ptx.count("wgmma.mma_async"), "C7515" in done.stdout + done.stderr
+
+
+if __name__ == "__main__":
+    for v in VARIANTS:
+        try:
+            count, serialized = compile_variant(*v)
+            print(json.dumps({"variant": v, "wgmma": count, "per_step": v[4] // 16, "serialized": serialized}),
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001  (reported per variant; the test names it)
+            print(json.dumps({"variant": v, "error": repr(exc)[-2000:]}), flush=True)

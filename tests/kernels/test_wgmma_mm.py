@@ -1,0 +1,151 @@
+"""The Hopper wgmma path: its tile clamping and dispatch (CPU), its sm_90 compile with ptxas keeping the
+MMAs asynchronous (CPU, no GPU needed), and the kernel against the reference at awkward and full sizes
+(GPU: Gluon has no interpreter)."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quantpack import reference
+from quantpack.kernels.mixed_mm import KernelConfig
+from quantpack.kernels.wgmma_mm import HAVE_GLUON, wgmma_grid
+from quantpack.quantize import quantize
+
+mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def packed(n, k, gs, dtype, seed=0, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    pw = quantize(torch.randn(n, k, generator=g), bits=4, group_size=gs, axis=1, method="rtn", dtype=dtype)
+    return pw.to(device), reference.dequantize(pw, torch.float32).to(device)
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("m,bm,want", [(1, 64, 16), (17, 64, 32), (64, 64, 64), (100, 256, 112), (300, 256, 256),
+                                       (40, 16, 16)])
+def test_grid_rows_of_x_are_a_multiple_of_16_and_at_most_256(m, bm, want):
+    assert wgmma_grid(m, 4096, 4096, 128, bm, 64, 128, 1, 4).block_m == want
+
+
+@pytest.mark.parametrize("gs,bk,want", [(128, 128, 128), (128, 64, 64), (64, 128, 64), (256, 128, 128), (384, 128, 128)])
+def test_grid_k_step_divides_the_group(gs, bk, want):
+    assert wgmma_grid(64, 4096, 4096, gs, 64, 64, bk, 1, 4).block_k == want
+
+
+@pytest.mark.parametrize("k,split", [(4096, 4), (4096, 64), (1152, 8), (640, 4), (128, 2)])
+def test_grid_split_leaves_every_program_a_k_step(k, split):
+    g = wgmma_grid(64, 4096, k, 128, 64, 64, 128, split, 4)
+    steps = -(-k // g.block_k)
+    per = -(-steps // g.split)
+    assert 1 <= g.split <= split and (g.split - 1) * per < steps  # the last program starts inside K
+    assert g.stages >= 2 and g.warps == 4
+
+
+def test_forced_wgmma_config_falls_back_off_hopper():
+    """Where the kernel cannot run (CPU, interpreter, another GPU), a wgmma table entry still computes
+    the right product through the path the heuristic picks instead."""
+    dev = "cpu" if not torch.cuda.is_available() else "cuda"
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs the interpreter or a GPU")
+    pw, w = packed(64, 256, 64, torch.float16, device=dev)
+    x = torch.randn(33, 256, dtype=torch.float16, device=dev)
+    out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64,
+                            config=KernelConfig("wgmma", 64, 64, 32, split=2, num_warps=4, num_stages=3))
+    assert rel_err(out, x.float() @ w.t()) < 5e-3
+
+
+def test_heuristic_offers_wgmma_only_on_hopper():
+    cpu = torch.device("cpu")
+    assert mm_mod.heuristic_config(False, 64, 4096, 4096, cpu).path != "wgmma"
+    assert not mm_mod.wgmma_device(cpu)
+
+
+def test_sm90_compile_keeps_the_mmas_asynchronous():
+    """Every variant (tiles, dtypes, float32 scales, split-K, bias) gets through Gluon and ptxas for sm_90
+    with BLOCK_K / 16 wgmma per K step (the first step peeled: twice that in the PTX) and without ptxas
+    serializing them (C7515: what a zero-filled accumulator inside the MMA pipeline caused)."""
+    pytest.importorskip("triton.backends.nvidia")
+    if not HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from sm90_compile_wgmma import VARIANTS  # tests/kernels/sm90_compile_wgmma.py
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(__file__), "sm90_compile_wgmma.py")
+    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"variant"')]
+    assert [tuple(line["variant"]) for line in lines] == VARIANTS, done.stderr[-2000:]
+    for line in lines:
+        assert "error" not in line, line
+        assert line["wgmma"] == 2 * line["per_step"] and not line["serialized"], line
+
+
+needs_hopper = pytest.mark.skipif(not (HOPPER and HAVE_GLUON), reason="needs a Hopper GPU and Gluon")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,gs", [(1040, 640, 64), (4096, 4096, 128), (208, 1152, 128), (1024, 2048, 256)])
+def test_kernel_matches_reference(n, k, gs, dtype):
+    """Awkward rows of x (1, 3, 17, 100, 300: partial tiles along M), N not a multiple of the tile,
+    K with a partial split, every tile the tuner offers, split-K, shallow and deep rings, bias."""
+    pw, w = packed(n, k, gs, dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    for m in (1, 3, 17, 64, 100, 300):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        ref = x.float() @ w.t()
+        for bm, bn, br, split, stages in ((64, 64, 64, 1, 4), (32, 128, 32, 4, 3), (256, 128, 32, 2, 3),
+                                          (128, 64, 64, 3, 2), (16, 64, 32, 8, 4)):
+            cfg = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages)
+            out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg)
+            assert rel_err(out, ref) < 8e-3, (m, cfg)
+            out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg, bias=bias)
+            assert rel_err(out, ref + bias.float()) < 8e-3, (m, cfg, "bias")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_kernel_runs_when_dispatched(monkeypatch):
+    """The shipped table sends 32-512 rows to wgmma; the launch it makes is the kernel's (spied), and the
+    product matches; with QUANTPACK_WGMMA=0 the same call takes another path."""
+    pw, w = packed(4096, 4096, 128, torch.bfloat16)
+    calls = []
+    real = mm_mod.launch_wgmma
+    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: calls.append(kw["grid"]) or real(*a, **kw))
+    for m in (32, 64, 128, 256, 512):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        assert mm_mod.pick_config(False, 4, m, 4096, 4096, x.device).path == "wgmma"
+        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
+        assert rel_err(out, x.float() @ w.t()) < 8e-3
+    assert len(calls) == 5
+    monkeypatch.setenv("QUANTPACK_WGMMA", "0")
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
+    assert len(calls) == 5 and rel_err(out, x.float() @ w.t()) < 8e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_cuda_graph_replay_with_split_counters():
+    """Split-K's arrival counters reset themselves: the same captured launch replays correctly."""
+    pw, w = packed(4096, 4096, 128, torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    cfg = KernelConfig("wgmma", 64, 64, 64, split=4, num_warps=4, num_stages=4)
+    mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x.float() @ w.t()) < 8e-3
