@@ -213,9 +213,10 @@ class WgmmaGrid:
 
 def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int, split: int,
                stages: int) -> WgmmaGrid:
-    """Clamp a tuned tile to this call: BLOCK_M to x's rows (a multiple of 16, at most 256), BLOCK_K to a
-    divisor of the group (64 or 128 in-features), the split so that every program has at least one K step."""
-    block_m = max(16, min(block_m, 256, triton.cdiv(m, 16) * 16))
+    """Clamp a tuned tile to this call: BLOCK_M to x's rows (a power of two, as TMA blocks are, 16 to 256),
+    BLOCK_K to a divisor of the group (64 or 128 in-features), the split so that every program has at
+    least one K step."""
+    block_m = max(16, min(block_m, 256, triton.next_power_of_2(m)))
     block_k = 128 if block_k >= 128 and group_size % 128 == 0 else 64
     steps = triton.cdiv(k, block_k)
     split = max(1, min(split, steps))

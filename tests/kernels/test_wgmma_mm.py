@@ -30,9 +30,9 @@ def rel_err(out, ref):
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("m,bm,want", [(1, 64, 16), (17, 64, 32), (64, 64, 64), (100, 256, 112), (300, 256, 256),
-                                       (40, 16, 16)])
-def test_grid_rows_of_x_are_a_multiple_of_16_and_at_most_256(m, bm, want):
+@pytest.mark.parametrize("m,bm,want", [(1, 64, 16), (17, 64, 32), (64, 64, 64), (100, 256, 128), (300, 256, 256),
+                                       (40, 16, 16), (33, 128, 64)])
+def test_grid_rows_of_x_are_a_power_of_two_from_16_to_256(m, bm, want):
     assert wgmma_grid(m, 4096, 4096, 128, bm, 64, 128, 1, 4).block_m == want
 
 
