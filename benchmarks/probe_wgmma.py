@@ -11,6 +11,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,12 +26,8 @@ def run_wg(x, qw, s, z, n, k, gs, g, bias=None):
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws = torch.empty(g.split, m, n, dtype=torch.float32, device=x.device) if g.split > 1 else out
-    cnt = torch.zeros(triton_cdiv(n, g.block_n) * triton_cdiv(m, g.block_m), dtype=torch.int32, device=x.device)
+    cnt = torch.zeros(triton.cdiv(n, g.block_n) * triton.cdiv(m, g.block_m), dtype=torch.int32, device=x.device)
     return wg.launch_wgmma(x, qw, s, z, bias, out, ws, cnt, n=n, k=k, group_size=gs, grid=g)
-
-
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def main():
@@ -60,7 +57,7 @@ def main():
             print(f"\n== N={n} K={k} M={m} {args.dtype}: cuBLAS {tb*1e3:.1f} us; shipped {tq*1e3:.1f} us "
                   f"x{tb/tq:.2f} [{cfg.path} {cfg.block_m}x{cfg.block_n} s{cfg.split}]", flush=True)
             results = []
-            bms = sorted({min(bm, max(16, triton_cdiv(m, 16) * 16)) for bm in (64, 128, 256)})
+            bms = sorted({min(bm, max(16, triton.cdiv(m, 16) * 16)) for bm in (64, 128, 256)})
             for bm, bn, bk, split, stages in itertools.product(bms, (64, 128), (64, 128), (1, 2, 4), (3, 4)):
                 g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages)
                 if g.split != split:

@@ -33,6 +33,19 @@ VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2, False), ("bf16", 16, 4, True, 2, 1,
 N, K, GROUP = 4096, 4096, 128
 
 
+def run_script(name: str, variants: list) -> list[dict]:
+    """Run a compile script of this folder in a subprocess without TRITON_INTERPRET (which would turn the
+    kernels into Python functions) and return its JSON lines, checked to name exactly ``variants``."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), name)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"variant"')]
+    assert [tuple(line["variant"]) for line in lines] == variants, done.stderr[-2000:]
+    return lines
+
+
 def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl):
     """Compile one variant; return (its constexprs, mma.sync count in the PTX, cubin bytes)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[xname]

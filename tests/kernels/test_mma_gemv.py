@@ -2,10 +2,6 @@
 the mma.sync.m16n8k16 fragments (a pure-torch oracle), the kernel against the reference (its
 interpreter emulation in CI, inline PTX on the GPU), and mixed_mm's dispatch and fallbacks."""
 import importlib
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -289,13 +285,9 @@ def test_kernel_compiles_for_hopper():
     arguments a launch passes, gets through Triton and ptxas for sm_90 with one MMA count per chunk
     as designed (no GPU needed; the interpreter never sees the PTX)."""
     pytest.importorskip("triton.backends.nvidia")
-    from sm90_compile import VARIANTS  # tests/kernels/sm90_compile.py
+    from sm90_compile import VARIANTS, run_script  # tests/kernels/sm90_compile.py
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "sm90_compile.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"variant"')]
-    assert [tuple(line["variant"]) for line in lines] == VARIANTS, done.stderr[-2000:]
+    lines = run_script("sm90_compile.py", VARIANTS)
     for line in lines:
         assert "error" not in line, line
         assert line["cubin"] > 0 and line["mma"] > 0 and line["mma"] % line["per_chunk"] == 0, line

@@ -2,10 +2,7 @@
 MMAs asynchronous (CPU, no GPU needed), and the kernel against the reference at awkward and full sizes
 (GPU: Gluon has no interpreter)."""
 import importlib
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -76,14 +73,10 @@ def test_sm90_compile_keeps_the_mmas_asynchronous():
     pytest.importorskip("triton.backends.nvidia")
     if not HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
+    from sm90_compile import run_script  # tests/kernels/sm90_compile.py
     from sm90_compile_wgmma import VARIANTS  # tests/kernels/sm90_compile_wgmma.py
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = os.path.join(os.path.dirname(__file__), "sm90_compile_wgmma.py")
-    done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"variant"')]
-    assert [tuple(line["variant"]) for line in lines] == VARIANTS, done.stderr[-2000:]
-    for line in lines:
+    for line in run_script("sm90_compile_wgmma.py", VARIANTS):
         assert "error" not in line, line
         assert line["wgmma"] == 2 * line["per_step"] and not line["serialized"], line
 
