@@ -866,16 +866,6 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
                         grid=grid, depth=min(2, max(1, cfg.num_stages)), rawq=cfg.rawq, use_asm=not interpreting(),
                         bits=bits, pdl=pdl)
         return out
-    if cfg.path == "wgmma":
-        # a forced or borrowed table entry whose ring does not fit this GPU runs with fewer stages
-        for stages in range(wg.stages, 1, -1):
-            try:
-                launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                             grid=replace(wg, split=split, stages=stages))
-                return out
-            except OutOfResources:
-                if stages == 2:
-                    raise
     if cfg.path == "gemv":
         launch_gemv(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
                     block_n=cfg.block_n, block_r=cfg.block_r, split=split, words=cfg.words, num_warps=cfg.num_warps)
@@ -883,7 +873,10 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     grid = (tiles, split)
 
     def launch(num_stages):
-        if transposed:
+        if cfg.path == "wgmma":
+            launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
+                         grid=replace(wg, split=split, stages=num_stages))
+        elif transposed:
             _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
                              x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
                              BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd, DOT_PREC=prec,
@@ -899,13 +892,14 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
                               SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
 
     # A config whose pipeline does not fit this GPU's shared memory (a forced or borrowed table entry)
-    # runs with fewer stages instead of failing.
-    for stages in range(cfg.num_stages, 0, -1):
+    # runs with fewer stages instead of failing (wgmma's ring needs two).
+    lowest = 2 if cfg.path == "wgmma" else 1
+    for stages in range(max(cfg.num_stages, lowest), lowest - 1, -1):
         try:
             launch(stages)
             return out
         except OutOfResources:
-            if stages == 1:
+            if stages == lowest:
                 raise
     return out
 
