@@ -1,4 +1,4 @@
-"""Test oracles shared by the loader tests (``from oracles import ...``; pytest puts tests/ on sys.path)."""
+"""Test oracles shared by the loader and kernel tests (``from oracles import ...``; pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +8,7 @@ import torch
 from quantpack import checkpoint
 from quantpack.nn import linear_dims
 from quantpack.nn_experts import PROJECTIONS
+from quantpack.quantize import quantize
 from quantpack.reference import dequantize
 
 
@@ -59,3 +60,18 @@ def fused_vs_dequantized(src: Path, packed: Path, model, monkeypatch) -> float:
         monkeypatch.setattr(reference, "matmul", lambda *a, **k: pytest.fail("reference path ran on GPU"))
         got = model(**{k: v.cuda() for k, v in ids.items()}).logits.float().cpu()
     return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def packed_weight(n, k, gs, dtype=torch.float16, bits=4, axis=1, seed=0, method="rtn", device=None):
+    """A random (N, K) weight quantized group-wise and its float32 dequantized reference, on ``device``
+    (the GPU when there is one)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(seed)
+    pw = quantize(torch.randn(n, k, generator=g), bits=bits, group_size=gs, axis=axis, method=method, dtype=dtype)
+    return pw.to(device), dequantize(pw, torch.float32).to(device)
+
+
+def rel_err(out, ref) -> float:
+    """Relative Frobenius error of a kernel's output; NaN (an unwritten element of a poisoned output) fails."""
+    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
+    return ((out.float() - ref).norm() / ref.norm()).item()

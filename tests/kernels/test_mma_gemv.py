@@ -6,25 +6,13 @@ import importlib
 import pytest
 import torch
 
-from quantpack import reference
+from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels import mixed_mm
 from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_grid, mma_pack
-from quantpack.quantize import quantize
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def packed(n, k, gs, dtype=torch.float16, bits=4, axis=1, seed=0, method="rtn"):
-    g = torch.Generator().manual_seed(seed)
-    pw = quantize(torch.randn(n, k, generator=g), bits=bits, group_size=gs, axis=axis, method=method, dtype=dtype)
-    return pw.to(DEV), reference.dequantize(pw, torch.float32).to(DEV)
-
-
-def rel_err(out, ref):
-    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def mma_products(words, x):

@@ -7,24 +7,12 @@ import os
 import pytest
 import torch
 
-from quantpack import reference
+from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.wgmma_mm import HAVE_GLUON, wgmma_grid
-from quantpack.quantize import quantize
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-def packed(n, k, gs, dtype, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    pw = quantize(torch.randn(n, k, generator=g), bits=4, group_size=gs, axis=1, method="rtn", dtype=dtype)
-    return pw.to(device), reference.dequantize(pw, torch.float32).to(device)
-
-
-def rel_err(out, ref):
-    assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("m,bm,want", [(1, 64, 16), (17, 64, 32), (64, 64, 64), (100, 256, 128), (300, 256, 256),
