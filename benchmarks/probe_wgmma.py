@@ -22,12 +22,11 @@ mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not th
 from quantpack.kernels import wgmma_mm as wg  # noqa: E402
 
 
-def run_wg(x, qw, s, z, n, k, gs, g, bias=None):
-    m = x.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = torch.empty(g.split, m, n, dtype=torch.float32, device=x.device) if g.split > 1 else out
-    cnt = torch.zeros(triton.cdiv(n, g.block_n) * triton.cdiv(m, g.block_m), dtype=torch.int32, device=x.device)
-    return wg.launch_wgmma(x, qw, s, z, bias, out, ws, cnt, n=n, k=k, group_size=gs, grid=g)
+def run_wg(x, qw, s, z, gs, g):
+    """The wgmma launch of tile ``g`` through mixed_mm (its workspace and counters, as the shipped path)."""
+    cfg = mm.KernelConfig("wgmma", g.block_m, g.block_n, g.block_k // 2, split=g.split, num_warps=g.warps,
+                          num_stages=g.stages)
+    return mm.mixed_mm(x, qw, s, z, group_size=gs, config=cfg)
 
 
 def main():
@@ -57,18 +56,18 @@ def main():
             print(f"\n== N={n} K={k} M={m} {args.dtype}: cuBLAS {tb*1e3:.1f} us; shipped {tq*1e3:.1f} us "
                   f"x{tb/tq:.2f} [{cfg.path} {cfg.block_m}x{cfg.block_n} s{cfg.split}]", flush=True)
             results = []
-            bms = sorted({min(bm, max(16, triton.cdiv(m, 16) * 16)) for bm in (64, 128, 256)})
+            bms = sorted({min(bm, max(16, triton.next_power_of_2(m))) for bm in (64, 128, 256)})  # (as wgmma_grid)
             for bm, bn, bk, split, stages in itertools.product(bms, (64, 128), (64, 128), (1, 2, 4), (3, 4)):
                 g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages)
                 if g.split != split:
                     continue
                 try:
-                    out = run_wg(x, qw, s, z, n, k, gs, g)
+                    out = run_wg(x, qw, s, z, gs, g)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     if not err < 1e-2:
                         print(f"  {g}: WRONG rel err {err:.2e}", flush=True)
                         continue
-                    t, mode = graph_time([lambda p=p: run_wg(x, *p, n, k, gs, g) for p in qps])
+                    t, mode = graph_time([lambda p=p: run_wg(x, *p, gs, g) for p in qps])
                     results.append((t, g, err))
                 except Exception as e:  # noqa: BLE001
                     print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
