@@ -490,7 +490,7 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
     tensor-core GEMV for M <= 16 (the CUDA-core one where its layout needs are not met; tuned tables
     take it up to M = 64), split
     tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the fused large-M kernels lost to
-    it by 2-10x there); on Hopper (``wgmma``) the asynchronous warpgroup-MMA kernel for 17-512 rows."""
+    it by 2-10x there); on Hopper (``wgmma``) the asynchronous warpgroup-MMA kernel for 17-1024 rows."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
     if wgmma and not transposed and 16 < m <= WGMMA_MAX_M and wgmma_device(device):
@@ -704,7 +704,7 @@ def mma_enabled() -> bool:
     return os.environ.get("QUANTPACK_MMA", "1") != "0"
 
 
-WGMMA_MAX_M = 512  # rows of x up to which Hopper runs the wgmma kernel (beyond, dq + cuBLAS measured faster)
+WGMMA_MAX_M = 1024  # rows of x up to which Hopper may run the wgmma kernel (at 4096, dq + cuBLAS measured faster)
 
 
 def wgmma_device(device: torch.device) -> bool:

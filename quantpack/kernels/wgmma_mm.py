@@ -4,18 +4,21 @@ Each program computes a (BLOCK_N x BLOCK_M) tile of ``out^T = W x^T``: the weigh
 wgmma M side (64 per warpgroup), x's rows its N side (8..256), so 16-row batches waste nothing.
 Per K step of BLOCK_K in-features:
 
-- TMA copies x's (BLOCK_M, BLOCK_K) tile, the packed (BLOCK_K / 2, BLOCK_N) bytes and the step's
-  scale and zero rows into a ring of STAGES shared-memory slots (one mbarrier each);
-- the warps unpack and dequantize the bytes in registers (float32 FMA, then x's dtype: the
-  reference's rounding) and store the (BLOCK_K, BLOCK_N) tile into one of two shared buffers;
-- an asynchronous wgmma multiplies it (A, N-major) by x's tile (B, K-major), and the program moves
-  on to dequantize the next step while it runs; waiting for one MMA in flight frees the buffers
-  and the ring slot that the next TMA refills.
+- TMA copies x's (BLOCK_M, BLOCK_K) tile, the packed (BLOCK_K / 2, BLOCK_N) bytes (as 16-bit words:
+  the bytes of two adjacent weight rows) and the step's scale and zero rows into a ring of STAGES
+  shared-memory slots (one mbarrier each);
+- each thread loads the words of the wgmma A-operand fragment it owns (ldmatrix), dequantizes them in
+  registers (float32 FMA, then x's dtype: the reference's rounding) straight into that fragment;
+- an asynchronous wgmma multiplies the fragment (A, from registers) by x's tile (B, K-major, shared),
+  and the program dequantizes the next step while it runs; waiting for one MMA in flight frees the ring
+  slot that the next TMA refills.
 
-Triton's own pipeliner cannot overlap a dequantized operand with its MMA (benchmarks/NOTES.md v5);
-Gluon states the schedule explicitly. Split-K partials are summed by the last program to arrive, as
-in the other paths. The kernel needs a GPU with wgmma (compute capability 9.x); the interpreter
-cannot run Gluon, so CI compiles it for sm_90 and the GPU tests check it against the reference.
+The weight's rows reach the MMA permuted (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a thread's two
+rows are one 16-bit load); the epilogue undoes it. Triton's own pipeliner cannot overlap a dequantized
+operand with its MMA (benchmarks/NOTES.md v5); Gluon states the schedule explicitly. Split-K partials are
+summed by the last program to arrive, as in the other paths. The kernel needs a GPU with wgmma (compute
+capability 9.x); the interpreter cannot run Gluon, so CI compiles it for sm_90 and the GPU tests check it
+against the reference.
 """
 from __future__ import annotations
 
@@ -42,11 +45,15 @@ if HAVE_GLUON:
     # the TMA load, whatever this Triton calls it (3.6: async_copy_global_to_shared, 3.9: async_load)
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
-    # 4 packed bytes (columns n..n+3 of one pair row) -> their 8 weights as x's 16-bit dtype, two per
-    # register: each nibble is moved to bits 16-19 and OR-ed into 1.0f, so the float is 1 + q / 128
-    # exactly; one FMA with S = 128 s and C = -(128 + z) s gives (q - z) s in float32 (the error, about
-    # 2**-15 s, is far below the 16-bit rounding that follows). 27 instructions per 8 weights.
-    _NIBBLES = ("shl.b32 t, $4, 16; lop3.b32 v0, t, 0x000F0000, 0x3F800000, 0xEA; "
+    # one int32 word = pair rows kk and kk + 4 (in-features 2kk, 2kk + 1 and 2kk + 8, 2kk + 9) of weight rows
+    # r and r + 1: bytes [r kk, r+1 kk, r kk+4, r+1 kk+4]. Each nibble is moved to bits 16-19 and OR-ed into
+    # 1.0f, so the float is 1 + q / 128 exactly; one FMA with S = 128 s and C = -(128 + z) s gives (q - z) s
+    # in float32 (the error, about 2**-15 s, is far below the 16-bit rounding that follows). Each output
+    # register holds one byte's two weights (low half in-feature 2kk), as wgmma reads its A fragment:
+    # $0, $1 row r (kk, kk + 4), $2, $3 row r + 1. Inputs: $4 the word, $5 $6 / $7 $8 S of rows r / r + 1,
+    # $9 $10 / $11 $12 C. 27 instructions per 8 weights.
+    _DEQUANT = ("{{ .reg .b32 t, v0, v1, v2, v3, v4, v5, v6, v7; .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7; "
+                "shl.b32 t, $4, 16; lop3.b32 v0, t, 0x000F0000, 0x3F800000, 0xEA; "
                 "shl.b32 t, $4, 12; lop3.b32 v1, t, 0x000F0000, 0x3F800000, 0xEA; "
                 "shl.b32 t, $4, 8; lop3.b32 v2, t, 0x000F0000, 0x3F800000, 0xEA; "
                 "shl.b32 t, $4, 4; lop3.b32 v3, t, 0x000F0000, 0x3F800000, 0xEA; "
@@ -54,28 +61,103 @@ if HAVE_GLUON:
                 "shr.b32 t, $4, 4; lop3.b32 v5, t, 0x000F0000, 0x3F800000, 0xEA; "
                 "shr.b32 t, $4, 8; lop3.b32 v6, t, 0x000F0000, 0x3F800000, 0xEA; "
                 "shr.b32 t, $4, 12; lop3.b32 v7, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "fma.rn.f32 f0, v0, $5, $9; fma.rn.f32 f1, v1, $5, $9; fma.rn.f32 f2, v2, $6, $10; "
-                "fma.rn.f32 f3, v3, $6, $10; fma.rn.f32 f4, v4, $7, $11; fma.rn.f32 f5, v5, $7, $11; "
-                "fma.rn.f32 f6, v6, $8, $12; fma.rn.f32 f7, v7, $8, $12; ")
-    _PACK = "{cvt} $0, f2, f0; {cvt} $1, f6, f4; {cvt} $2, f3, f1; {cvt} $3, f7, f5; }}"
-    _REGS = "{ .reg .b32 t, v0, v1, v2, v3, v4, v5, v6, v7; .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7; "
-    _DEQUANT_BF16 = gl.constexpr(_REGS + _NIBBLES + _PACK.format(cvt="cvt.rn.bf16x2.f32"))
-    _DEQUANT_FP16 = gl.constexpr(_REGS + _NIBBLES + _PACK.format(cvt="cvt.rn.f16x2.f32"))
+                "fma.rn.f32 f0, v0, $5, $9; fma.rn.f32 f1, v1, $5, $9; fma.rn.f32 f2, v2, $7, $11; "
+                "fma.rn.f32 f3, v3, $7, $11; fma.rn.f32 f4, v4, $6, $10; fma.rn.f32 f5, v5, $6, $10; "
+                "fma.rn.f32 f6, v6, $8, $12; fma.rn.f32 f7, v7, $8, $12; "
+                "{cvt} $0, f1, f0; {cvt} $1, f5, f4; {cvt} $2, f3, f2; {cvt} $3, f7, f6; }}")
+    _DEQUANT_BF16 = gl.constexpr(_DEQUANT.format(cvt="cvt.rn.bf16x2.f32"))
+    _DEQUANT_FP16 = gl.constexpr(_DEQUANT.format(cvt="cvt.rn.f16x2.f32"))
+
+    @gluon.constexpr_function
+    def _operand_words_layout(BN, BK, num_warps):
+        """Registers of the packed tile read as (BN/2, BK/2) 16-bit words (the bytes of weight rows 2p, 2p + 1)
+        for the register A operand: a thread holds pair rows (in-features k, k+1) t and t + 4 of each 8 and
+        the word p = 8w + g, i.e. weight rows 16w + 2g + {0, 1}, which the MMA takes as its rows 16w + g and
+        16w + g + 8 (_mma_rows)."""
+        reg = [[0, 4]] + [[0, 8 << i] for i in range((BK // 16).bit_length() - 1)]
+        warps = [[8 << i, 0] for i in range(num_warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warps, block_bases=[], shape=[BN // 2, BK // 2])
 
     @gluon.jit
-    def _dequant_tile(q, s, z, DTYPE: gl.constexpr):
-        """(BK/2, BN) packed bytes and (1, BN) scale/zero rows -> (BK, BN) weights in DTYPE: row
-        2r from byte r's low nibble, 2r + 1 from its high nibble, (q - z) * s in float32."""
-        S, _ = gl.broadcast(s * 128.0, q)
-        C, _ = gl.broadcast(-(z * s) - s * 128.0, q)
+    def _mma_rows(lo, hi):
+        """Two (BN/2, BK/2) halves (weight rows 2p and 2p + 1) of 16-bit pairs -> (BN, BK): weight rows
+        16w + 2g + b relabelled 16w + 8b + g, each pair split into in-features 2kk, 2kk + 1. Relabelling
+        only: the registers already sit where the wgmma A operand expects them."""
+        P: gl.constexpr = lo.shape[0]
+        KK: gl.constexpr = lo.shape[1]
+        t = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), (P // 8, 8, 2, KK))  # (w, g, b, kk)
+        t = gl.reshape(gl.permute(t, (0, 2, 1, 3)), (2 * P, KK))  # rows 16w + 8b + g
+        even = (t & 0xFFFF).to(gl.int16)
+        odd = (t >> 16).to(gl.int16)
+        return gl.reshape(gl.join(even, odd), (2 * P, 2 * KK))
+
+    @gluon.jit
+    def _weight_rows(acc):
+        """The accumulator (BN, BM) from MMA-row order back to weight-row order (the inverse of _mma_rows)."""
+        BN: gl.constexpr = acc.shape[0]
+        BM: gl.constexpr = acc.shape[1]
+        acc = gl.permute(gl.reshape(acc, (BN // 16, 2, 8, BM)), (0, 2, 1, 3))
+        return gl.reshape(acc, (BN, BM))
+
+    @gluon.constexpr_function
+    def _row_pairs_layout(BN, num_warps):
+        """A (BN,) scale or zero row as each thread needs it next to _operand_words_layout: weight rows
+        16w + 2g + {0, 1} (lanes t broadcast)."""
+        warps = [[16 << i] for i in range(num_warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=[[1]], lane_bases=[[0], [0], [2], [4], [8]], warp_bases=warps,
+                                          block_bases=[], shape=[BN])
+
+    @gluon.jit
+    def _row_pairs(row_smem, layout: gl.constexpr, pair_layout: gl.constexpr):
+        """A (1, BN) row in shared memory -> its even and odd entries as float32 (BN/2,) tensors."""
+        BN: gl.constexpr = row_smem.shape[1]
+        v = row_smem.reshape((BN, )).load(layout).to(gl.float32)
+        even, odd = gl.split(gl.reshape(v, (BN // 2, 2)))
+        return gl.convert_layout(even, pair_layout), gl.convert_layout(odd, pair_layout)
+
+    @gluon.jit
+    def _dequant_operand(q_smem, s_smem, z_smem, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+        """The step's weights ((BK/2, BN/2) 16-bit words) as the register A operand (BN, BK) of wgmma,
+        in MMA-row order."""
+        BN: gl.constexpr = 2 * q_smem.shape[1]
+        BK: gl.constexpr = 2 * q_smem.shape[0]
+        WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
+        words_layout: gl.constexpr = _operand_words_layout(BN, BK, WARPS)
+        pair_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
+        words = q_smem.permute((1, 0)).load(words_layout)  # (ldmatrix.trans: rows in any order)
+        s0, s1 = _row_pairs(s_smem, _row_pairs_layout(BN, WARPS), pair_layout)
+        z0, z1 = _row_pairs(z_smem, _row_pairs_layout(BN, WARPS), pair_layout)
+        S0, _ = gl.broadcast((s0 * 128.0)[:, None], words)
+        S1, _ = gl.broadcast((s1 * 128.0)[:, None], words)
+        C0, _ = gl.broadcast((-(z0 * s0) - s0 * 128.0)[:, None], words)
+        C1, _ = gl.broadcast((-(z1 * s1) - s1 * 128.0)[:, None], words)
         if DTYPE == gl.bfloat16:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [q, S, C],
-                                               dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+            lo, hi = gl.inline_asm_elementwise(_DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                               [words, S0, S1, C0, C1], dtype=(gl.int32, gl.int32), is_pure=True,
+                                               pack=2)
         else:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [q, S, C],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-        w = gl.permute(gl.join(lo, hi), (0, 2, 1))  # (BK/2, 2, BN): rows 2r, 2r + 1 adjacent
-        return gl.reshape(w, (2 * q.shape[0], q.shape[1]))
+            lo, hi = gl.inline_asm_elementwise(_DEQUANT_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
+                                               [words, S0, S1, C0, C1], dtype=(gl.int32, gl.int32), is_pure=True,
+                                               pack=2)
+        w = _mma_rows(lo, hi).to(DTYPE, bitcast=True)
+        return gl.convert_layout(w, a_layout)
+
+    @gluon.jit
+    def _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, i, steps, m0, n0, acc, a_prev,
+                  G: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr):
+        """K step i: wait for its copies, dequantize into the register A operand, start its MMA, retire the
+        previous MMA (a_prev, the operand it reads, stays live until then), and refill the ring slot that
+        one read with step i + STAGES - 1."""
+        slot = i % STAGES
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        a = _dequant_operand(q_s.index(slot), s_s.index(slot), z_s.index(slot), a_layout, x_desc.dtype)
+        acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
+        acc, a_prev = warpgroup_mma_wait(1, deps=(acc, a_prev))
+        nxt = i + STAGES - 1
+        _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first + nxt, nxt % STAGES, m0, n0, G,
+                    nxt < steps)
+        return acc, a
 
     @gluon.jit
     def _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, step, slot, m0, n0,
@@ -88,31 +170,10 @@ if HAVE_GLUON:
         mbarrier.expect(bar, nbytes, pred=pred)
         k0 = step * BK
         _tma_load(x_desc, [m0, k0], bar, x_s.index(slot), pred=pred)
-        _tma_load(q_desc, [k0 // 2, n0], bar, q_s.index(slot), pred=pred)
+        _tma_load(q_desc, [k0 // 2, n0 * q_desc.block_type.shape[1] // s_desc.block_type.shape[1]], bar,
+                  q_s.index(slot), pred=pred)
         _tma_load(s_desc, [k0 // G, n0], bar, s_s.index(slot), pred=pred)
         _tma_load(z_desc, [k0 // G, n0], bar, z_s.index(slot), pred=pred)
-
-    @gluon.jit
-    def _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, w_s, bars, first, i, steps, m0, n0, acc, use_acc,
-                  G: gl.constexpr, STAGES: gl.constexpr, q_layout: gl.constexpr):
-        """K step i: wait for its copies, dequantize into a shared buffer, start its MMA, retire the
-        previous MMA, and refill the ring slot that one read with step i + STAGES - 1."""
-        slot = i % STAGES
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        q = q_s.index(slot).load(q_layout)
-        s = s_s.index(slot).load(q_layout).to(gl.float32)
-        z = z_s.index(slot).load(q_layout).to(gl.float32)
-        w = _dequant_tile(q, s, z, x_desc.dtype)
-        buf = w_s.index(i % 2)  # the MMA two steps back read it; the previous step's wait retired that one
-        buf.store(w)
-        fence_async_shared()
-        acc = warpgroup_mma(buf.permute((1, 0)), x_s.index(slot).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
-        # at most this step's MMA in flight: the previous step's ring slot and buffer are free
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
-        nxt = i + STAGES - 1
-        _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first + nxt, nxt % STAGES, m0, n0, G,
-                    nxt < steps)
-        return acc
 
     @gluon.jit
     def _wgmma_kernel(x_desc, q_desc, s_desc, z_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om,
@@ -120,7 +181,7 @@ if HAVE_GLUON:
                       num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        BN: gl.constexpr = q_desc.block_type.shape[1]
+        BN: gl.constexpr = s_desc.block_type.shape[1]
         DTYPE: gl.constexpr = x_desc.dtype
 
         pid_n = gl.program_id(0)
@@ -136,17 +197,12 @@ if HAVE_GLUON:
         # out^T tile in the wgmma accumulator: warps stacked along the weight's rows (16 each)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BM, 16])
-        # packed bytes: 4 pair rows x 4 columns per thread (an int32 word per row, so each thread
-        # derives the per-column FMA constants of 4 columns, not 16)
-        q_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 4], threads_per_warp=[32 * 4 // BN, BN // 4],
-                                                  warps_per_cta=[num_warps, 1], order=[1, 0])
-        w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, BN], DTYPE)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
         x_s = gl.allocate_shared_memory(DTYPE, [STAGES, BM, BK], x_desc.layout)
-        q_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BK // 2, BN], q_desc.layout)
+        q_s = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         s_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, BN], s_desc.layout)
         z_s = gl.allocate_shared_memory(z_desc.dtype, [STAGES, 1, BN], z_desc.layout)
-        w_s = gl.allocate_shared_memory(DTYPE, [2, BK, BN], w_layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
@@ -158,12 +214,25 @@ if HAVE_GLUON:
         # the first step is peeled and starts the accumulator (use_acc=False): a zero-filled accumulator
         # carried into the loop is registers that non-wgmma instructions define inside the MMA pipeline,
         # and ptxas then serializes every wgmma (C7515; the sm_90 compile test checks)
-        acc = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, w_s, bars, first, 0, steps, m0, n0,
-                        gl.zeros((BN, BM), gl.float32, acc_layout), False, G, STAGES, q_layout)
-        for i in range(1, steps):
-            acc = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, w_s, bars, first, i, steps, m0, n0,
-                            acc, True, G, STAGES, q_layout)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.wait(bars.index(0), 0)
+        a = _dequant_operand(q_s.index(0), s_s.index(0), z_s.index(0), a_layout, DTYPE)
+        acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
+                            use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))  # (nothing older in flight: only the type changes)
+        _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first + STAGES - 1, STAGES - 1, m0, n0,
+                    G, STAGES - 1 < steps)
+        # two steps per iteration: wgmma reads its register operand asynchronously, so a step must dequantize
+        # into other registers than the ones the MMA in flight reads. Each static wgmma gets its own; a
+        # one-step loop body would rewrite its operand under the previous MMA (wrong results, measured).
+        for i in range(1, steps - 1, 2):
+            acc, b = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, i, steps, m0, n0,
+                               acc, a, G, STAGES, a_layout)
+            acc, a = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, i + 1, steps, m0,
+                               n0, acc, b, G, STAGES, a_layout)
+        if steps % 2 == 0:
+            acc, a = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, steps - 1, steps, m0,
+                               n0, acc, a, G, STAGES, a_layout)
+        acc = _weight_rows(warpgroup_mma_wait(0, deps=(acc, )))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
@@ -238,26 +307,29 @@ def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 
 def _layouts(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid):
-    """Shared-memory layouts of the four TMA tiles: x (BM, BK), packed (BK/2, BN), scale and zero rows (1, BN)."""
+    """Shared-memory layouts of the four TMA tiles: x (BM, BK), the packed (BK/2, BN) bytes as (BK/2, BN/2)
+    16-bit words, scale and zero rows (1, BN)."""
     dt = gl.bfloat16 if x_dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = grid.block_m, grid.block_n, grid.block_k
     row = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * s_dtype.itemsize, rank=2)
     return (([bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt)),
-            ([bk // 2, bn], gl.NVMMASharedLayout.get_default_for([bk // 2, bn], gl.uint8)), ([1, bn], row), ([1, bn], row))
+            ([bk // 2, bn // 2], gl.NVMMASharedLayout.get_default_for([bk // 2, bn // 2], gl.int16)), ([1, bn], row),
+            ([1, bn], row))
 
 
 def descriptor_types(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid) -> dict:
     """The kernel's descriptor arguments as Triton signature strings (compiling without a GPU)."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    dtypes = (names[x_dtype], "u8", names[s_dtype], names[s_dtype])
+    dtypes = (names[x_dtype], "i16", names[s_dtype], names[s_dtype])
     return {arg: f"tensordesc<{dt}{list(shape)},{layout!r}>"
             for arg, dt, (shape, layout) in zip(("x_desc", "q_desc", "s_desc", "z_desc"), dtypes,
                                                  _layouts(x_dtype, s_dtype, grid))}
 
 
 def _descriptors(x2, qweight, scales, zeros, grid: WgmmaGrid):
+    words = qweight.view(torch.int16)  # the bytes of weight rows 2p, 2p + 1 (N is even)
     return tuple(TensorDescriptor.from_tensor(t, shape, layout)
-                 for t, (shape, layout) in zip((x2, qweight, scales, zeros), _layouts(x2.dtype, scales.dtype, grid)))
+                 for t, (shape, layout) in zip((x2, words, scales, zeros), _layouts(x2.dtype, scales.dtype, grid)))
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,

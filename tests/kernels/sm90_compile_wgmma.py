@@ -1,14 +1,18 @@
 """Compile the wgmma kernel (Gluon) for sm_90 on any machine, GPU or not, and run the bundled ptxas
 on its PTX: a Gluon API or layout error fails here, and so does ptxas serializing the asynchronous
 MMAs (its C7515 notice), which costs the kernel half its speed. The descriptors' types come from
-:func:`quantpack.kernels.wgmma_mm.descriptor_types`, as a launch builds them. Run without
-TRITON_INTERPRET; prints one JSON line per variant: ``{"variant": [...], "wgmma": <wgmma.mma_async in
-the PTX>, "per_step": <expected per K step>, "serialized": <bool>}`` or ``"error"``.
+:func:`quantpack.kernels.wgmma_mm.descriptor_types`, as a launch builds them. The SASS (cuobjdump)
+gives the registers each static wgmma site reads its A operand from: a site must not share them with
+the site that runs next, whose dequant writes its own operand while the MMA before it still reads.
+Run without TRITON_INTERPRET; prints one JSON line per variant: ``{"variant": [...], "wgmma":
+<wgmma.mma_async in the PTX>, "per_step": <expected per K step>, "serialized": <bool>, "operands":
+[[A registers of each site, in program order], ...]}`` or ``"error"``.
 
     python tests/kernels/sm90_compile_wgmma.py
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,18 +49,35 @@ def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias):
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o",
-                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-1000:])
-    return ptx.count("wgmma.mma_async"), "C7515" in done.stdout + done.stderr
+        cubin = os.path.join(tmp, "k.cubin")
+        done = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", cubin], capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise RuntimeError(done.stderr[-1000:])
+        cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    return ptx.count("wgmma.mma_async"), "C7515" in done.stdout + done.stderr, operand_sites(sass)
+
+
+def operand_sites(sass: str) -> list[list[int]]:
+    """The A-operand registers of each static wgmma site (a run of HGMMA closed by the one that commits
+    the group, ``gsb0``), in program order: each HGMMA reads four from its base register."""
+    sites, regs = [], []
+    for line in sass.splitlines():
+        hit = re.search(r"HGMMA\.\S+ R\d+, R(\d+),", line)
+        if hit:
+            regs += range(int(hit.group(1)), int(hit.group(1)) + 4)
+            if "gsb0" in line:
+                sites.append(sorted(regs))
+                regs = []
+    return sites
 
 
 if __name__ == "__main__":
     for v in VARIANTS:
         try:
-            count, serialized = compile_variant(*v)
-            print(json.dumps({"variant": v, "wgmma": count, "per_step": v[4] // 16, "serialized": serialized}),
-                  flush=True)
+            count, serialized, operands = compile_variant(*v)
+            print(json.dumps({"variant": v, "wgmma": count, "per_step": v[4] // 16, "serialized": serialized,
+                              "operands": operands}), flush=True)
         except Exception as exc:  # noqa: BLE001  (reported per variant; the test names it)
             print(json.dumps({"variant": v, "error": repr(exc)[-2000:]}), flush=True)

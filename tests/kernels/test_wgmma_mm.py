@@ -56,8 +56,10 @@ def test_heuristic_offers_wgmma_only_on_hopper():
 
 def test_sm90_compile_keeps_the_mmas_asynchronous():
     """Every variant (tiles, dtypes, float32 scales, split-K, bias) gets through Gluon and ptxas for sm_90
-    with BLOCK_K / 16 wgmma per K step (the first step peeled: twice that in the PTX) and without ptxas
-    serializing them (C7515: what a zero-filled accumulator inside the MMA pipeline caused)."""
+    with BLOCK_K / 16 wgmma per K step at four sites (the peeled first step, the loop's two, the remainder),
+    without ptxas serializing them (C7515: what a zero-filled accumulator inside the MMA pipeline caused),
+    and with each site reading its register operand from other registers than the site before it, whose
+    MMA is still in flight while it dequantizes (one loop site rewriting its own registers gave wrong sums)."""
     pytest.importorskip("triton.backends.nvidia")
     if not HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
@@ -66,7 +68,10 @@ def test_sm90_compile_keeps_the_mmas_asynchronous():
 
     for line in run_script("sm90_compile_wgmma.py", VARIANTS):
         assert "error" not in line, line
-        assert line["wgmma"] == 2 * line["per_step"] and not line["serialized"], line
+        assert line["wgmma"] == 4 * line["per_step"] and not line["serialized"], line
+        peeled, odd, even, last = (set(regs) for regs in line["operands"])
+        # in order: peeled -> odd -> even -> odd ... -> last (when the step count is even)
+        assert not (peeled & odd) and not (odd & even) and not (even & last) and not (peeled & last), line
 
 
 needs_hopper = pytest.mark.skipif(not (HOPPER and HAVE_GLUON), reason="needs a Hopper GPU and Gluon")
@@ -96,22 +101,22 @@ def test_kernel_matches_reference(n, k, gs, dtype):
 @pytest.mark.gpu
 @needs_hopper
 def test_kernel_runs_when_dispatched(monkeypatch):
-    """The shipped table sends 32-512 rows to wgmma; the launch it makes is the kernel's (spied), and the
-    product matches; with QUANTPACK_WGMMA=0 the same call takes another path."""
+    """The shipped table sends 32-1024 rows to wgmma at 4096 x 4096; the launch it makes is the kernel's
+    (spied), and the product matches; with QUANTPACK_WGMMA=0 the same call takes another path."""
     pw, w = packed(4096, 4096, 128, torch.bfloat16)
     calls = []
     real = mm_mod.launch_wgmma
     monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: calls.append(kw["grid"]) or real(*a, **kw))
-    for m in (32, 64, 128, 256, 512):
+    for m in (32, 64, 128, 256, 512, 1024):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         assert mm_mod.pick_config(False, 4, m, 4096, 4096, x.device).path == "wgmma"
         out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
         assert rel_err(out, x.float() @ w.t()) < 8e-3
-    assert len(calls) == 5
+    assert len(calls) == 6
     monkeypatch.setenv("QUANTPACK_WGMMA", "0")
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
-    assert len(calls) == 5 and rel_err(out, x.float() @ w.t()) < 8e-3
+    assert len(calls) == 6 and rel_err(out, x.float() @ w.t()) < 8e-3
 
 
 @pytest.mark.gpu
