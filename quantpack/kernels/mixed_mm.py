@@ -603,8 +603,10 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
         # Hopper: (rows of x, weight rows, pair rows per K step) per program, ring depth, split
         for bm in sorted({min(bm, max(16, mb)) for bm in (64, 128, 256)}):
             for bn in (64, 128):
-                for br in (32, 64) if bm <= 128 else (32,):  # (256 x 128 in-features: over shared memory)
+                for br in (32, 64):
                     for stages in (3, 4):
+                        if bm * 4 * br * stages > 200 * 1024:  # x's ring alone past shared memory
+                            continue
                         for split in (1, 2, 4):
                             c = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages)
                             if c not in out:
