@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--ms", default="64,256,1024")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--gs", type=int, default=128)
+    ap.add_argument("--no-sweep", action="store_true", help="time only cuBLAS and the shipped pick")
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gs = args.gs
@@ -55,6 +56,8 @@ def main():
             cfg = mm.pick_config(False, 4, m, n, k, x.device)
             print(f"\n== N={n} K={k} M={m} {args.dtype}: cuBLAS {tb*1e3:.1f} us; shipped {tq*1e3:.1f} us "
                   f"x{tb/tq:.2f} [{cfg.path} {cfg.block_m}x{cfg.block_n} s{cfg.split}]", flush=True)
+            if args.no_sweep:
+                continue
             results = []
             bms = sorted({min(bm, max(16, triton.next_power_of_2(m))) for bm in (64, 128, 256)})  # (as wgmma_grid)
             for bm, bn, bk, split, stages in itertools.product(bms, (64, 128), (64, 128), (1, 2, 4), (3, 4)):

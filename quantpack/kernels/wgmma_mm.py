@@ -46,24 +46,25 @@ if HAVE_GLUON:
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
     # one int32 word = pair rows kk and kk + 4 (in-features 2kk, 2kk + 1 and 2kk + 8, 2kk + 9) of weight rows
-    # r and r + 1: bytes [r kk, r+1 kk, r kk+4, r+1 kk+4]. Each nibble is moved to bits 16-19 and OR-ed into
-    # 1.0f, so the float is 1 + q / 128 exactly; one FMA with S = 128 s and C = -(128 + z) s gives (q - z) s
-    # in float32 (the error, about 2**-15 s, is far below the 16-bit rounding that follows). Each output
-    # register holds one byte's two weights (low half in-feature 2kk), as wgmma reads its A fragment:
-    # $0, $1 row r (kk, kk + 4), $2, $3 row r + 1. Inputs: $4 the word, $5 $6 / $7 $8 S of rows r / r + 1,
-    # $9 $10 / $11 $12 C. 27 instructions per 8 weights.
+    # r and r + 1: bytes [r kk, r+1 kk, r kk+4, r+1 kk+4]. One shift puts a byte's low nibble at mantissa
+    # bits 15-18 and its high nibble at 19-22; OR-ed into 1.0f they are 1 + q / 256 and 1 + q / 16 exactly,
+    # and one FMA each with S = 256 s, C = -(256 + z) s (low) or S = 16 s, C = -(16 + z) s (high) gives
+    # (q - z) s in float32 (the error, at most about 2**-16 s, is far below the 16-bit rounding that
+    # follows). Each output register holds one byte's two weights (low half in-feature 2kk), as wgmma reads
+    # its A fragment: $0, $1 row r (kk, kk + 4), $2, $3 row r + 1. Inputs (each twice, pack=2): $4 the word,
+    # S low / S high of row r $5 $7, of row r + 1 $9 $11; C likewise from $13. 24 instructions per 8 weights.
     _DEQUANT = ("{{ .reg .b32 t, v0, v1, v2, v3, v4, v5, v6, v7; .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7; "
-                "shl.b32 t, $4, 16; lop3.b32 v0, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "shl.b32 t, $4, 12; lop3.b32 v1, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "shl.b32 t, $4, 8; lop3.b32 v2, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "shl.b32 t, $4, 4; lop3.b32 v3, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "lop3.b32 v4, $4, 0x000F0000, 0x3F800000, 0xEA; "
-                "shr.b32 t, $4, 4; lop3.b32 v5, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "shr.b32 t, $4, 8; lop3.b32 v6, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "shr.b32 t, $4, 12; lop3.b32 v7, t, 0x000F0000, 0x3F800000, 0xEA; "
-                "fma.rn.f32 f0, v0, $5, $9; fma.rn.f32 f1, v1, $5, $9; fma.rn.f32 f2, v2, $7, $11; "
-                "fma.rn.f32 f3, v3, $7, $11; fma.rn.f32 f4, v4, $6, $10; fma.rn.f32 f5, v5, $6, $10; "
-                "fma.rn.f32 f6, v6, $8, $12; fma.rn.f32 f7, v7, $8, $12; "
+                "shl.b32 t, $4, 15; lop3.b32 v0, t, 0x00078000, 0x3F800000, 0xEA; "
+                "lop3.b32 v1, t, 0x00780000, 0x3F800000, 0xEA; "
+                "shl.b32 t, $4, 7; lop3.b32 v2, t, 0x00078000, 0x3F800000, 0xEA; "
+                "lop3.b32 v3, t, 0x00780000, 0x3F800000, 0xEA; "
+                "shr.b32 t, $4, 1; lop3.b32 v4, t, 0x00078000, 0x3F800000, 0xEA; "
+                "lop3.b32 v5, t, 0x00780000, 0x3F800000, 0xEA; "
+                "shr.b32 t, $4, 9; lop3.b32 v6, t, 0x00078000, 0x3F800000, 0xEA; "
+                "lop3.b32 v7, t, 0x00780000, 0x3F800000, 0xEA; "
+                "fma.rn.f32 f0, v0, $5, $13; fma.rn.f32 f1, v1, $7, $15; fma.rn.f32 f2, v2, $9, $17; "
+                "fma.rn.f32 f3, v3, $11, $19; fma.rn.f32 f4, v4, $6, $14; fma.rn.f32 f5, v5, $8, $16; "
+                "fma.rn.f32 f6, v6, $10, $18; fma.rn.f32 f7, v7, $12, $20; "
                 "{cvt} $0, f1, f0; {cvt} $1, f5, f4; {cvt} $2, f3, f2; {cvt} $3, f7, f6; }}")
     _DEQUANT_BF16 = gl.constexpr(_DEQUANT.format(cvt="cvt.rn.bf16x2.f32"))
     _DEQUANT_FP16 = gl.constexpr(_DEQUANT.format(cvt="cvt.rn.f16x2.f32"))
@@ -117,6 +118,12 @@ if HAVE_GLUON:
         return gl.convert_layout(even, pair_layout), gl.convert_layout(odd, pair_layout)
 
     @gluon.jit
+    def _row_const(v, words):
+        """A per-row float32 constant (BN/2,) broadcast over the step's pair rows, as the asm's operand."""
+        c, _ = gl.broadcast(v[:, None], words)
+        return c
+
+    @gluon.jit
     def _dequant_operand(q_smem, s_smem, z_smem, a_layout: gl.constexpr, DTYPE: gl.constexpr):
         """The step's weights ((BK/2, BN/2) 16-bit words) as the register A operand (BN, BK) of wgmma,
         in MMA-row order."""
@@ -128,18 +135,16 @@ if HAVE_GLUON:
         words = q_smem.permute((1, 0)).load(words_layout)  # (ldmatrix.trans: rows in any order)
         s0, s1 = _row_pairs(s_smem, _row_pairs_layout(BN, WARPS), pair_layout)
         z0, z1 = _row_pairs(z_smem, _row_pairs_layout(BN, WARPS), pair_layout)
-        S0, _ = gl.broadcast((s0 * 128.0)[:, None], words)
-        S1, _ = gl.broadcast((s1 * 128.0)[:, None], words)
-        C0, _ = gl.broadcast((-(z0 * s0) - s0 * 128.0)[:, None], words)
-        C1, _ = gl.broadcast((-(z1 * s1) - s1 * 128.0)[:, None], words)
+        consts = (_row_const(s0 * 256.0, words), _row_const(s0 * 16.0, words), _row_const(s1 * 256.0, words),
+                  _row_const(s1 * 16.0, words), _row_const(-(z0 * s0) - s0 * 256.0, words),
+                  _row_const(-(z0 * s0) - s0 * 16.0, words), _row_const(-(z1 * s1) - s1 * 256.0, words),
+                  _row_const(-(z1 * s1) - s1 * 16.0, words))
         if DTYPE == gl.bfloat16:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT_BF16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                                               [words, S0, S1, C0, C1], dtype=(gl.int32, gl.int32), is_pure=True,
-                                               pack=2)
+            lo, hi = gl.inline_asm_elementwise(_DEQUANT_BF16, "=r,=r,=r,=r" + ",r" * 17, (words, ) + consts,
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=2)
         else:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT_FP16, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r",
-                                               [words, S0, S1, C0, C1], dtype=(gl.int32, gl.int32), is_pure=True,
-                                               pack=2)
+            lo, hi = gl.inline_asm_elementwise(_DEQUANT_FP16, "=r,=r,=r,=r" + ",r" * 17, (words, ) + consts,
+                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=2)
         w = _mma_rows(lo, hi).to(DTYPE, bitcast=True)
         return gl.convert_layout(w, a_layout)
 
