@@ -21,6 +21,11 @@ from quantpack.cli import cli
 from quantpack.tiny import make_random_checkpoint
 
 CLI = [sys.executable, "-c", "from quantpack.cli import main; main()"]
+# The same CLI with every layer's quantization slowed by 20 ms (336 layers: 7 s or more), so a test that
+# interrupts a conversion midway cannot lose the race to a fast or briefly descheduled run finishing first.
+SLOW_CLI = [sys.executable, "-c", "import time, quantpack.convert as c; q = c._quantize_layer; "
+            "c._quantize_layer = lambda *a, **k: (time.sleep(0.02), q(*a, **k))[1]; "
+            "from quantpack.cli import main; main()"]
 
 
 def run_cli(*args):
@@ -277,7 +282,7 @@ def test_kill_midway_and_resume_byte_identical(random_llama, tmp_path):
 
     out = tmp_path / "out"
     partial = tmp_path / ".out.qp-partial"
-    proc = subprocess.Popen([*CLI, "convert", str(random_llama), "-o", str(out), *args],
+    proc = subprocess.Popen([*SLOW_CLI, "convert", str(random_llama), "-o", str(out), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     finished = 0
@@ -344,7 +349,7 @@ def test_peak_memory_is_bounded_by_tensor_and_shard_not_model(random_llama, tiny
 def test_ctrl_c_exits_130_and_leaves_a_resumable_partial(random_llama, tmp_path):
     out = tmp_path / "out"
     partial = tmp_path / ".out.qp-partial"
-    proc = subprocess.Popen([*CLI, "convert", str(random_llama), "-o", str(out), "--method", "rtn",
+    proc = subprocess.Popen([*SLOW_CLI, "convert", str(random_llama), "-o", str(out), "--method", "rtn",
                              "--max-shard-size", "1MB", "--no-progress"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
