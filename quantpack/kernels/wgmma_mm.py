@@ -5,8 +5,8 @@ wgmma M side (64 per warpgroup), x's rows its N side (8..256), so 16-row batches
 Per K step of BLOCK_K in-features:
 
 - TMA copies x's (BLOCK_M, BLOCK_K) tile, the packed (BLOCK_K / 2, BLOCK_N) bytes (as 16-bit words:
-  the bytes of two adjacent weight rows) and the step's scale and zero rows into a ring of STAGES
-  shared-memory slots (one mbarrier each);
+  the bytes of two adjacent weight rows) and the step's scale and zero rows (one copy: the two tensors as
+  planes of one view) into a ring of STAGES shared-memory slots (one mbarrier each);
 - each thread loads the words of the wgmma A-operand fragment it owns (ldmatrix), dequantizes them in
   registers (float32 FMA, then x's dtype: the reference's rounding) straight into that fragment;
 - an asynchronous wgmma multiplies the fragment (A, from registers) by x's tile (B, K-major, shared),
@@ -102,18 +102,17 @@ if HAVE_GLUON:
         return gl.reshape(acc, (BN, BM))
 
     @gluon.constexpr_function
-    def _row_pairs_layout(BN, num_warps):
-        """A (BN,) scale or zero row as each thread needs it next to _operand_words_layout: weight rows
-        16w + 2g + {0, 1} (lanes t broadcast)."""
-        warps = [[16 << i] for i in range(num_warps.bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg_bases=[[1]], lane_bases=[[0], [0], [2], [4], [8]], warp_bases=warps,
-                                          block_bases=[], shape=[BN])
+    def _planes_layout(BN, num_warps):
+        """A step's (2, BN) scale and zero rows as each thread needs them next to _operand_words_layout: both
+        planes of weight rows 16w + 2g + {0, 1} (lanes t broadcast)."""
+        warps = [[0, 16 << i] for i in range(num_warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [1, 0]], lane_bases=[[0, 0], [0, 0], [0, 2], [0, 4], [0, 8]],
+                                          warp_bases=warps, block_bases=[], shape=[2, BN])
 
     @gluon.jit
-    def _row_pairs(row_smem, layout: gl.constexpr, pair_layout: gl.constexpr):
-        """A (1, BN) row in shared memory -> its even and odd entries as float32 (BN/2,) tensors."""
-        BN: gl.constexpr = row_smem.shape[1]
-        v = row_smem.reshape((BN, )).load(layout).to(gl.float32)
+    def _row_pairs(v, pair_layout: gl.constexpr):
+        """A (BN,) float32 row -> its even and odd entries as (BN/2,) tensors."""
+        BN: gl.constexpr = v.shape[0]
         even, odd = gl.split(gl.reshape(v, (BN // 2, 2)))
         return gl.convert_layout(even, pair_layout), gl.convert_layout(odd, pair_layout)
 
@@ -124,7 +123,7 @@ if HAVE_GLUON:
         return c
 
     @gluon.jit
-    def _dequant_operand(q_smem, s_smem, z_smem, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+    def _dequant_operand(q_smem, sz_smem, S_PLANE: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr):
         """The step's weights ((BK/2, BN/2) 16-bit words) as the register A operand (BN, BK) of wgmma,
         in MMA-row order."""
         BN: gl.constexpr = 2 * q_smem.shape[1]
@@ -133,8 +132,14 @@ if HAVE_GLUON:
         words_layout: gl.constexpr = _operand_words_layout(BN, BK, WARPS)
         pair_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
         words = q_smem.permute((1, 0)).load(words_layout)  # (ldmatrix.trans: rows in any order)
-        s0, s1 = _row_pairs(s_smem, _row_pairs_layout(BN, WARPS), pair_layout)
-        z0, z1 = _row_pairs(z_smem, _row_pairs_layout(BN, WARPS), pair_layout)
+        planes = sz_smem.reshape((2, BN)).load(_planes_layout(BN, WARPS)).to(gl.float32)
+        first, second = gl.split(gl.permute(planes, (1, 0)))
+        if S_PLANE == 0:
+            s0, s1 = _row_pairs(first, pair_layout)
+            z0, z1 = _row_pairs(second, pair_layout)
+        else:
+            s0, s1 = _row_pairs(second, pair_layout)
+            z0, z1 = _row_pairs(first, pair_layout)
         consts = (_row_const(s0 * 256.0, words), _row_const(s0 * 16.0, words), _row_const(s1 * 256.0, words),
                   _row_const(s1 * 16.0, words), _row_const(-(z0 * s0) - s0 * 256.0, words),
                   _row_const(-(z0 * s0) - s0 * 16.0, words), _row_const(-(z1 * s1) - s1 * 256.0, words),
@@ -149,44 +154,41 @@ if HAVE_GLUON:
         return gl.convert_layout(w, a_layout)
 
     @gluon.jit
-    def _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, i, steps, m0, n0, acc, a_prev,
-                  G: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr):
+    def _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc, a_prev,
+                  G: gl.constexpr, STAGES: gl.constexpr, S_PLANE: gl.constexpr, a_layout: gl.constexpr):
         """K step i: wait for its copies, dequantize into the register A operand, start its MMA, retire the
         previous MMA (a_prev, the operand it reads, stays live until then), and refill the ring slot that
         one read with step i + STAGES - 1."""
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        a = _dequant_operand(q_s.index(slot), s_s.index(slot), z_s.index(slot), a_layout, x_desc.dtype)
+        a = _dequant_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, x_desc.dtype)
         acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
         acc, a_prev = warpgroup_mma_wait(1, deps=(acc, a_prev))
         nxt = i + STAGES - 1
-        _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first + nxt, nxt % STAGES, m0, n0, G,
+        _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + nxt, nxt % STAGES, m0, n0, G,
                     nxt < steps)
         return acc, a
 
     @gluon.jit
-    def _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, step, slot, m0, n0,
+    def _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, step, slot, m0, n0,
                     G: gl.constexpr, pred):
         """Start the TMA copies of K step ``step`` into ring slot ``slot`` (skipped when not pred)."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
         bar = bars.index(slot)
-        nbytes: gl.constexpr = (x_desc.block_type.nbytes + q_desc.block_type.nbytes + s_desc.block_type.nbytes
-                                + z_desc.block_type.nbytes)
-        mbarrier.expect(bar, nbytes, pred=pred)
+        mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes + sz_desc.block_type.nbytes,
+                        pred=pred)
         k0 = step * BK
         _tma_load(x_desc, [m0, k0], bar, x_s.index(slot), pred=pred)
-        _tma_load(q_desc, [k0 // 2, n0 * q_desc.block_type.shape[1] // s_desc.block_type.shape[1]], bar,
-                  q_s.index(slot), pred=pred)
-        _tma_load(s_desc, [k0 // G, n0], bar, s_s.index(slot), pred=pred)
-        _tma_load(z_desc, [k0 // G, n0], bar, z_s.index(slot), pred=pred)
+        _tma_load(q_desc, [k0 // 2, n0 // 2], bar, q_s.index(slot), pred=pred)
+        _tma_load(sz_desc, [0, k0 // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
 
     @gluon.jit
-    def _wgmma_kernel(x_desc, q_desc, s_desc, z_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om,
+    def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om,
                       G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      S_PLANE: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
-        BN: gl.constexpr = s_desc.block_type.shape[1]
+        BN: gl.constexpr = sz_desc.block_type.shape[2]
         DTYPE: gl.constexpr = x_desc.dtype
 
         pid_n = gl.program_id(0)
@@ -206,37 +208,36 @@ if HAVE_GLUON:
 
         x_s = gl.allocate_shared_memory(DTYPE, [STAGES, BM, BK], x_desc.layout)
         q_s = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        s_s = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 1, BN], s_desc.layout)
-        z_s = gl.allocate_shared_memory(z_desc.dtype, [STAGES, 1, BN], z_desc.layout)
+        sz_s = gl.allocate_shared_memory(sz_desc.dtype, [STAGES, 2, 1, BN], sz_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
 
         for i in gl.static_range(STAGES - 1):
-            _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first + i, i, m0, n0, G,
+            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + i, i, m0, n0, G,
                         i < steps)
 
         # the first step is peeled and starts the accumulator (use_acc=False): a zero-filled accumulator
         # carried into the loop is registers that non-wgmma instructions define inside the MMA pipeline,
         # and ptxas then serializes every wgmma (C7515; the sm_90 compile test checks)
         mbarrier.wait(bars.index(0), 0)
-        a = _dequant_operand(q_s.index(0), s_s.index(0), z_s.index(0), a_layout, DTYPE)
+        a = _dequant_operand(q_s.index(0), sz_s.index(0), S_PLANE, a_layout, DTYPE)
         acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
                             use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc, ))  # (nothing older in flight: only the type changes)
-        _issue_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first + STAGES - 1, STAGES - 1, m0, n0,
+        _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + STAGES - 1, STAGES - 1, m0, n0,
                     G, STAGES - 1 < steps)
         # two steps per iteration: wgmma reads its register operand asynchronously, so a step must dequantize
         # into other registers than the ones the MMA in flight reads. Each static wgmma gets its own; a
         # one-step loop body would rewrite its operand under the previous MMA (wrong results, measured).
         for i in range(1, steps - 1, 2):
-            acc, b = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, i, steps, m0, n0,
-                               acc, a, G, STAGES, a_layout)
-            acc, a = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, i + 1, steps, m0,
-                               n0, acc, b, G, STAGES, a_layout)
+            acc, b = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0,
+                               acc, a, G, STAGES, S_PLANE, a_layout)
+            acc, a = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i + 1, steps, m0,
+                               n0, acc, b, G, STAGES, S_PLANE, a_layout)
         if steps % 2 == 0:
-            acc, a = _mma_step(x_desc, q_desc, s_desc, z_desc, x_s, q_s, s_s, z_s, bars, first, steps - 1, steps, m0,
-                               n0, acc, a, G, STAGES, a_layout)
+            acc, a = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0,
+                               n0, acc, a, G, STAGES, S_PLANE, a_layout)
         acc = _weight_rows(warpgroup_mma_wait(0, deps=(acc, )))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
@@ -302,8 +303,10 @@ def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: i
 def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, k: int,
                  group_size: int, bits: int, axis: int) -> bool:
     """What the kernel's TMA copies and tiles need (the caller checks the GPU): 4-bit weights grouped along K
-    in groups of 64 or a multiple of 128, 16-bit activations, 16-byte aligned bases and rows (K % 8, N % 16)."""
-    aligned = all(t.data_ptr() % 16 == 0 for t in (x2, qweight, scales, zeros))
+    in groups of 64 or a multiple of 128, 16-bit activations, 16-byte aligned bases and rows (K % 8, N % 16),
+    scales and zeros in two places (the planes of one copy)."""
+    aligned = (all(t.data_ptr() % 16 == 0 for t in (x2, qweight, scales, zeros))
+               and zeros.data_ptr() != scales.data_ptr())
     return (HAVE_GLUON and bits == 4 and axis == 1 and (group_size == 64 or group_size % 128 == 0)
             and k % group_size == 0 and k % 8 == 0 and n % 16 == 0 and aligned
             and x2.dtype in (torch.bfloat16, torch.float16) and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
@@ -312,29 +315,33 @@ def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 
 
 def _layouts(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid):
-    """Shared-memory layouts of the four TMA tiles: x (BM, BK), the packed (BK/2, BN) bytes as (BK/2, BN/2)
-    16-bit words, scale and zero rows (1, BN)."""
+    """Shared-memory layouts of the three TMA tiles: x (BM, BK), the packed (BK/2, BN) bytes as (BK/2, BN/2)
+    16-bit words, and the (2, 1, BN) scale and zero rows of a step (one copy: see _scale_zero_planes)."""
     dt = gl.bfloat16 if x_dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = grid.block_m, grid.block_n, grid.block_k
-    row = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * s_dtype.itemsize, rank=2)
+    planes = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * s_dtype.itemsize, rank=3)
     return (([bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt)),
-            ([bk // 2, bn // 2], gl.NVMMASharedLayout.get_default_for([bk // 2, bn // 2], gl.int16)), ([1, bn], row),
-            ([1, bn], row))
+            ([bk // 2, bn // 2], gl.NVMMASharedLayout.get_default_for([bk // 2, bn // 2], gl.int16)),
+            ([2, 1, bn], planes))
 
 
 def descriptor_types(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid) -> dict:
     """The kernel's descriptor arguments as Triton signature strings (compiling without a GPU)."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    dtypes = (names[x_dtype], "i16", names[s_dtype], names[s_dtype])
+    dtypes = (names[x_dtype], "i16", names[s_dtype])
     return {arg: f"tensordesc<{dt}{list(shape)},{layout!r}>"
-            for arg, dt, (shape, layout) in zip(("x_desc", "q_desc", "s_desc", "z_desc"), dtypes,
+            for arg, dt, (shape, layout) in zip(("x_desc", "q_desc", "sz_desc"), dtypes,
                                                  _layouts(x_dtype, s_dtype, grid))}
 
 
-def _descriptors(x2, qweight, scales, zeros, grid: WgmmaGrid):
-    words = qweight.view(torch.int16)  # the bytes of weight rows 2p, 2p + 1 (N is even)
-    return tuple(TensorDescriptor.from_tensor(t, shape, layout)
-                 for t, (shape, layout) in zip((x2, words, scales, zeros), _layouts(x2.dtype, scales.dtype, grid)))
+def _scale_zero_planes(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """scales and zeros, two (K/G, N) tensors, as the planes of one (2, K/G, N) view: the lower of the two
+    as the base, the distance between them (in elements) as the plane stride, so that one TMA copy brings
+    a step's scale and zero rows (two copies per step cost a CTA barrier and ~25 instructions more each).
+    Returns (base, plane stride, plane of the scales)."""
+    gap = zeros.data_ptr() - scales.data_ptr()
+    base, s_plane = (scales, 0) if gap > 0 else (zeros, 1)
+    return base, abs(gap) // scales.element_size(), s_plane
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,
@@ -342,8 +349,13 @@ def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: i
     """out (M, N) = x2 (M, K) @ W.T (+ bias); ws (split, M, N) float32 and cnt (one int32 per tile, zero)
     are used when grid.split > 1."""
     m = x2.shape[0]
-    x_desc, q_desc, s_desc, z_desc = _descriptors(x2, qweight, scales, zeros, grid)
-    _wgmma_kernel[grid.programs(m, n)](x_desc, q_desc, s_desc, z_desc, bias if bias is not None else out, out, ws,
-                                       cnt, m, n, k, out.stride(0), G=group_size, HAS_BIAS=bias is not None,
-                                       SPLIT=grid.split, STAGES=grid.stages, num_warps=grid.warps)
+    (x_block, x_layout), (q_block, q_layout), (sz_block, sz_layout) = _layouts(x2.dtype, scales.dtype, grid)
+    words = qweight.view(torch.int16)  # the bytes of weight rows 2p, 2p + 1 (N is even)
+    base, plane, s_plane = _scale_zero_planes(scales, zeros)
+    x_desc = TensorDescriptor.from_tensor(x2, x_block, x_layout)
+    q_desc = TensorDescriptor.from_tensor(words, q_block, q_layout)
+    sz_desc = TensorDescriptor(base, [2, scales.shape[0], n], [plane, n, 1], sz_block, sz_layout)
+    _wgmma_kernel[grid.programs(m, n)](x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt, m, n,
+                                       k, out.stride(0), G=group_size, HAS_BIAS=bias is not None, SPLIT=grid.split,
+                                       STAGES=grid.stages, S_PLANE=s_plane, num_warps=grid.warps)
     return out

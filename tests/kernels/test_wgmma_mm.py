@@ -9,7 +9,7 @@ import torch
 
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels.mixed_mm import KernelConfig
-from quantpack.kernels.wgmma_mm import HAVE_GLUON, wgmma_grid
+from quantpack.kernels.wgmma_mm import HAVE_GLUON, _scale_zero_planes, wgmma_grid, wgmma_usable
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -33,6 +33,31 @@ def test_grid_split_leaves_every_program_a_k_step(k, split):
     per = -(-steps // g.split)
     assert 1 <= g.split <= split and (g.split - 1) * per < steps  # the last program starts inside K
     assert g.stages >= 2 and g.warps == 4
+
+
+def test_scales_and_zeros_become_planes_of_one_view_in_either_order():
+    """One TMA copy brings a step's scale and zero rows: the lower tensor is the base, the distance the
+    plane stride, and the kernel is told which plane holds the scales."""
+    storage = torch.zeros(3, 4, 32, dtype=torch.bfloat16)
+    s, z = storage[0], storage[2]
+    base, stride, s_plane = _scale_zero_planes(s, z)
+    assert base.data_ptr() == s.data_ptr() and stride == 2 * 4 * 32 and s_plane == 0
+    base, stride, s_plane = _scale_zero_planes(z, s)  # zeros below scales
+    assert base.data_ptr() == s.data_ptr() and stride == 2 * 4 * 32 and s_plane == 1
+
+
+@pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
+def test_scales_and_zeros_the_planes_cannot_join_are_refused():
+    """A plane stride must be a nonzero multiple of 16 bytes (TMA): otherwise the path is not usable
+    (and the dispatcher picks another)."""
+    x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    q = torch.zeros(128, 64, dtype=torch.uint8)
+    meta = torch.zeros(2 * 4 * 64 + 8, dtype=torch.bfloat16)
+    s, z = meta[:256].view(4, 64), meta[256:512].view(4, 64)
+    assert wgmma_usable(x, q, s, z, 64, 256, 64, 4, 1)
+    assert not wgmma_usable(x, q, s, s, 64, 256, 64, 4, 1)  # one tensor for both
+    z_odd = meta[260:516].view(4, 64)  # 8 bytes past a 16-byte boundary
+    assert not wgmma_usable(x, q, s, z_odd, 64, 256, 64, 4, 1)
 
 
 def test_forced_wgmma_config_falls_back_off_hopper():
@@ -96,6 +121,24 @@ def test_kernel_matches_reference(n, k, gs, dtype):
             assert rel_err(out, ref) < 8e-3, (m, cfg)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg, bias=bias)
             assert rel_err(out, ref + bias.float()) < 8e-3, (m, cfg, "bias")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_zeros_allocated_below_scales_give_the_same_product():
+    """The scale/zero planes in the other order (zeros at the lower address): bit-identical output."""
+    pw, w = packed(1040, 640, 64, torch.bfloat16)
+    x = torch.randn(100, 640, device="cuda", dtype=torch.bfloat16)
+    cfg = KernelConfig("wgmma", 128, 64, 32, split=2, num_warps=4, num_stages=3)
+    meta = torch.empty(2, *pw.scales.shape, device="cuda", dtype=pw.scales.dtype)
+    meta[0].copy_(pw.zeros)
+    meta[1].copy_(pw.scales)
+    below = mm_mod.mixed_mm(x, pw.qweight, meta[1], meta[0], group_size=64, config=cfg)
+    meta2 = torch.empty_like(meta)
+    meta2[0].copy_(pw.scales)
+    meta2[1].copy_(pw.zeros)
+    above = mm_mod.mixed_mm(x, pw.qweight, meta2[0], meta2[1], group_size=64, config=cfg)
+    assert torch.equal(below, above) and rel_err(above, x.float() @ w.t()) < 8e-3
 
 
 @pytest.mark.gpu
