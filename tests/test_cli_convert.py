@@ -22,8 +22,11 @@ from quantpack.tiny import make_random_checkpoint
 
 CLI = [sys.executable, "-c", "from quantpack.cli import main; main()"]
 # The same CLI with every layer's quantization slowed by 20 ms (336 layers: 7 s or more), so a test that
-# interrupts a conversion midway cannot lose the race to a fast or briefly descheduled run finishing first.
-SLOW_CLI = [sys.executable, "-c", "import time, quantpack.convert as c; q = c._quantize_layer; "
+# interrupts a conversion midway cannot lose the race to a fast or briefly descheduled run finishing first;
+# and with Ctrl-C's default handler, which Python skips when it starts with SIGINT ignored (as a shell's
+# background job, e.g. CI run with `&`, starts its children).
+SLOW_CLI = [sys.executable, "-c", "import signal, time, quantpack.convert as c; q = c._quantize_layer; "
+            "signal.signal(signal.SIGINT, signal.default_int_handler); "
             "c._quantize_layer = lambda *a, **k: (time.sleep(0.02), q(*a, **k))[1]; "
             "from quantpack.cli import main; main()"]
 
