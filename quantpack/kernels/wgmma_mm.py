@@ -106,8 +106,9 @@ if HAVE_GLUON:
         """A step's (2, BN) scale and zero rows as each thread needs them next to _operand_words_layout: both
         planes of weight rows 16w + 2g + {0, 1} (lanes t broadcast)."""
         warps = [[0, 16 << i] for i in range(num_warps.bit_length() - 1)]
-        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [1, 0]], lane_bases=[[0, 0], [0, 0], [0, 2], [0, 4], [0, 8]],
-                                          warp_bases=warps, block_bases=[], shape=[2, BN])
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [1, 0]],
+                                          lane_bases=[[0, 0], [0, 0], [0, 2], [0, 4], [0, 8]], warp_bases=warps,
+                                          block_bases=[], shape=[2, BN])
 
     @gluon.jit
     def _row_pairs(v, pair_layout: gl.constexpr):
@@ -131,7 +132,8 @@ if HAVE_GLUON:
         WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
         words_layout: gl.constexpr = _operand_words_layout(BN, BK, WARPS)
         pair_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
-        words = q_smem.permute((1, 0)).load(words_layout)  # (ldmatrix.trans: rows in any order)
+        # lowered to ldmatrix.trans, whose per-lane row addresses take the pair rows in the t, t + 4 order
+        words = q_smem.permute((1, 0)).load(words_layout)
         planes = sz_smem.reshape((2, BN)).load(_planes_layout(BN, WARPS)).to(gl.float32)
         first, second = gl.split(gl.permute(planes, (1, 0)))
         if S_PLANE == 0:

@@ -130,14 +130,13 @@ def test_zeros_allocated_below_scales_give_the_same_product():
     pw, w = packed(1040, 640, 64, torch.bfloat16)
     x = torch.randn(100, 640, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig("wgmma", 128, 64, 32, split=2, num_warps=4, num_stages=3)
-    meta = torch.empty(2, *pw.scales.shape, device="cuda", dtype=pw.scales.dtype)
-    meta[0].copy_(pw.zeros)
-    meta[1].copy_(pw.scales)
-    below = mm_mod.mixed_mm(x, pw.qweight, meta[1], meta[0], group_size=64, config=cfg)
-    meta2 = torch.empty_like(meta)
-    meta2[0].copy_(pw.scales)
-    meta2[1].copy_(pw.zeros)
-    above = mm_mod.mixed_mm(x, pw.qweight, meta2[0], meta2[1], group_size=64, config=cfg)
+    outs = []
+    for s_plane in (1, 0):  # zeros below the scales, then above
+        meta = torch.empty(2, *pw.scales.shape, device="cuda", dtype=pw.scales.dtype)
+        meta[s_plane].copy_(pw.scales)
+        meta[1 - s_plane].copy_(pw.zeros)
+        outs.append(mm_mod.mixed_mm(x, pw.qweight, meta[s_plane], meta[1 - s_plane], group_size=64, config=cfg))
+    below, above = outs
     assert torch.equal(below, above) and rel_err(above, x.float() @ w.t()) < 8e-3
 
 
