@@ -156,20 +156,20 @@ if HAVE_GLUON:
         return gl.convert_layout(w, a_layout)
 
     @gluon.jit
-    def _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc, a_prev,
+    def _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc,
                   G: gl.constexpr, STAGES: gl.constexpr, S_PLANE: gl.constexpr, a_layout: gl.constexpr):
         """K step i: wait for its copies, dequantize into the register A operand, start its MMA, retire the
-        previous MMA (a_prev, the operand it reads, stays live until then), and refill the ring slot that
-        one read with step i + STAGES - 1."""
+        previous MMA, and refill the ring slot that one read with step i + STAGES - 1. (The previous MMA's
+        operand is safe because it lives in another static site's registers: see the loop.)"""
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         a = _dequant_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, x_desc.dtype)
         acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
-        acc, a_prev = warpgroup_mma_wait(1, deps=(acc, a_prev))
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
         nxt = i + STAGES - 1
         _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + nxt, nxt % STAGES, m0, n0, G,
                     nxt < steps)
-        return acc, a
+        return acc
 
     @gluon.jit
     def _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, step, slot, m0, n0,
@@ -233,13 +233,13 @@ if HAVE_GLUON:
         # into other registers than the ones the MMA in flight reads. Each static wgmma gets its own; a
         # one-step loop body would rewrite its operand under the previous MMA (wrong results, measured).
         for i in range(1, steps - 1, 2):
-            acc, b = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0,
-                               acc, a, G, STAGES, S_PLANE, a_layout)
-            acc, a = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i + 1, steps, m0,
-                               n0, acc, b, G, STAGES, S_PLANE, a_layout)
+            acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc, G,
+                            STAGES, S_PLANE, a_layout)
+            acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i + 1, steps, m0, n0, acc, G,
+                            STAGES, S_PLANE, a_layout)
         if steps % 2 == 0:
-            acc, a = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0,
-                               n0, acc, a, G, STAGES, S_PLANE, a_layout)
+            acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, acc, G,
+                            STAGES, S_PLANE, a_layout)
         acc = _weight_rows(warpgroup_mma_wait(0, deps=(acc, )))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
