@@ -70,7 +70,7 @@ def main():
                     if not err < 1e-2:
                         print(f"  {g}: WRONG rel err {err:.2e}", flush=True)
                         continue
-                    t, mode = graph_time([lambda p=p: run_wg(x, *p, gs, g) for p in qps])
+                    t, _ = graph_time([lambda p=p: run_wg(x, *p, gs, g) for p in qps])
                     results.append((t, g, err))
                 except Exception as e:  # noqa: BLE001
                     print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
