@@ -2,6 +2,7 @@
 bench_kernels (CUDA-graph replays over weight replicas past L2) beside cuBLAS and the shipped path.
 
     python benchmarks/probe_wgmma.py --shapes 4096x4096,14336x4096 --ms 64,256,1024
+    python benchmarks/probe_wgmma.py --shapes 14336x4096 --ms 1024 --tiles 256x128x64 --splits 1 --unbalanced
 """
 import argparse
 import itertools
@@ -36,6 +37,11 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--gs", type=int, default=128)
     ap.add_argument("--no-sweep", action="store_true", help="time only cuBLAS and the shipped pick")
+    ap.add_argument("--tiles", default="", help="sweep only these BLOCK_MxBLOCK_NxBLOCK_K tiles (comma-separated)")
+    ap.add_argument("--splits", default="1,2,4")
+    ap.add_argument("--top", type=int, default=6, help="print the fastest this many")
+    ap.add_argument("--unbalanced", action="store_true",
+                    help="also time each unsplit tile without splitting a partial last wave (suffix 'ub')")
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gs = args.gs
@@ -60,10 +66,17 @@ def main():
                 continue
             results = []
             bms = sorted({min(bm, max(16, triton.next_power_of_2(m))) for bm in (64, 128, 256)})  # (as wgmma_grid)
-            for bm, bn, bk, split, stages in itertools.product(bms, (64, 128), (64, 128), (1, 2, 4), (3, 4)):
+            tiles = itertools.product(bms, (64, 128), (64, 128))
+            if args.tiles:
+                tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+            splits = [int(v) for v in args.splits.split(",")]
+            for (bm, bn, bk), split, stages, balanced in itertools.product(tiles, splits, (3, 4),
+                                                                           (True, False) if args.unbalanced else (True,)):
                 g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages)
-                if g.split != split:
+                if g.split != split or (not balanced and split > 1):
                     continue
+                # mixed_mm splits a partial last wave of an unsplit grid; 'ub' times it without
+                mm.balance_last_wave = wg.balance_last_wave if balanced else (lambda grid, *a: grid)
                 try:
                     out = run_wg(x, qw, s, z, gs, g)
                     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -71,13 +84,14 @@ def main():
                         print(f"  {g}: WRONG rel err {err:.2e}", flush=True)
                         continue
                     t, _ = graph_time([lambda p=p: run_wg(x, *p, gs, g) for p in qps])
-                    results.append((t, g, err))
+                    results.append((t, g, err, "" if balanced else " ub"))
                 except Exception as e:  # noqa: BLE001
                     print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            mm.balance_last_wave = wg.balance_last_wave
             results.sort(key=lambda r: r[0])
-            for t, g, err in results[:6]:
+            for t, g, err, tag in results[:args.top]:
                 print(f"  {t*1e3:7.1f} us x{tb/t:5.2f}  bm{g.block_m} bn{g.block_n} bk{g.block_k} s{g.split} "
-                      f"st{g.stages} w{g.warps}  err {err:.1e}", flush=True)
+                      f"st{g.stages} w{g.warps}{tag}  err {err:.1e}", flush=True)
         del qps, wds
         torch.cuda.empty_cache()
     print(f"done in {time.time() - t0:.0f} s")

@@ -43,7 +43,7 @@ from triton.runtime.errors import OutOfResources
 
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
-from .wgmma_mm import HAVE_GLUON, launch_wgmma, wgmma_grid, wgmma_usable
+from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
                       meta_rowwise, on_device, triton_usable)
 from .. import reference
@@ -845,7 +845,10 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         tiles = m * tiles_n
     elif cfg.path == "wgmma":
         wg = wgmma_grid(m, n, k, group_size, cfg.block_m, cfg.block_n, 2 * cfg.block_r, split, cfg.num_stages)
-        split, tiles = wg.split, triton.cdiv(n, wg.block_n) * triton.cdiv(m, wg.block_m)
+        if wg.split == 1:
+            wg = balance_last_wave(wg, m, n, k, resident_programs(x2, qweight, scales, zeros, bias, out, n=n, k=k,
+                                                                  group_size=group_size, grid=wg))
+        split, tiles = wg.split, wg.split_tiles(m, n)
     elif cfg.path == "mma":
         grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))
         split, tiles = grid.split, grid.programs * grid.row_programs(m)
@@ -855,9 +858,16 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if split > 1 and tiles > _COUNTER_SLOTS:
         split = 1  # (a divisor of anything: valid for gemv and mma too)
+        if cfg.path == "wgmma":
+            wg = replace(wg, split=1, whole=0)
     if split > 1:
-        # gemv keeps each row's partials together: (M, split, N)
-        ws = _alloc((m, split, out_cols) if cfg.path == "gemv" else (split, m, out_cols), torch.float32, x2.device)
+        if cfg.path == "gemv":  # each row's partials together
+            shape = (m, split, out_cols)
+        elif cfg.path == "wgmma":  # one tile-sized block per split program
+            shape = (split * tiles, wg.block_n * wg.block_m)
+        else:
+            shape = (split, m, out_cols)
+        ws = _alloc(shape, torch.float32, x2.device)
         cnt = _counter_slice(x2.device, tiles)
     else:
         ws = cnt = out  # never touched
@@ -877,7 +887,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     def launch(num_stages):
         if cfg.path == "wgmma":
             launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                         grid=replace(wg, split=split, stages=num_stages))
+                         grid=replace(wg, stages=num_stages))
         elif transposed:
             _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
                              x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),

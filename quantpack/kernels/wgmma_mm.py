@@ -22,7 +22,7 @@ against the reference.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -37,7 +37,8 @@ try:  # Gluon ships with Triton >= 3.4; without it the path is simply unavailabl
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "WgmmaGrid", "descriptor_types", "wgmma_usable", "wgmma_grid", "launch_wgmma"]
+__all__ = ["HAVE_GLUON", "WgmmaGrid", "balance_last_wave", "descriptor_types", "launch_wgmma", "resident_programs",
+           "wgmma_grid", "wgmma_usable"]
 
 if HAVE_GLUON:
     # one CTA-wide barrier, whatever this Triton calls it (3.6: thread_barrier, 3.9: barrier)
@@ -185,7 +186,7 @@ if HAVE_GLUON:
         _tma_load(sz_desc, [0, k0 // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
 
     @gluon.jit
-    def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om,
+    def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om, whole,
                       G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
                       S_PLANE: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -193,15 +194,23 @@ if HAVE_GLUON:
         BN: gl.constexpr = sz_desc.block_type.shape[2]
         DTYPE: gl.constexpr = x_desc.dtype
 
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        pid_s = gl.program_id(2)
-        n0 = pid_n * BN
-        m0 = pid_m * BM
+        # programs [0, whole) own tiles [0, whole) outright; the programs after them split each remaining
+        # tile's K range SPLIT ways (whole = 0: split-K everywhere; a partial last wave: only its tiles)
+        pid = gl.program_id(0)
+        tiles_n = (N + BN - 1) // BN
+        tile = pid
         total = (K + BK - 1) // BK
-        per = (total + SPLIT - 1) // SPLIT
-        first = pid_s * per
-        steps = gl.minimum(per, total - first)
+        first = 0
+        steps = total
+        if SPLIT > 1:
+            if pid >= whole:
+                part = tiles_n * ((M + BM - 1) // BM) - whole
+                tile = whole + (pid - whole) % part
+                per = (total + SPLIT - 1) // SPLIT
+                first = (pid - whole) // part * per
+                steps = gl.minimum(per, total - first)
+        n0 = tile % tiles_n * BN
+        m0 = tile // tiles_n * BM
 
         # out^T tile in the wgmma accumulator: warps stacked along the weight's rows (16 each)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -247,24 +256,31 @@ if HAVE_GLUON:
         # epilogue: out[m, n] = acc[n, m]; threads run along n, out's contiguous dimension
         o_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[BN // 32, 1], threads_per_warp=[32, 1],
                                                   warps_per_cta=[1, num_warps], order=[0, 1])
-        tile = gl.convert_layout(acc, o_layout)
+        tile_acc = gl.convert_layout(acc, o_layout)
         n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout))
         m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, o_layout))
         mask = (n < N)[:, None] & (m < M)[None, :]
         if SPLIT > 1:
-            ws_off = m[None, :] * N + n[:, None]
-            gl.store(ws_ptr + pid_s * M * N + ws_off, tile, mask=mask)
-            _cta_barrier()
-            counter = cnt_ptr + pid_m * gl.num_programs(0) + pid_n
-            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT - 1:
-                tile = gl.zeros((BN, BM), gl.float32, o_layout)
-                for j in range(SPLIT):
-                    tile += gl.load(ws_ptr + j * M * N + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_tile(tile, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
-                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            if pid >= whole:
+                # partials in (program, BM, BN) blocks past the whole tiles; the last of a tile's programs
+                # to arrive sums them
+                part = tiles_n * ((M + BM - 1) // BM) - whole
+                local = (m - m0)[None, :] * BN + (n - n0)[:, None]
+                gl.store(ws_ptr + (pid - whole) * (BN * BM) + local, tile_acc)
+                _cta_barrier()
+                counter = cnt_ptr + (tile - whole)
+                arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT - 1:
+                    tile_acc = gl.zeros((BN, BM), gl.float32, o_layout)
+                    for j in range(SPLIT):
+                        tile_acc += gl.load(ws_ptr + (j * part + tile - whole) * (BN * BM) + local,
+                                            cache_modifier=".cg")
+                    _store_tile(tile_acc, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
+                    gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            else:
+                _store_tile(tile_acc, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
         else:
-            _store_tile(tile, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
+            _store_tile(tile_acc, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
 
     @gluon.jit
     def _store_tile(tile, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS: gl.constexpr):
@@ -275,7 +291,8 @@ if HAVE_GLUON:
 
 @dataclass(frozen=True)
 class WgmmaGrid:
-    """A launch: (BLOCK_M, BLOCK_N, BLOCK_K) tile, K split, ring depth, warps (4 per 64 weight rows)."""
+    """A launch: (BLOCK_M, BLOCK_N, BLOCK_K) tile, K split, ring depth, warps (4 per 64 weight rows), and the
+    tiles that run whole before the split ones (0: every tile split; see :func:`balance_last_wave`)."""
 
     block_m: int
     block_n: int
@@ -283,9 +300,27 @@ class WgmmaGrid:
     split: int
     stages: int
     warps: int
+    whole: int = 0
 
-    def programs(self, m: int, n: int) -> tuple[int, int, int]:
-        return triton.cdiv(n, self.block_n), triton.cdiv(m, self.block_m), self.split
+    def tiles(self, m: int, n: int) -> int:
+        return triton.cdiv(n, self.block_n) * triton.cdiv(m, self.block_m)
+
+    def programs(self, m: int, n: int) -> int:
+        if self.split == 1:
+            return self.tiles(m, n)
+        return self.whole + (self.tiles(m, n) - self.whole) * self.split
+
+    def split_tiles(self, m: int, n: int) -> int:
+        """Tiles whose K range is split (each has a counter and ``split`` float32 partial blocks)."""
+        return 0 if self.split == 1 else self.tiles(m, n) - self.whole
+
+
+def _fit_split(steps: int, split: int) -> int:
+    """The largest split up to ``split`` that leaves every program at least one of ``steps`` K steps."""
+    split = max(1, min(split, steps))
+    while split > 1 and (split - 1) * triton.cdiv(steps, split) >= steps:
+        split -= 1
+    return split
 
 
 def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int, split: int,
@@ -295,11 +330,21 @@ def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: i
     least one K step."""
     block_m = max(16, min(block_m, 256, triton.next_power_of_2(m)))
     block_k = 128 if block_k >= 128 and group_size % 128 == 0 else 64
-    steps = triton.cdiv(k, block_k)
-    split = max(1, min(split, steps))
-    while split > 1 and (split - 1) * triton.cdiv(steps, split) >= steps:
-        split -= 1
+    split = _fit_split(triton.cdiv(k, block_k), split)
     return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16)
+
+
+def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> WgmmaGrid:
+    """An unsplit grid whose last wave (``resident`` programs run at once) is at most half full: split
+    the K range of that wave's tiles so they fill it (up to 4 ways), and run the others whole. 448 tiles
+    of 256 x 128 (14336 x 4096, M = 1024) on 132 SMs are 3 full waves and 52 tiles: 3.5 tile times
+    instead of 4. Any other grid is returned as it is."""
+    tiles = grid.tiles(m, n)
+    last = tiles % resident
+    if grid.split != 1 or tiles <= resident or last == 0 or 2 * last > resident:
+        return grid
+    split = _fit_split(triton.cdiv(k, grid.block_k), min(4, resident // last))
+    return replace(grid, split=split, whole=tiles - last) if split > 1 else grid
 
 
 def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, k: int,
@@ -346,18 +391,51 @@ def _scale_zero_planes(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch
     return base, abs(gap) // scales.element_size(), s_plane
 
 
-def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,
-                 grid: WgmmaGrid) -> torch.Tensor:
-    """out (M, N) = x2 (M, K) @ W.T (+ bias); ws (split, M, N) float32 and cnt (one int32 per tile, zero)
-    are used when grid.split > 1."""
-    m = x2.shape[0]
+def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid):
+    """The three TMA descriptors of a launch and the plane that holds the scales."""
     (x_block, x_layout), (q_block, q_layout), (sz_block, sz_layout) = _layouts(x2.dtype, scales.dtype, grid)
     words = qweight.view(torch.int16)  # the bytes of weight rows 2p, 2p + 1 (N is even)
     base, plane, s_plane = _scale_zero_planes(scales, zeros)
-    x_desc = TensorDescriptor.from_tensor(x2, x_block, x_layout)
-    q_desc = TensorDescriptor.from_tensor(words, q_block, q_layout)
-    sz_desc = TensorDescriptor(base, [2, scales.shape[0], n], [plane, n, 1], sz_block, sz_layout)
-    _wgmma_kernel[grid.programs(m, n)](x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt, m, n,
-                                       k, out.stride(0), G=group_size, HAS_BIAS=bias is not None, SPLIT=grid.split,
-                                       STAGES=grid.stages, S_PLANE=s_plane, num_warps=grid.warps)
+    return (TensorDescriptor.from_tensor(x2, x_block, x_layout), TensorDescriptor.from_tensor(words, q_block, q_layout),
+            TensorDescriptor(base, [2, scales.shape[0], n], [plane, n, 1], sz_block, sz_layout), s_plane)
+
+
+def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_size: int, grid: WgmmaGrid,
+         warmup: bool = False):
+    x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid)
+    m = x2.shape[0]
+    kernel = _wgmma_kernel.warmup if warmup else _wgmma_kernel[(grid.programs(m, n), )]
+    extra = {"grid": (1, )} if warmup else {}
+    return kernel(x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt, m, n, k, out.stride(0),
+                  grid.whole, G=group_size, HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages,
+                  S_PLANE=s_plane, num_warps=grid.warps, **extra)
+
+
+_resident: dict = {}  # (device, dtypes, tile, ...) -> programs that run at once
+
+
+def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, group_size: int,
+                      grid: WgmmaGrid) -> int:
+    """How many programs of this launch run at once on x's GPU: SMs x the CTAs per SM that the compiled
+    kernel's registers, shared memory and threads allow (compiled, not run, the first time; then cached)."""
+    grid = replace(grid, split=1, whole=0)  # the whole tiles are what fill the waves
+    key = (x2.device, x2.dtype, scales.dtype, out.dtype, bias is not None, group_size, grid,
+           _scale_zero_planes(scales, zeros)[2])
+    if key not in _resident:
+        kernel = _run(x2, qweight, scales, zeros, bias, out, out, out, n, k, group_size, grid, warmup=True)
+        kernel._init_handles()  # loading the binary is what reads its register count
+        props = torch.cuda.get_device_properties(x2.device)
+        warp_regs = -(-kernel.n_regs * 32 // 256) * 256  # registers go to warps in blocks of 256
+        per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * grid.warps),
+                     getattr(props, "shared_memory_per_multiprocessor", 233472) // (kernel.metadata.shared + 1024),
+                     getattr(props, "max_threads_per_multi_processor", 2048) // (32 * grid.warps), 32)
+        _resident[key] = props.multi_processor_count * max(1, per_sm)
+    return _resident[key]
+
+
+def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,
+                 grid: WgmmaGrid) -> torch.Tensor:
+    """out (M, N) = x2 (M, K) @ W.T (+ bias). When grid.split > 1, ws holds grid.split x grid.split_tiles
+    float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split tile."""
+    _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, grid)
     return out

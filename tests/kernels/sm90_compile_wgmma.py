@@ -39,7 +39,7 @@ def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias):
     grid = wgmma_mm.WgmmaGrid(bm, bn, bk, split, stages, bn // 16)
     sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid)
     sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32"}
+            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32"}
     const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "num_warps": grid.warps}
     sig |= {name: "constexpr" for name in const}
     kernel = triton.compile(GluonASTSource(fn=wgmma_mm._wgmma_kernel, signature=sig, constexprs=const),

@@ -9,7 +9,7 @@ import torch
 
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels.mixed_mm import KernelConfig
-from quantpack.kernels.wgmma_mm import HAVE_GLUON, _scale_zero_planes, wgmma_grid, wgmma_usable
+from quantpack.kernels.wgmma_mm import HAVE_GLUON, _scale_zero_planes, balance_last_wave, wgmma_grid, wgmma_usable
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -33,6 +33,39 @@ def test_grid_split_leaves_every_program_a_k_step(k, split):
     per = -(-steps // g.split)
     assert 1 <= g.split <= split and (g.split - 1) * per < steps  # the last program starts inside K
     assert g.stages >= 2 and g.warps == 4
+
+
+def test_a_last_wave_at_most_half_full_is_split_and_the_rest_runs_whole():
+    """14336 x 4096 at M = 1024 in 256 x 128 tiles: 448 tiles on 132 resident programs are 3 full waves
+    and 52 tiles; those 52 split two ways (104 programs), the first 396 run whole."""
+    g = balance_last_wave(wgmma_grid(1024, 14336, 4096, 128, 256, 128, 64, 1, 3), 1024, 14336, 4096, 132)
+    assert (g.split, g.whole) == (2, 396)
+    assert g.tiles(1024, 14336) == 448 and g.split_tiles(1024, 14336) == 52 and g.programs(1024, 14336) == 500
+
+
+@pytest.mark.parametrize("m,n,k,resident,want", [
+    (1024, 14336, 4096, 132, (2, 396)),
+    (1024, 4096, 4096, 132, (1, 0)),     # 128 tiles: one partial wave, nothing to balance
+    (1024, 14336, 4096, 400, (4, 400)),  # 448 = 400 + 48: the last wave 12% full, split the most (4)
+    (512, 14336, 4096, 132, (1, 0)),     # 224 tiles: last wave 92 of 132, more than half full
+    (2048, 14336, 4096, 132, (1, 0)),    # 896 = 6 x 132 + 104: more than half full
+    (1024, 14336, 4096, 110, (4, 440)),  # 8 tiles left: 110 // 8 = 13, at most 4 ways
+    (1024, 14336, 192, 132, (2, 396)),   # three K steps: two ways still leave each program one
+    (1024, 14336, 64, 132, (1, 0)),      # one K step: nothing to split
+])
+def test_last_wave_balance(m, n, k, resident, want):
+    g = balance_last_wave(wgmma_grid(m, n, k, 64, 256, 128, 64, 1, 3), m, n, k, resident)
+    if want == (1, 0):
+        assert g.split == 1 and g.programs(m, n) == g.tiles(m, n)
+    else:
+        assert (g.split, g.whole) == want
+        assert g.whole % resident == 0 and 2 * (g.tiles(m, n) - g.whole) <= resident
+        assert g.programs(m, n) - g.whole <= resident  # the split tiles' programs fit one wave
+
+
+def test_a_split_grid_is_not_rebalanced():
+    g = wgmma_grid(64, 4096, 4096, 128, 64, 64, 128, 4, 4)
+    assert balance_last_wave(g, 64, 4096, 4096, 132) == g and g.whole == 0 and g.programs(64, 4096) == 64 * 4
 
 
 def test_scales_and_zeros_become_planes_of_one_view_in_either_order():
@@ -177,3 +210,70 @@ def test_cuda_graph_replay_with_split_counters():
         g.replay()
         torch.cuda.synchronize()
         assert rel_err(out, x.float() @ w.t()) < 8e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("resident", [3, 7, 40])
+def test_balanced_last_wave_matches_reference(monkeypatch, resident):
+    """Whole tiles first, then the last wave's tiles split (made to happen at small sizes by claiming fewer
+    resident programs): awkward M and N, 64-wide groups, bias, and a CUDA graph replaying the counters."""
+    monkeypatch.setattr(mm_mod, "resident_programs", lambda *a, **kw: resident)
+    grids = []
+    real = mm_mod.launch_wgmma
+    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
+    pw, w = packed(1040, 640, 64, torch.bfloat16)
+    bias = torch.randn(1040, device="cuda", dtype=torch.bfloat16)
+    for m in (17, 100, 300):
+        x = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
+        for bm, bn, br in ((64, 64, 32), (128, 128, 64), (32, 64, 64)):
+            cfg = KernelConfig("wgmma", bm, bn, br, split=1, num_warps=bn // 16, num_stages=3)
+            out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg, bias=bias)
+            assert rel_err(out, x.float() @ w.t() + bias.float()) < 8e-3, (m, cfg, grids[-1])
+    assert sum(g.split > 1 and g.whole > 0 for g in grids) >= 2, grids  # balanced grids did run (2-6 per case)
+    x = torch.randn(300, 640, device="cuda", dtype=torch.bfloat16)
+    cfg = KernelConfig("wgmma", 64, 64, 32, split=1, num_warps=4, num_stages=3)
+    mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x.float() @ w.t()) < 8e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_resident_programs_reads_the_compiled_kernel():
+    """A 256 x 128 tile (8 warps, about 170 registers, 3-stage ring) fits once per SM; a 64 x 64 tile at least
+    once, and its count is a whole number of SMs."""
+    from quantpack.kernels.wgmma_mm import WgmmaGrid, resident_programs
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pw, _ = packed(4096, 4096, 128, torch.bfloat16)
+    x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    big = resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128,
+                            grid=WgmmaGrid(256, 128, 64, 1, 3, 8))
+    small = resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128,
+                              grid=WgmmaGrid(64, 64, 128, 1, 4, 4))
+    assert big == sms and small >= sms and small % sms == 0, (big, small)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_dispatch_balances_the_last_wave_at_14336x4096(monkeypatch):
+    """The shipped table runs 14336 x 4096 at M = 1024 on wgmma in 256 x 128 tiles: 448 tiles, one per SM at
+    a time, so the tiles past the last full wave run split (and the product is right)."""
+    pw, w = packed(14336, 4096, 128, torch.bfloat16)
+    grids = []
+    real = mm_mod.launch_wgmma
+    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
+    x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    (g, ) = grids
+    assert g.split > 1 and g.whole > 0 and g.whole % sms == 0 and g.tiles(1024, 14336) - g.whole < sms, g
+    assert rel_err(out, x.float() @ w.t()) < 8e-3
