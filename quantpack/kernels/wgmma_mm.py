@@ -250,6 +250,9 @@ if HAVE_GLUON:
             acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, acc, G,
                             STAGES, S_PLANE, a_layout)
         acc = _weight_rows(warpgroup_mma_wait(0, deps=(acc, )))
+        # (here, before the epilogue: the CTA barrier that comes with the invalidates also keeps the epilogue's
+        # convert_layout scratch, which reuses the ring's shared memory, from overwriting x's slot while other
+        # warps' last wgmma may still read it; moved after the epilogue, 3-stage rings gave NaN)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
