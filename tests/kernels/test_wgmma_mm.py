@@ -135,6 +135,26 @@ def test_sm90_compile_keeps_the_mmas_asynchronous():
 needs_hopper = pytest.mark.skipif(not (HOPPER and HAVE_GLUON), reason="needs a Hopper GPU and Gluon")
 
 
+def spy_grids(monkeypatch) -> list:
+    """The grids of the wgmma launches that follow (the launches still run)."""
+    grids = spy_grids(monkeypatch)
+    return grids
+
+
+def assert_graph_replays(x, w, call):
+    """``call()`` (x @ w.T), captured once in a CUDA graph, replays right with new x: split programs' arrival
+    counters reset themselves."""
+    call()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = call()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x.float() @ w.t()) < 8e-3
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -179,9 +199,7 @@ def test_kernel_runs_when_dispatched(monkeypatch):
     """The shipped table sends 32-1024 rows to wgmma at 4096 x 4096; the launch it makes is the kernel's
     (spied), and the product matches; with QUANTPACK_WGMMA=0 the same call takes another path."""
     pw, w = packed(4096, 4096, 128, torch.bfloat16)
-    calls = []
-    real = mm_mod.launch_wgmma
-    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: calls.append(kw["grid"]) or real(*a, **kw))
+    calls = spy_grids(monkeypatch)
     for m in (32, 64, 128, 256, 512, 1024):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         assert mm_mod.pick_config(False, 4, m, 4096, 4096, x.device).path == "wgmma"
@@ -201,15 +219,8 @@ def test_cuda_graph_replay_with_split_counters():
     pw, w = packed(4096, 4096, 128, torch.bfloat16)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig("wgmma", 64, 64, 64, split=4, num_warps=4, num_stages=4)
-    mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, x.float() @ w.t()) < 8e-3
+    assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128,
+                                                       config=cfg))
 
 
 @pytest.mark.gpu
@@ -219,9 +230,7 @@ def test_balanced_last_wave_matches_reference(monkeypatch, resident):
     """Whole tiles first, then the last wave's tiles split (made to happen at small sizes by claiming fewer
     resident programs): awkward M and N, 64-wide groups, bias, and a CUDA graph replaying the counters."""
     monkeypatch.setattr(mm_mod, "resident_programs", lambda *a, **kw: resident)
-    grids = []
-    real = mm_mod.launch_wgmma
-    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
+    grids = spy_grids(monkeypatch)
     pw, w = packed(1040, 640, 64, torch.bfloat16)
     bias = torch.randn(1040, device="cuda", dtype=torch.bfloat16)
     for m in (17, 100, 300):
@@ -233,21 +242,14 @@ def test_balanced_last_wave_matches_reference(monkeypatch, resident):
     assert sum(g.split > 1 and g.whole > 0 for g in grids) >= 2, grids  # balanced grids did run (2-6 per case)
     x = torch.randn(300, 640, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig("wgmma", 64, 64, 32, split=1, num_warps=4, num_stages=3)
-    mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, x.float() @ w.t()) < 8e-3
+    assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64,
+                                                       config=cfg))
 
 
 @pytest.mark.gpu
 @needs_hopper
 def test_resident_programs_reads_the_compiled_kernel():
-    """A 256 x 128 tile (8 warps, about 170 registers, 3-stage ring) fits once per SM; a 64 x 64 tile at least
+    """A 256 x 128 tile (8 warps, over 200 registers, 3-stage ring) fits once per SM; a 64 x 64 tile at least
     once, and its count is a whole number of SMs."""
     from quantpack.kernels.wgmma_mm import WgmmaGrid, resident_programs
 
@@ -268,9 +270,7 @@ def test_dispatch_balances_the_last_wave_at_14336x4096(monkeypatch):
     """The shipped table runs 14336 x 4096 at M = 1024 on wgmma in 256 x 128 tiles: 448 tiles, one per SM at
     a time, so the tiles past the last full wave run split (and the product is right)."""
     pw, w = packed(14336, 4096, 128, torch.bfloat16)
-    grids = []
-    real = mm_mod.launch_wgmma
-    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
+    grids = spy_grids(monkeypatch)
     x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
     out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
