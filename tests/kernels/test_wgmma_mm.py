@@ -137,7 +137,9 @@ needs_hopper = pytest.mark.skipif(not (HOPPER and HAVE_GLUON), reason="needs a H
 
 def spy_grids(monkeypatch) -> list:
     """The grids of the wgmma launches that follow (the launches still run)."""
-    grids = spy_grids(monkeypatch)
+    grids = []
+    real = mm_mod.launch_wgmma
+    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
     return grids
 
 
