@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 try:  # Gluon ships with Triton >= 3.4; without it the path is simply unavailable
     from triton.experimental import gluon
@@ -203,8 +204,8 @@ if HAVE_GLUON:
         first = 0
         steps = total
         if SPLIT > 1:
+            part = tiles_n * ((M + BM - 1) // BM) - whole  # the split tiles
             if pid >= whole:
-                part = tiles_n * ((M + BM - 1) // BM) - whole
                 tile = whole + (pid - whole) % part
                 per = (total + SPLIT - 1) // SPLIT
                 first = (pid - whole) // part * per
@@ -267,7 +268,6 @@ if HAVE_GLUON:
             if pid >= whole:
                 # partials in (program, BM, BN) blocks past the whole tiles; the last of a tile's programs
                 # to arrive sums them
-                part = tiles_n * ((M + BM - 1) // BM) - whole
                 local = (m - m0)[None, :] * BN + (n - n0)[:, None]
                 gl.store(ws_ptr + (pid - whole) * (BN * BM) + local, tile_acc)
                 _cta_barrier()
@@ -343,8 +343,10 @@ def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) ->
     of 256 x 128 (14336 x 4096, M = 1024) on 132 SMs are 3 full waves and 52 tiles: 3.5 tile times
     instead of 4. Any other grid is returned as it is."""
     tiles = grid.tiles(m, n)
+    if grid.split != 1 or resident <= 0 or tiles <= resident:  # (0 resident: the kernel does not fit as asked)
+        return grid
     last = tiles % resident
-    if grid.split != 1 or tiles <= resident or last == 0 or 2 * last > resident:
+    if last == 0 or 2 * last > resident:
         return grid
     split = _fit_split(triton.cdiv(k, grid.block_k), min(4, resident // last))
     return replace(grid, split=split, whole=tiles - last) if split > 1 else grid
@@ -426,7 +428,11 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
            _scale_zero_planes(scales, zeros)[2])
     if key not in _resident:
         kernel = _run(x2, qweight, scales, zeros, bias, out, out, out, n, k, group_size, grid, warmup=True)
-        kernel._init_handles()  # loading the binary is what reads its register count
+        try:
+            kernel._init_handles()  # loading the binary is what reads its register count
+        except OutOfResources:  # (a ring too deep for this GPU: none fit; the launcher retries with fewer stages)
+            _resident[key] = 0
+            return 0
         props = torch.cuda.get_device_properties(x2.device)
         warp_regs = -(-kernel.n_regs * 32 // 256) * 256  # registers go to warps in blocks of 256
         per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * grid.warps),
