@@ -26,7 +26,7 @@ from quantpack.kernels import wgmma_mm as wg  # noqa: E402
 def run_wg(x, qw, s, z, gs, g):
     """The wgmma launch of tile ``g`` through mixed_mm (its workspace and counters, as the shipped path)."""
     cfg = mm.KernelConfig("wgmma", g.block_m, g.block_n, g.block_k // 2, split=g.split, num_warps=g.warps,
-                          num_stages=g.stages)
+                          num_stages=g.stages, producer=g.producer)
     return mm.mixed_mm(x, qw, s, z, group_size=gs, config=cfg)
 
 
@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--no-sweep", action="store_true", help="time only cuBLAS and the shipped pick")
     ap.add_argument("--tiles", default="", help="sweep only these BLOCK_MxBLOCK_NxBLOCK_K tiles (comma-separated)")
     ap.add_argument("--splits", default="1,2,4")
+    ap.add_argument("--stages", default="3,4", help="TMA ring depths to sweep")
+    ap.add_argument("--producer", default="0,1", help="without (0) and/or with (1) a TMA producer warp")
     ap.add_argument("--top", type=int, default=6, help="print the fastest this many")
     ap.add_argument("--unbalanced", action="store_true",
                     help="also time each unsplit tile without splitting a partial last wave (suffix 'ub')")
@@ -70,9 +72,10 @@ def main():
             if args.tiles:
                 tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
             splits = [int(v) for v in args.splits.split(",")]
-            for (bm, bn, bk), split, stages, balanced in itertools.product(tiles, splits, (3, 4),
-                                                                           (True, False) if args.unbalanced else (True,)):
-                g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages)
+            producers = [bool(int(v)) for v in args.producer.split(",")]
+            for (bm, bn, bk), split, stages, balanced, producer in itertools.product(
+                    tiles, splits, [int(v) for v in args.stages.split(",")], (True, False) if args.unbalanced else (True,), producers):
+                g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages, producer)
                 if g.split != split or (not balanced and split > 1):
                     continue
                 # mixed_mm splits a partial last wave of an unsplit grid; 'ub' times it without
@@ -91,7 +94,7 @@ def main():
             results.sort(key=lambda r: r[0])
             for t, g, err, tag in results[:args.top]:
                 print(f"  {t*1e3:7.1f} us x{tb/t:5.2f}  bm{g.block_m} bn{g.block_n} bk{g.block_k} s{g.split} "
-                      f"st{g.stages} w{g.warps}{tag}  err {err:.1e}", flush=True)
+                      f"st{g.stages} w{g.warps}{' P' if g.producer else ''}{tag}  err {err:.1e}", flush=True)
         del qps, wds
         torch.cuda.empty_cache()
     print(f"done in {time.time() - t0:.0f} s")

@@ -26,6 +26,7 @@ counter, which it resets) sums them and writes the output, so one launch does it
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -77,6 +78,7 @@ class KernelConfig:
     num_stages: int = 2  # pipeline stages (dot paths); chunks of loads in flight per warp (mma: 1-2)
     rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
+    producer: bool = False  # wgmma path: a producer warp issues the TMA copies (warp-specialized)
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -500,8 +502,8 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         bn = 64 if bm <= 128 else 128
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         return KernelConfig("wgmma", block_m=bm, block_n=bn, block_r=64 if bm <= 128 else 32, num_warps=bn // 16,
-                            num_stages=4 if bm <= 128 else 3,
-                            split=min(4, _fill_split(tiles, max(1, k // 128), sms, 1.0)))
+                            num_stages=4, split=min(4, _fill_split(tiles, max(1, k // 128), sms, 1.0)),
+                            producer=True)
     if m > 64 and device.type == "cuda":
         return KernelConfig(path="dq")
     if m <= 16 and not transposed:
@@ -607,8 +609,9 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                     for stages in (3, 4):
                         if bm * 4 * br * stages > 200 * 1024:  # x's ring alone past shared memory
                             continue
-                        for split in (1, 2, 4):
-                            c = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages)
+                        for split, producer in itertools.product((1, 2, 4), (False, True)):
+                            c = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages,
+                                             producer=producer)
                             if c not in out:
                                 out.append(c)
     if mb > 64:
@@ -844,7 +847,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         _, split, tiles_n = gemv_grid(m, n, k, cfg.block_n, cfg.block_r, split)
         tiles = m * tiles_n
     elif cfg.path == "wgmma":
-        wg = wgmma_grid(m, n, k, group_size, cfg.block_m, cfg.block_n, 2 * cfg.block_r, split, cfg.num_stages)
+        wg = wgmma_grid(m, n, k, group_size, cfg.block_m, cfg.block_n, 2 * cfg.block_r, split, cfg.num_stages,
+                        cfg.producer)
         if wg.split == 1:
             wg = balance_last_wave(wg, m, n, k, resident_programs(x2, qweight, scales, zeros, bias, out, n=n, k=k,
                                                                   group_size=group_size, grid=wg))

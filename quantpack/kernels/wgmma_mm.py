@@ -187,9 +187,53 @@ if HAVE_GLUON:
         _tma_load(sz_desc, [0, k0 // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
 
     @gluon.jit
+    def _load_ring(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, empty, first, steps, m0, n0, G: gl.constexpr,
+                   STAGES: gl.constexpr):
+        """The producer warp: each K step's TMA copies into its ring slot, once the consumers have released
+        the slot (a fresh mbarrier counts as released: its phase before the first is complete)."""
+        for i in range(steps):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, first + i, slot, m0, n0, G, True)
+
+    @gluon.jit
+    def _consume_step(x_s, q_s, sz_s, ready, empty, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
+                      a_layout: gl.constexpr):
+        """K step i on the MMA warps: wait for its copies, dequantize into the register A operand, start its MMA,
+        retire the previous MMA and release that step's slot to the producer."""
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = _dequant_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, x_s.dtype)
+        acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        # (the slot's words and scale rows were read by ordinary loads: order them before the TMA that refills it)
+        fence_async_shared()
+        mbarrier.arrive(empty.index((i - 1) % STAGES))
+        return acc
+
+    @gluon.jit
+    def _consume_ring(x_s, q_s, sz_s, ready, empty, steps, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
+                      a_layout: gl.constexpr, acc_layout: gl.constexpr):
+        """The MMA warps' K loop when a producer warp fills the ring (the same schedule as the loop in
+        _wgmma_kernel, without the copies). Returns (accumulator,)."""
+        BN: gl.constexpr = 2 * q_s.shape[2]
+        BM: gl.constexpr = x_s.shape[1]
+        mbarrier.wait(ready.index(0), 0)
+        a = _dequant_operand(q_s.index(0), sz_s.index(0), S_PLANE, a_layout, x_s.dtype)
+        acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
+                            use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        for i in range(1, steps - 1, 2):
+            acc = _consume_step(x_s, q_s, sz_s, ready, empty, i, acc, STAGES, S_PLANE, a_layout)
+            acc = _consume_step(x_s, q_s, sz_s, ready, empty, i + 1, acc, STAGES, S_PLANE, a_layout)
+        if steps % 2 == 0:
+            acc = _consume_step(x_s, q_s, sz_s, ready, empty, steps - 1, acc, STAGES, S_PLANE, a_layout)
+        return (warpgroup_mma_wait(0, deps=(acc, )), )
+
+    @gluon.jit
     def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om, whole,
                       G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                      S_PLANE: gl.constexpr, num_warps: gl.constexpr):
+                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = sz_desc.block_type.shape[2]
@@ -225,32 +269,44 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
 
-        for i in gl.static_range(STAGES - 1):
-            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + i, i, m0, n0, G,
-                        i < steps)
+        if PRODUCER:
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(empty.index(i), count=1)
+            acc = gl.warp_specialize([(_consume_ring, (x_s, q_s, sz_s, bars, empty, steps, STAGES, S_PLANE, a_layout,
+                                                       acc_layout)),
+                                      (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first, steps,
+                                                    m0, n0, G, STAGES))], [1], [24])[0]
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(empty.index(i))
+        else:
+            for i in gl.static_range(STAGES - 1):
+                _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + i, i, m0, n0, G,
+                            i < steps)
 
-        # the first step is peeled and starts the accumulator (use_acc=False): a zero-filled accumulator
-        # carried into the loop is registers that non-wgmma instructions define inside the MMA pipeline,
-        # and ptxas then serializes every wgmma (C7515; the sm_90 compile test checks)
-        mbarrier.wait(bars.index(0), 0)
-        a = _dequant_operand(q_s.index(0), sz_s.index(0), S_PLANE, a_layout, DTYPE)
-        acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
-                            use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))  # (nothing older in flight: only the type changes)
-        _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + STAGES - 1, STAGES - 1, m0, n0,
-                    G, STAGES - 1 < steps)
-        # two steps per iteration: wgmma reads its register operand asynchronously, so a step must dequantize
-        # into other registers than the ones the MMA in flight reads. Each static wgmma gets its own; a
-        # one-step loop body would rewrite its operand under the previous MMA (wrong results, measured).
-        for i in range(1, steps - 1, 2):
-            acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc, G,
-                            STAGES, S_PLANE, a_layout)
-            acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i + 1, steps, m0, n0, acc, G,
-                            STAGES, S_PLANE, a_layout)
-        if steps % 2 == 0:
-            acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, acc, G,
-                            STAGES, S_PLANE, a_layout)
-        acc = _weight_rows(warpgroup_mma_wait(0, deps=(acc, )))
+            # the first step is peeled and starts the accumulator (use_acc=False): a zero-filled accumulator
+            # carried into the loop is registers that non-wgmma instructions define inside the MMA pipeline,
+            # and ptxas then serializes every wgmma (C7515; the sm_90 compile test checks)
+            mbarrier.wait(bars.index(0), 0)
+            a = _dequant_operand(q_s.index(0), sz_s.index(0), S_PLANE, a_layout, DTYPE)
+            acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
+                                use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))  # (nothing older in flight: only the type changes)
+            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + STAGES - 1, STAGES - 1, m0, n0,
+                        G, STAGES - 1 < steps)
+            # two steps per iteration: wgmma reads its register operand asynchronously, so a step must dequantize
+            # into other registers than the ones the MMA in flight reads. Each static wgmma gets its own; a
+            # one-step loop body would rewrite its operand under the previous MMA (wrong results, measured).
+            for i in range(1, steps - 1, 2):
+                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc, G,
+                                STAGES, S_PLANE, a_layout)
+                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i + 1, steps, m0, n0, acc, G,
+                                STAGES, S_PLANE, a_layout)
+            if steps % 2 == 0:
+                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, acc, G,
+                                STAGES, S_PLANE, a_layout)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = _weight_rows(acc)
         # (here, before the epilogue: the CTA barrier that comes with the invalidates also keeps the epilogue's
         # convert_layout scratch, which reuses the ring's shared memory, from overwriting x's slot while other
         # warps' last wgmma may still read it; moved after the epilogue, 3-stage rings gave NaN)
@@ -304,6 +360,7 @@ class WgmmaGrid:
     stages: int
     warps: int
     whole: int = 0
+    producer: bool = False
 
     def tiles(self, m: int, n: int) -> int:
         return triton.cdiv(n, self.block_n) * triton.cdiv(m, self.block_m)
@@ -327,14 +384,14 @@ def _fit_split(steps: int, split: int) -> int:
 
 
 def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int, split: int,
-               stages: int) -> WgmmaGrid:
+               stages: int, producer: bool = False) -> WgmmaGrid:
     """Clamp a tuned tile to this call: BLOCK_M to x's rows (a power of two, as TMA blocks are, 16 to 256),
     BLOCK_K to a divisor of the group (64 or 128 in-features), the split so that every program has at
     least one K step."""
     block_m = max(16, min(block_m, 256, triton.next_power_of_2(m)))
     block_k = 128 if block_k >= 128 and group_size % 128 == 0 else 64
     split = _fit_split(triton.cdiv(k, block_k), split)
-    return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16)
+    return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16, producer=producer)
 
 
 def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> WgmmaGrid:
@@ -411,9 +468,22 @@ def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_s
     m = x2.shape[0]
     kernel = _wgmma_kernel.warmup if warmup else _wgmma_kernel[(grid.programs(m, n), )]
     extra = {"grid": (1, )} if warmup else {}
+    if grid.producer:
+        extra["maxnreg"] = producer_maxnreg(grid)
     return kernel(x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt, m, n, k, out.stride(0),
                   grid.whole, G=group_size, HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages,
-                  S_PLANE=s_plane, num_warps=grid.warps, **extra)
+                  S_PLANE=s_plane, PRODUCER=grid.producer, num_warps=grid.warps, **extra)
+
+
+def producer_maxnreg(grid: WgmmaGrid) -> int:
+    """The register limit of a kernel with a producer warp. Its warps count in warpgroups (warps + 4) and the
+    producer's group gives all but 24 of its registers to the MMA warps, but the limit also binds the code outside
+    the specialized loop, where the accumulator (BLOCK_M / 2 registers per thread) and the epilogue live: 128 for
+    four MMA warps and up to 128 rows of x (two CTAs per SM, up to 232 registers for the MMA warps), else all that
+    one CTA per SM may have (256 rows of x need at least 158)."""
+    if grid.warps == 4 and grid.block_m <= 128:
+        return 128
+    return min(256, 65536 // (32 * (grid.warps + 4)) // 8 * 8)
 
 
 _resident: dict = {}  # (device, dtypes, tile, ...) -> programs that run at once
@@ -435,9 +505,10 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
             return 0
         props = torch.cuda.get_device_properties(x2.device)
         warp_regs = -(-kernel.n_regs * 32 // 256) * 256  # registers go to warps in blocks of 256
-        per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * grid.warps),
+        warps = kernel.metadata.num_warps  # (with a producer warp: whole warpgroups)
+        per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * warps),
                      getattr(props, "shared_memory_per_multiprocessor", 233472) // (kernel.metadata.shared + 1024),
-                     getattr(props, "max_threads_per_multi_processor", 2048) // (32 * grid.warps), 32)
+                     getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps), 32)
         _resident[key] = props.multi_processor_count * max(1, per_sm)
     return _resident[key]
 

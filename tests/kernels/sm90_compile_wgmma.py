@@ -5,7 +5,8 @@ MMAs (its C7515 notice), which costs the kernel half its speed. The descriptors'
 gives the registers each static wgmma site reads its A operand from: a site must not share them with
 the site that runs next, whose dequant writes its own operand while the MMA before it still reads.
 Run without TRITON_INTERPRET; prints one JSON line per variant: ``{"variant": [...], "wgmma":
-<wgmma.mma_async in the PTX>, "per_step": <expected per K step>, "serialized": <bool>, "operands":
+<wgmma.mma_async in the PTX>, "per_step": <expected per K step>, "serialized": <bool>, "spills": <bytes
+spilled and reloaded>, "operands":
 [[A registers of each site, in program order], ...]}`` or ``"error"``.
 
     python tests/kernels/sm90_compile_wgmma.py
@@ -27,23 +28,27 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from quantpack.kernels import wgmma_mm  # noqa: E402
 
-# (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias): the tiles the
-# tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K
-VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True), ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False),
-            ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True), ("bf16", "fp32", 16, 128, 128, 1, 4, 128, False),
-            ("fp16", "fp16", 128, 64, 128, 2, 2, 256, False)]
+# (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp): the tiles
+# the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without a producer warp
+VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False), ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
+            ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False), ("bf16", "fp32", 16, 128, 128, 1, 4, 128, False, False),
+            ("fp16", "fp16", 128, 64, 128, 2, 2, 256, False, False), ("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
+            ("fp16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
+            ("bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias):
-    grid = wgmma_mm.WgmmaGrid(bm, bn, bk, split, stages, bn // 16)
+def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias, producer):
+    grid = wgmma_mm.WgmmaGrid(bm, bn, bk, split, stages, bn // 16, producer=producer)
     sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid)
     sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
             "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32"}
-    const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "num_warps": grid.warps}
+    const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "PRODUCER": producer,
+             "num_warps": grid.warps}
+    options = {"num_warps": grid.warps} | ({"maxnreg": wgmma_mm.producer_maxnreg(grid)} if producer else {})
     sig |= {name: "constexpr" for name in const}
     kernel = triton.compile(GluonASTSource(fn=wgmma_mm._wgmma_kernel, signature=sig, constexprs=const),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": grid.warps})
+                            target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -56,7 +61,9 @@ def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias):
             raise RuntimeError(done.stderr[-1000:])
         cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    return ptx.count("wgmma.mma_async"), "C7515" in done.stdout + done.stderr, operand_sites(sass)
+    log = done.stdout + done.stderr
+    spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return ptx.count("wgmma.mma_async"), "C7515" in log, spills, operand_sites(sass)
 
 
 def operand_sites(sass: str) -> list[list[int]]:
@@ -76,8 +83,8 @@ def operand_sites(sass: str) -> list[list[int]]:
 if __name__ == "__main__":
     for v in VARIANTS:
         try:
-            count, serialized, operands = compile_variant(*v)
+            count, serialized, spills, operands = compile_variant(*v)
             print(json.dumps({"variant": v, "wgmma": count, "per_step": v[4] // 16, "serialized": serialized,
-                              "operands": operands}), flush=True)
+                              "spills": spills, "operands": operands}), flush=True)
         except Exception as exc:  # noqa: BLE001  (reported per variant; the test names it)
             print(json.dumps({"variant": v, "error": repr(exc)[-2000:]}), flush=True)

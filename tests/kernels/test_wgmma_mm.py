@@ -127,7 +127,7 @@ def test_sm90_compile_keeps_the_mmas_asynchronous():
 
     for line in run_script("sm90_compile_wgmma.py", VARIANTS):
         assert "error" not in line, line
-        assert line["wgmma"] == 4 * line["per_step"] and not line["serialized"], line
+        assert line["wgmma"] == 4 * line["per_step"] and not line["serialized"] and line["spills"] == 0, line
         peeled, odd, even, last = (set(regs) for regs in line["operands"])
         # in order: peeled -> odd -> even -> odd ... -> last (when the step count is even)
         assert not (peeled & odd) and not (odd & even) and not (even & last) and not (peeled & last), line
@@ -160,19 +160,22 @@ def assert_graph_replays(x, w, call):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs", [(1040, 640, 64), (4096, 4096, 128), (208, 1152, 128), (1024, 2048, 256)])
-def test_kernel_matches_reference(n, k, gs, dtype):
+def test_kernel_matches_reference(n, k, gs, dtype, producer):
     """Awkward rows of x (1, 3, 17, 100, 300: partial tiles along M), N not a multiple of the tile,
-    K with a partial split, every tile the tuner offers, split-K, shallow and deep rings, bias."""
+    K with a partial split (down to one K step per program), every tile the tuner offers, split-K, shallow
+    and deep rings, bias; the MMA warps issuing the copies themselves or a producer warp."""
     pw, w = packed(n, k, gs, dtype)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     for m in (1, 3, 17, 64, 100, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.float() @ w.t()
         for bm, bn, br, split, stages in ((64, 64, 64, 1, 4), (32, 128, 32, 4, 3), (256, 128, 32, 2, 3),
-                                          (128, 64, 64, 3, 2), (16, 64, 32, 8, 4)):
-            cfg = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages)
+                                          (128, 64, 64, 3, 2), (16, 64, 32, 8, 4), (16, 64, 64, 8, 4)):
+            cfg = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages,
+                               producer=producer)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg)
             assert rel_err(out, ref) < 8e-3, (m, cfg)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg, bias=bias)
@@ -217,19 +220,21 @@ def test_kernel_runs_when_dispatched(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_cuda_graph_replay_with_split_counters():
+@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
+def test_cuda_graph_replay_with_split_counters(producer):
     """Split-K's arrival counters reset themselves: the same captured launch replays correctly."""
     pw, w = packed(4096, 4096, 128, torch.bfloat16)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
-    cfg = KernelConfig("wgmma", 64, 64, 64, split=4, num_warps=4, num_stages=4)
+    cfg = KernelConfig("wgmma", 64, 64, 64, split=4, num_warps=4, num_stages=4, producer=producer)
     assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128,
                                                        config=cfg))
 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
 @pytest.mark.parametrize("resident,balanced", [(3, 2), (7, 6), (40, 2)])
-def test_balanced_last_wave_matches_reference(monkeypatch, resident, balanced):
+def test_balanced_last_wave_matches_reference(monkeypatch, resident, balanced, producer):
     """Whole tiles first, then the last wave's tiles split (made to happen at small sizes by claiming fewer
     resident programs): awkward M and N, 64-wide groups, bias, and a CUDA graph replaying the counters."""
     monkeypatch.setattr(mm_mod, "resident_programs", lambda *a, **kw: resident)
@@ -239,12 +244,12 @@ def test_balanced_last_wave_matches_reference(monkeypatch, resident, balanced):
     for m in (17, 100, 300):
         x = torch.randn(m, 640, device="cuda", dtype=torch.bfloat16)
         for bm, bn, br in ((64, 64, 32), (128, 128, 64), (32, 64, 64)):
-            cfg = KernelConfig("wgmma", bm, bn, br, split=1, num_warps=bn // 16, num_stages=3)
+            cfg = KernelConfig("wgmma", bm, bn, br, split=1, num_warps=bn // 16, num_stages=3, producer=producer)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg, bias=bias)
             assert rel_err(out, x.float() @ w.t() + bias.float()) < 8e-3, (m, cfg, grids[-1])
     assert sum(g.split > 1 and g.whole > 0 for g in grids) == balanced, grids  # (of the 9 launches)
     x = torch.randn(300, 640, device="cuda", dtype=torch.bfloat16)
-    cfg = KernelConfig("wgmma", 64, 64, 32, split=1, num_warps=4, num_stages=3)
+    cfg = KernelConfig("wgmma", 64, 64, 32, split=1, num_warps=4, num_stages=3, producer=producer)
     assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64,
                                                        config=cfg))
 
@@ -270,7 +275,8 @@ def test_a_ring_too_deep_for_shared_memory_runs_with_fewer_stages():
 @needs_hopper
 def test_resident_programs_reads_the_compiled_kernel():
     """A 256 x 128 tile (8 warps, over 200 registers, 3-stage ring) fits once per SM; a 64 x 64 tile at least
-    once, and its count is a whole number of SMs."""
+    once, and its count is a whole number of SMs. With a producer warp (a warpgroup more, registers capped by
+    producer_maxnreg): 256 x 128 once per SM, 64 x 64 twice."""
     from quantpack.kernels.wgmma_mm import WgmmaGrid, resident_programs
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -282,6 +288,10 @@ def test_resident_programs_reads_the_compiled_kernel():
     small = resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128,
                               grid=WgmmaGrid(64, 64, 128, 1, 4, 4))
     assert big == sms and small >= sms and small % sms == 0, (big, small)
+    big, small = (resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128,
+                                    grid=WgmmaGrid(bm, bn, bk, 1, stages, bn // 16, producer=True))
+                  for bm, bn, bk, stages in ((256, 128, 64, 3), (64, 64, 128, 4)))
+    assert big == sms and small == 2 * sms, (big, small)
 
 
 @pytest.mark.gpu
