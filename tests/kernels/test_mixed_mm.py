@@ -280,6 +280,49 @@ def test_autotuned_configs_are_cached_for_later_processes(tmp_path, monkeypatch)
     assert mm_mod.config_key(False, 4, 4096, 4096, 1) in h200
 
 
+def test_autotune_decides_among_the_fastest_by_timing_them_again(tmp_path, monkeypatch):
+    """The sweep's fastest RETIME_TOP candidates are timed again back to back, in order and in reverse, and
+    their mean times decide: a candidate that only looked fast because it ran first (the clock drifts over
+    a sweep) loses; the others keep their sweep times. The timer is scripted; the GPU calls are stand-ins."""
+    import contextlib
+
+    import triton.testing
+
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    cands = [KernelConfig("dq")] + [KernelConfig("wgmma", 64, 64, 64, split=s) for s in (1, 2, 4)] + \
+        [KernelConfig("dot", 16, 64, 32, split=s) for s in (1, 2)]
+    script = dict(zip(cands, ([1.00, 1.30, 1.34], [1.10, 1.06, 1.04], [1.20, 1.25, 1.25], [1.30, 1.35, 1.35],
+                              [1.40], [2.00])))  # dq looks fastest in the sweep only
+    timed, last = [], []
+
+    def fake_mixed_mm(*args, config, **kwargs):
+        last.append(config)
+
+    def fake_do_bench(fn, **kwargs):
+        timed.append(last[-1])
+        return script[last[-1]][timed.count(last[-1]) - 1] / 1e3
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(mm_mod, "mixed_mm", fake_mixed_mm)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    meta = torch.ones(2, 128)
+    best, times = mm_mod.autotune(torch.randn(64, 256), torch.zeros(128, 128, dtype=torch.uint8), meta, meta,
+                                  group_size=128, candidates=cands)
+    top = cands[:mm_mod.RETIME_TOP]
+    assert timed == cands + top + top[::-1]
+    assert best == cands[1] and times[cands[1]] == pytest.approx(1.05) and times[cands[0]] == pytest.approx(1.32)
+    assert times[cands[4]] == pytest.approx(1.40) and times[cands[5]] == pytest.approx(2.00)
+    key = mm_mod.config_key(False, 4, 128, 256, 64)  # (N = 128, K = 256 from the packed (K/2, N) weight)
+    assert mm_mod._table(mm_mod.device_key(torch.device("cpu")))[key] == best
+
+
 def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatch):
     """A config whose pipeline does not fit (seen on an H200: a 3-stage 8-bit tile needing 240 KB)
     is launched again with fewer stages instead of failing."""
