@@ -202,20 +202,20 @@ def test_zeros_allocated_below_scales_give_the_same_product():
 @pytest.mark.gpu
 @needs_hopper
 def test_kernel_runs_when_dispatched(monkeypatch):
-    """The shipped table sends 32-1024 rows to wgmma at 4096 x 4096; the launch it makes is the kernel's
+    """The shipped table sends 32-4096 rows to wgmma at 4096 x 4096; the launch it makes is the kernel's
     (spied), and the product matches; with QUANTPACK_WGMMA=0 the same call takes another path."""
     pw, w = packed(4096, 4096, 128, torch.bfloat16)
     calls = spy_grids(monkeypatch)
-    for m in (32, 64, 128, 256, 512, 1024):
+    for m in (32, 64, 128, 256, 512, 1024, 4096):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         assert mm_mod.pick_config(False, 4, m, 4096, 4096, x.device).path == "wgmma"
         out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
         assert rel_err(out, x.float() @ w.t()) < 8e-3
-    assert len(calls) == 6
+    assert len(calls) == 7 and calls[-1].producer
     monkeypatch.setenv("QUANTPACK_WGMMA", "0")
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
-    assert len(calls) == 6 and rel_err(out, x.float() @ w.t()) < 8e-3
+    assert len(calls) == 7 and rel_err(out, x.float() @ w.t()) < 8e-3
 
 
 @pytest.mark.gpu
