@@ -288,7 +288,8 @@ def bench(ms, dtypes, bw, peak):
                 tile = (f"x{max(16, cfg.block_m)} r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma"
                         else f"{cfg.block_m}x{cfg.block_n}xk{2 * cfg.block_r} d{cfg.num_stages} " if cfg.path == "wgmma"
                         else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} ")
-                extra += (f"  [{cfg.path}{'/P' if cfg.producer else ''}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''} "
+                flags = f"{'/P' if cfg.producer else ''}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''}"
+                extra += (f"  [{cfg.path}{flags} "
                           f"{tile}s{cfg.split} w{cfg.num_warps}]")
                 log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)
                 for nm in names:

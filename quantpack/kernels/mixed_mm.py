@@ -492,7 +492,8 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
     tensor-core GEMV for M <= 16 (the CUDA-core one where its layout needs are not met; tuned tables
     take it up to M = 64), split
     tensor-core tiles up to M = 64, dequantize + cuBLAS beyond (the fused large-M kernels lost to
-    it by 2-10x there); on Hopper (``wgmma``) the asynchronous warpgroup-MMA kernel for 17-1024 rows."""
+    it by 2-10x there); on Hopper (``wgmma``) the asynchronous warpgroup-MMA kernel, with its producer warp,
+    for 17-4096 rows."""
     sms = _num_sms(device)
     kh = (k + 1) // 2
     if wgmma and not transposed and 16 < m <= WGMMA_MAX_M and wgmma_device(device):

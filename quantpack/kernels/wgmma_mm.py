@@ -13,6 +13,9 @@ Per K step of BLOCK_K in-features:
   and the program dequantizes the next step while it runs; waiting for one MMA in flight frees the ring
   slot that the next TMA refills.
 
+With PRODUCER, one extra warp (Gluon ``warp_specialize``) issues the copies, each once the MMA warps have released
+the slot through its "empty" mbarrier, so the MMA warps run no TMA code and fewer CTA barriers per step.
+
 The weight's rows reach the MMA permuted (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a thread's two
 rows are one 16-bit load); the epilogue undoes it. Triton's own pipeliner cannot overlap a dequantized
 operand with its MMA (benchmarks/NOTES.md v5); Gluon states the schedule explicitly. Split-K partials are

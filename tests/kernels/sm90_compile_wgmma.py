@@ -30,9 +30,12 @@ from quantpack.kernels import wgmma_mm  # noqa: E402
 
 # (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp): the tiles
 # the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without a producer warp
-VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False), ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
-            ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False), ("bf16", "fp32", 16, 128, 128, 1, 4, 128, False, False),
-            ("fp16", "fp16", 128, 64, 128, 2, 2, 256, False, False), ("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
+VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
+            ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
+            ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False),
+            ("bf16", "fp32", 16, 128, 128, 1, 4, 128, False, False),
+            ("fp16", "fp16", 128, 64, 128, 2, 2, 256, False, False),
+            ("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
             ("fp16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
             ("bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
