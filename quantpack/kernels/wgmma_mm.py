@@ -161,16 +161,22 @@ if HAVE_GLUON:
         return gl.convert_layout(w, a_layout)
 
     @gluon.jit
+    def _multiply_slot(x_s, q_s, sz_s, ready, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
+                       a_layout: gl.constexpr):
+        """K step i: wait for its copies, dequantize into the register A operand, start its MMA and retire the
+        previous MMA. (The previous MMA's operand is safe because it lives in another static site's registers:
+        see the loop.)"""
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        a = _dequant_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, x_s.dtype)
+        acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma_wait(1, deps=(acc, ))
+
+    @gluon.jit
     def _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc,
                   G: gl.constexpr, STAGES: gl.constexpr, S_PLANE: gl.constexpr, a_layout: gl.constexpr):
-        """K step i: wait for its copies, dequantize into the register A operand, start its MMA, retire the
-        previous MMA, and refill the ring slot that one read with step i + STAGES - 1. (The previous MMA's
-        operand is safe because it lives in another static site's registers: see the loop.)"""
-        slot = i % STAGES
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        a = _dequant_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, x_desc.dtype)
-        acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        """K step i (_multiply_slot), then refill the ring slot the retired MMA read with step i + STAGES - 1."""
+        acc = _multiply_slot(x_s, q_s, sz_s, bars, i, acc, STAGES, S_PLANE, a_layout)
         nxt = i + STAGES - 1
         _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + nxt, nxt % STAGES, m0, n0, G,
                     nxt < steps)
@@ -202,13 +208,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _consume_step(x_s, q_s, sz_s, ready, empty, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
                       a_layout: gl.constexpr):
-        """K step i on the MMA warps: wait for its copies, dequantize into the register A operand, start its MMA,
-        retire the previous MMA and release that step's slot to the producer."""
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        a = _dequant_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, x_s.dtype)
-        acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        """K step i on the MMA warps (_multiply_slot), then release the slot the retired MMA read to the
+        producer."""
+        acc = _multiply_slot(x_s, q_s, sz_s, ready, i, acc, STAGES, S_PLANE, a_layout)
         # (the slot's words and scale rows were read by ordinary loads: order them before the TMA that refills it)
         fence_async_shared()
         mbarrier.arrive(empty.index((i - 1) % STAGES))
