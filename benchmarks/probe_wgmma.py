@@ -3,6 +3,12 @@ bench_kernels (CUDA-graph replays over weight replicas past L2) beside cuBLAS an
 
     python benchmarks/probe_wgmma.py --shapes 4096x4096,14336x4096 --ms 64,256,1024
     python benchmarks/probe_wgmma.py --shapes 14336x4096 --ms 1024 --tiles 256x128x64 --splits 1 --unbalanced
+    python benchmarks/probe_wgmma.py --shapes 4096x4096 --ms 64 --trace   # the shipped pick's timeline
+
+--trace: two consecutive calls in the middle of the timed graph record, per program, when it started, when its
+first copies landed (without a producer warp), when its accumulator was done, when its tile (or partial) was
+stored and when a split tile's last program had summed it (the kernel's _stamp); printed as percentiles over
+the programs in microseconds from the first program's start, and the gap between the two calls.
 """
 import argparse
 import itertools
@@ -31,6 +37,67 @@ def run_wg(x, qw, s, z, gs, g):
     return mm.mixed_mm(x, qw, s, z, group_size=gs, config=cfg)
 
 
+EVENTS = ("start", "first copies", "accumulator", "stored", "summed")
+
+
+def trace_calls(x, qps, gs, calls_traced=2):
+    """Timelines of two consecutive calls in the middle of a CUDA graph of one call per weight replica:
+    (calls_traced, programs, 16) int64 (see wgmma_mm._stamp), after a few replays."""
+    real = mm.launch_wgmma
+    mid = len(qps) // 2
+    bufs = []
+
+    def traced(*a, **kw):  # the grid is known only at launch: size the buffer then
+        programs = kw["grid"].programs(a[0].shape[0], kw["n"])
+        bufs.append(torch.zeros(programs, 16, dtype=torch.int64, device="cuda"))
+        return real(*a, trace=bufs[-1], **kw)
+
+    graph = torch.cuda.CUDAGraph()
+    for capture in (False, True):  # (the first pass compiles and sizes the workspaces outside the capture)
+        ctx = torch.cuda.graph(graph) if capture else torch.cuda.device(x.device)
+        bufs.clear()
+        with ctx:
+            for i, p in enumerate(qps):
+                mm.launch_wgmma = traced if mid <= i < mid + calls_traced else real
+                mm.mixed_mm(x, *p, group_size=gs)
+        mm.launch_wgmma = real
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    return [b.cpu() for b in bufs]
+
+
+def print_trace(traces, split):
+    """Percentiles of each event over a call's programs (us from the call's first start), and per-program
+    phase durations from the SM cycle counters (converted with the run's own cycles-per-ns)."""
+    import numpy as np
+    first = traces[0]
+    t0 = int(first[:, 0].min())
+    ns = first[:, :5].numpy().astype(np.float64)
+    cyc = first[:, 8:13].numpy().astype(np.float64)
+    ends = np.where(ns[:, 4] > 0, ns[:, 4], ns[:, 3])
+    ghz = np.median((cyc[:, 3] - cyc[:, 0]) / np.maximum(ns[:, 3] - ns[:, 0], 1))
+    pct = (0, 10, 50, 90, 100)
+    print(f"  trace: {len(first)} programs on {len(set(first[:, 7].tolist()))} SMs, span {(ends.max() - t0) / 1e3:.2f} us "
+          f"(clock {ghz:.2f} GHz)", flush=True)
+    for e in range(5):
+        col = ns[:, e]
+        col = col[col > 0]
+        if len(col):
+            q = np.percentile((col - t0) / 1e3, pct)
+            print(f"    {EVENTS[e]:>13} at us (p{'/p'.join(map(str, pct))}): " + " ".join(f"{v:6.2f}" for v in q))
+    for name, a, b in (("launch->copies", 0, 1), ("copies->acc", 1, 2), ("start->acc", 0, 2), ("acc->stored", 2, 3),
+                       ("stored->summed", 3, 4)):
+        ok = (cyc[:, a] > 0) & (cyc[:, b] > 0)
+        if ok.any():
+            q = np.percentile((cyc[ok, b] - cyc[ok, a]) / ghz / 1e3, pct)
+            print(f"    {name:>15} us (p{'/p'.join(map(str, pct))}): " + " ".join(f"{v:6.2f}" for v in q))
+    if len(traces) > 1:
+        nxt = traces[1]
+        print(f"    next call's first start - this call's last end: {(int(nxt[:, 0].min()) - ends.max()) / 1e3:.2f} us; "
+              f"next call's span {(np.maximum(nxt[:, 3], nxt[:, 4]).max() - int(nxt[:, 0].min())) / 1e3:.2f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
@@ -44,6 +111,7 @@ def main():
     ap.add_argument("--producer", default="0,1", help="without (0) and/or with (1) a TMA producer warp")
     ap.add_argument("--rounds", type=int, default=1, help="time everything this many times, keep each one's best")
     ap.add_argument("--top", type=int, default=6, help="print the fastest this many")
+    ap.add_argument("--trace", action="store_true", help="only print the shipped pick's timeline (see above)")
     ap.add_argument("--unbalanced", action="store_true",
                     help="also time each unsplit tile without splitting a partial last wave (suffix 'ub')")
     args = ap.parse_args()
@@ -62,6 +130,15 @@ def main():
             x = torch.randn(m, k, dtype=dtype, device="cuda")
             ref = x.float() @ wref.t()
             cfg = mm.pick_config(False, 4, m, n, k, x.device)
+            if args.trace:
+                tb = graph_time([lambda w=w: F.linear(x, w) for w in wds])[0]
+                tq = graph_time([lambda p=p: mm.mixed_mm(x, *p, group_size=gs) for p in qps])[0]
+                print(f"\n== N={n} K={k} M={m} {args.dtype}: cuBLAS {tb*1e3:.1f} us; shipped {tq*1e3:.1f} us "
+                      f"x{tb/tq:.2f} [{cfg.path}{'/P' if cfg.producer else ''} {cfg.block_m}x{cfg.block_n} "
+                      f"bk{2 * cfg.block_r} s{cfg.split} st{cfg.num_stages}]", flush=True)
+                if cfg.path == "wgmma":
+                    print_trace(trace_calls(x, qps, gs), cfg.split)
+                continue
             grids = []
             if not args.no_sweep:
                 bms = sorted({min(bm, max(16, triton.next_power_of_2(m))) for bm in (64, 128, 256)})  # (as wgmma_grid)

@@ -236,9 +236,21 @@ if HAVE_GLUON:
         return (warpgroup_mma_wait(0, deps=(acc, )), )
 
     @gluon.jit
-    def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om, whole,
-                      G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr):
+    def _stamp(trace_ptr, pid, event: gl.constexpr, TRACE: gl.constexpr):
+        """With TRACE, record event ``event`` of program ``pid``: the global nanosecond timer at slot ``event`` and the
+        SM's cycle counter at slot 8 + ``event`` of the program's 16 int64 (benchmarks/probe_wgmma.py --trace)."""
+        if TRACE:
+            ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                           pack=1)
+            cycles = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False,
+                                               pack=1)
+            gl.store(trace_ptr + pid * 16 + event, ns)
+            gl.store(trace_ptr + pid * 16 + 8 + event, cycles)
+
+    @gluon.jit
+    def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr, M, N, K, stride_om,
+                      whole, G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = sz_desc.block_type.shape[2]
@@ -247,11 +259,17 @@ if HAVE_GLUON:
         # programs [0, whole) own tiles [0, whole) outright; the programs after them split each remaining
         # tile's K range SPLIT ways (whole = 0: split-K everywhere; a partial last wave: only its tiles)
         pid = gl.program_id(0)
+        _stamp(trace_ptr, pid, 0, TRACE)  # events: 0 start, 1 first step's copies landed (without PRODUCER),
+        # 2 accumulator done, 3 tile or partial stored (and counted), 4 split tile summed and stored; slot 7: SM
+        if TRACE:
+            gl.store(trace_ptr + pid * 16 + 7, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                                                          is_pure=True, pack=1).to(gl.int64))
         tiles_n = (N + BN - 1) // BN
         tile = pid
         total = (K + BK - 1) // BK
         first = 0
         steps = total
+        part = 0
         if SPLIT > 1:
             part = tiles_n * ((M + BM - 1) // BM) - whole  # the split tiles
             if pid >= whole:
@@ -293,6 +311,7 @@ if HAVE_GLUON:
             # carried into the loop is registers that non-wgmma instructions define inside the MMA pipeline,
             # and ptxas then serializes every wgmma (C7515; the sm_90 compile test checks)
             mbarrier.wait(bars.index(0), 0)
+            _stamp(trace_ptr, pid, 1, TRACE)
             a = _dequant_operand(q_s.index(0), sz_s.index(0), S_PLANE, a_layout, DTYPE)
             acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
                                 use_acc=False, is_async=True)
@@ -311,6 +330,7 @@ if HAVE_GLUON:
                 acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, acc, G,
                                 STAGES, S_PLANE, a_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
+        _stamp(trace_ptr, pid, 2, TRACE)
         acc = _weight_rows(acc)
         # (here, before the epilogue: the CTA barrier that comes with the invalidates also keeps the epilogue's
         # convert_layout scratch, which reuses the ring's shared memory, from overwriting x's slot while other
@@ -318,39 +338,77 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
-        # epilogue: out[m, n] = acc[n, m]; threads run along n, out's contiguous dimension
-        o_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[BN // 32, 1], threads_per_warp=[32, 1],
-                                                  warps_per_cta=[1, num_warps], order=[0, 1])
-        tile_acc = gl.convert_layout(acc, o_layout)
-        n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout))
-        m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, o_layout))
-        mask = (n < N)[:, None] & (m < M)[None, :]
-        if SPLIT > 1:
-            if pid >= whole:
-                # partials in (program, BM, BN) blocks past the whole tiles; the last of a tile's programs
-                # to arrive sums them
-                local = (m - m0)[None, :] * BN + (n - n0)[:, None]
-                gl.store(ws_ptr + (pid - whole) * (BN * BM) + local, tile_acc)
-                _cta_barrier()
-                counter = cnt_ptr + (tile - whole)
-                arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT - 1:
-                    tile_acc = gl.zeros((BN, BM), gl.float32, o_layout)
-                    for j in range(SPLIT):
-                        tile_acc += gl.load(ws_ptr + (j * part + tile - whole) * (BN * BM) + local,
-                                            cache_modifier=".cg")
-                    _store_tile(tile_acc, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
-                    gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-            else:
-                _store_tile(tile_acc, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
-        else:
-            _store_tile(tile_acc, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS)
+        _epilogue(acc, pid, tile, whole, part, n0, m0, M, N, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr, stride_om,
+                  HAS_BIAS, SPLIT, TRACE, num_warps)
+
+    @gluon.constexpr_function
+    def _vector_layout(BN, BM, per_thread, num_warps):
+        """(BN, BM) with ``per_thread`` consecutive n per thread (one 16-byte access), lanes along n first, warps
+        along m: out's and the partials' contiguous dimension is n."""
+        lanes_n = min(32, BN // per_thread)
+        return gl.BlockedLayout(size_per_thread=[per_thread, 1], threads_per_warp=[lanes_n, 32 // lanes_n],
+                                warps_per_cta=[1, num_warps], order=[0, 1])
+
+    @gluon.constexpr_function
+    def _chunk_cols(BN, BM, SPLIT, num_warps):
+        """Columns of x per chunk of the split tile's sum: at most 64 float32 partial values per thread in flight."""
+        cm = BM
+        while cm > 8 and BN * cm * SPLIT > 64 * 32 * num_warps:
+            cm //= 2
+        return cm
 
     @gluon.jit
-    def _store_tile(tile, n, m, mask, bias_ptr, out_ptr, stride_om, N, HAS_BIAS: gl.constexpr):
-        if HAS_BIAS:
-            tile += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptr + m[None, :] * stride_om + n[:, None], tile.to(out_ptr.dtype.element_ty), mask=mask)
+    def _epilogue(acc, pid, tile, whole, part, n0, m0, M, N, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr,
+                  stride_om, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, TRACE: gl.constexpr,
+                  num_warps: gl.constexpr):
+        """out[m, n] = acc[n, m] (+ bias), or, for a split tile, its float32 partial; the last of the tile's
+        programs to arrive sums the partials and stores the tile."""
+        BN: gl.constexpr = acc.shape[0]
+        BM: gl.constexpr = acc.shape[1]
+        acc_layout: gl.constexpr = acc.type.layout
+        if SPLIT > 1 and pid >= whole:
+            # the partial goes to a (BM, BN) float32 block past the whole tiles in 16-byte stores (stored straight
+            # from the accumulator's registers, 4-byte stores, it took 1.5x as long); the last program reads the
+            # blocks back in column chunks, so neither its accumulator nor a whole tile of partials stays live
+            p_layout: gl.constexpr = _vector_layout(BN, BM, 4, num_warps)
+            n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, p_layout))
+            m_p = gl.arange(0, BM, layout=gl.SliceLayout(0, p_layout))
+            gl.store(ws_ptr + (pid - whole) * (BN * BM) + m_p[None, :] * BN + n_p[:, None],
+                     gl.convert_layout(acc, p_layout))
+            _cta_barrier()
+            counter = cnt_ptr + (tile - whole)
+            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            _stamp(trace_ptr, pid, 3, TRACE)
+            if arrived == SPLIT - 1:
+                CM: gl.constexpr = _chunk_cols(BN, BM, SPLIT, num_warps)
+                r_layout: gl.constexpr = _vector_layout(BN, CM, 4, num_warps)
+                nr = gl.arange(0, BN, layout=gl.SliceLayout(1, r_layout))
+                mr = gl.arange(0, CM, layout=gl.SliceLayout(0, r_layout))
+                local = mr[None, :] * BN + nr[:, None]
+                for c in range(0, BM, CM):
+                    chunk = gl.zeros((BN, CM), gl.float32, r_layout)
+                    for j in gl.static_range(SPLIT):  # (unrolled: all the chunk's loads in flight at once)
+                        chunk += gl.load(ws_ptr + (j * part + tile - whole) * (BN * BM) + c * BN + local,
+                                         cache_modifier=".cg")
+                    if HAS_BIAS:
+                        chunk += gl.load(bias_ptr + n0 + nr, mask=n0 + nr < N, other=0.0).to(gl.float32)[:, None]
+                    _store_out(chunk.to(out_ptr.dtype.element_ty), n0 + nr, m0 + c + mr, M, N, out_ptr, stride_om)
+                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _stamp(trace_ptr, pid, 4, TRACE)
+        else:
+            if HAS_BIAS:  # (in float32, before the one rounding to out's dtype, as F.linear)
+                na = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
+                acc += gl.load(bias_ptr + na, mask=na < N, other=0.0).to(gl.float32)[:, None]
+            # rounded first, so the layout change through shared memory moves 16-bit values
+            o_layout: gl.constexpr = _vector_layout(BN, BM, 8, num_warps)
+            tile_out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), o_layout)
+            _store_out(tile_out, n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout)),
+                       m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, o_layout)), M, N, out_ptr, stride_om)
+            _stamp(trace_ptr, pid, 3, TRACE)
+
+    @gluon.jit
+    def _store_out(tile, n, m, M, N, out_ptr, stride_om):
+        gl.store(out_ptr + m[None, :] * stride_om + n[:, None], tile, mask=(n < N)[:, None] & (m < M)[None, :])
 
 
 @dataclass(frozen=True)
@@ -468,16 +526,17 @@ def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid):
 
 
 def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_size: int, grid: WgmmaGrid,
-         warmup: bool = False):
+         warmup: bool = False, trace: torch.Tensor | None = None):
     x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid)
     m = x2.shape[0]
     kernel = _wgmma_kernel.warmup if warmup else _wgmma_kernel[(grid.programs(m, n), )]
     extra = {"grid": (1, )} if warmup else {}
     if grid.producer:
         extra["maxnreg"] = producer_maxnreg(grid)
-    return kernel(x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt, m, n, k, out.stride(0),
-                  grid.whole, G=group_size, HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages,
-                  S_PLANE=s_plane, PRODUCER=grid.producer, num_warps=grid.warps, **extra)
+    return kernel(x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt,
+                  trace if trace is not None else cnt, m, n, k, out.stride(0), grid.whole, G=group_size,
+                  HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages, S_PLANE=s_plane,
+                  PRODUCER=grid.producer, TRACE=trace is not None, num_warps=grid.warps, **extra)
 
 
 def producer_maxnreg(grid: WgmmaGrid) -> int:
@@ -519,8 +578,9 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,
-                 grid: WgmmaGrid) -> torch.Tensor:
+                 grid: WgmmaGrid, trace: torch.Tensor | None = None) -> torch.Tensor:
     """out (M, N) = x2 (M, K) @ W.T (+ bias). When grid.split > 1, ws holds grid.split x grid.split_tiles
-    float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split tile."""
-    _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, grid)
+    float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split tile. ``trace`` (int64, 16 per
+    program, zeroed) makes each program record its timeline (see _stamp); it is for profiling only."""
+    _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, grid, trace=trace)
     return out

@@ -28,8 +28,9 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from quantpack.kernels import wgmma_mm  # noqa: E402
 
-# (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp): the tiles
-# the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without a producer warp
+# (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp[, trace]): the
+# tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without a producer
+# warp, and the profiling build (timeline stamps) of the split tile
 VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
             ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False),
@@ -37,16 +38,17 @@ VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             ("fp16", "fp16", 128, 64, 128, 2, 2, 256, False, False),
             ("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
             ("fp16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
-            ("bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True)]
+            ("bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True),
+            ("bf16", "bf16", 64, 64, 128, 4, 4, 128, False, False, True)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias, producer):
+def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias, producer, trace=False):
     grid = wgmma_mm.WgmmaGrid(bm, bn, bk, split, stages, bn // 16, producer=producer)
     sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid)
-    sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+    sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "trace_ptr": "*i64",
             "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32"}
-    const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "PRODUCER": producer,
+    const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "PRODUCER": producer, "TRACE": trace,
              "num_warps": grid.warps}
     options = {"num_warps": grid.warps} | ({"maxnreg": wgmma_mm.producer_maxnreg(grid)} if producer else {})
     sig |= {name: "constexpr" for name in const}
