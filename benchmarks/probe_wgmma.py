@@ -67,7 +67,7 @@ def trace_calls(x, qps, gs, calls_traced=2):
     return [b.cpu() for b in bufs]
 
 
-def print_trace(traces, split):
+def print_trace(traces):
     """Percentiles of each event over a call's programs (us from the call's first start), and per-program
     phase durations from the SM cycle counters (converted with the run's own cycles-per-ns)."""
     import numpy as np
@@ -78,8 +78,9 @@ def print_trace(traces, split):
     ends = np.where(ns[:, 4] > 0, ns[:, 4], ns[:, 3])
     ghz = np.median((cyc[:, 3] - cyc[:, 0]) / np.maximum(ns[:, 3] - ns[:, 0], 1))
     pct = (0, 10, 50, 90, 100)
-    print(f"  trace: {len(first)} programs on {len(set(first[:, 7].tolist()))} SMs, span {(ends.max() - t0) / 1e3:.2f} us "
-          f"(clock {ghz:.2f} GHz)", flush=True)
+    sms = len(set(first[:, 7].tolist()))
+    print(f"  trace: {len(first)} programs on {sms} SMs, span {(ends.max() - t0) / 1e3:.2f} us (clock {ghz:.2f} GHz)",
+          flush=True)
     for e in range(5):
         col = ns[:, e]
         col = col[col > 0]
@@ -93,9 +94,10 @@ def print_trace(traces, split):
             q = np.percentile((cyc[ok, b] - cyc[ok, a]) / ghz / 1e3, pct)
             print(f"    {name:>15} us (p{'/p'.join(map(str, pct))}): " + " ".join(f"{v:6.2f}" for v in q))
     if len(traces) > 1:
-        nxt = traces[1]
-        print(f"    next call's first start - this call's last end: {(int(nxt[:, 0].min()) - ends.max()) / 1e3:.2f} us; "
-              f"next call's span {(np.maximum(nxt[:, 3], nxt[:, 4]).max() - int(nxt[:, 0].min())) / 1e3:.2f} us")
+        nxt = traces[1][:, :5].numpy().astype(np.float64)
+        start = nxt[:, 0].min()
+        print(f"    next call's first start - this call's last end: {(start - ends.max()) / 1e3:.2f} us; "
+              f"next call's span {(np.maximum(nxt[:, 3], nxt[:, 4]).max() - start) / 1e3:.2f} us")
 
 
 def main():
@@ -137,7 +139,7 @@ def main():
                       f"x{tb/tq:.2f} [{cfg.path}{'/P' if cfg.producer else ''} {cfg.block_m}x{cfg.block_n} "
                       f"bk{2 * cfg.block_r} s{cfg.split} st{cfg.num_stages}]", flush=True)
                 if cfg.path == "wgmma":
-                    print_trace(trace_calls(x, qps, gs), cfg.split)
+                    print_trace(trace_calls(x, qps, gs))
                 continue
             grids = []
             if not args.no_sweep:

@@ -30,7 +30,8 @@ from quantpack.kernels import wgmma_mm  # noqa: E402
 
 # (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp[, trace]): the
 # tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without a producer
-# warp, and the profiling build (timeline stamps) of the split tile
+# warp (also split: a partial last wave's tiles, balance_last_wave), and the profiling build (timeline stamps) of the
+# split tile
 VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
             ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False),
@@ -39,6 +40,7 @@ VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             ("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
             ("fp16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
             ("bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True),
+            ("bf16", "bf16", 256, 128, 64, 2, 3, 128, False, True),
             ("bf16", "bf16", 64, 64, 128, 4, 4, 128, False, False, True)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -48,11 +50,16 @@ def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias, producer,
     sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid)
     sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "trace_ptr": "*i64",
             "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32"}
-    const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "PRODUCER": producer, "TRACE": trace,
-             "num_warps": grid.warps}
+    const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "PRODUCER": producer,
+             "TRACE": trace, "num_warps": grid.warps}
+    # as a launch specializes them (pointers 16-byte aligned, N, K and out's row stride multiples of 16): without it
+    # the stores are scalar and the register counts are not the ones that run
+    fn = wgmma_mm._wgmma_kernel
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ("bias_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "trace_ptr", "N", "K", "stride_om")}
     options = {"num_warps": grid.warps} | ({"maxnreg": wgmma_mm.producer_maxnreg(grid)} if producer else {})
     sig |= {name: "constexpr" for name in const}
-    kernel = triton.compile(GluonASTSource(fn=wgmma_mm._wgmma_kernel, signature=sig, constexprs=const),
+    kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:

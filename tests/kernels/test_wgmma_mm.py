@@ -307,3 +307,37 @@ def test_dispatch_balances_the_last_wave_at_14336x4096(monkeypatch):
     (g, ) = grids
     assert g.split > 1 and g.whole > 0 and g.whole % sms == 0 and g.tiles(1024, 14336) - g.whole < sms, g
     assert rel_err(out, x.float() @ w.t()) < 8e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
+def test_trace_build_computes_the_same_product_and_stamps_every_program(monkeypatch, producer):
+    """The profiling build (a ``trace`` buffer: probe_wgmma.py --trace) gives the same output bit for bit, and
+    every program's stamps are in order: start <= first copies (without a producer) <= accumulator <= stored,
+    and a split tile's last program's sum after that, on an SM the GPU has."""
+    pw, w = packed(1040, 640, 64, torch.bfloat16)
+    x = torch.randn(100, 640, device="cuda", dtype=torch.bfloat16)
+    cfg = KernelConfig("wgmma", 64, 64, 32, split=2, num_warps=4, num_stages=3, producer=producer)
+    plain = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
+    real = mm_mod.launch_wgmma
+    traces = []
+
+    def traced(*a, **kw):
+        traces.append(torch.zeros(kw["grid"].programs(a[0].shape[0], kw["n"]), 16, dtype=torch.int64, device="cuda"))
+        return real(*a, trace=traces[-1], **kw)
+
+    monkeypatch.setattr(mm_mod, "launch_wgmma", traced)
+    out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
+    assert torch.equal(out, plain)
+    (t, ) = (t.cpu() for t in traces)
+    assert len(t) == 2 * 17 * 2  # 17 tiles of 64 weight rows x 2 of 64 rows of x, K split two ways
+    ns, cycles = t[:, :5], t[:, 8:13]
+    for stamps in (ns, cycles):
+        first = stamps[:, 1] if not producer else stamps[:, 0]
+        assert (stamps[:, 0] > 0).all() and (first >= stamps[:, 0]).all() and (stamps[:, 2] >= first).all()
+        assert (stamps[:, 3] >= stamps[:, 2]).all()
+        summed = stamps[:, 4] > 0
+        assert summed.sum() == 17 * 2 and (stamps[summed, 4] >= stamps[summed, 3]).all()  # one per split tile
+    assert (t[:, 1] == 0).all() if producer else (t[:, 1] > 0).all()
+    assert ((t[:, 7] >= 0) & (t[:, 7] < torch.cuda.get_device_properties(0).multi_processor_count)).all()
