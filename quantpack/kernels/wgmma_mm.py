@@ -368,7 +368,7 @@ if HAVE_GLUON:
         acc_layout: gl.constexpr = acc.type.layout
         if SPLIT > 1 and pid >= whole:
             # the partial goes to a (BM, BN) float32 block past the whole tiles in 16-byte stores (stored straight
-            # from the accumulator's registers, 4-byte stores, it took 1.5x as long); the last program reads the
+            # from the accumulator's registers, 4-byte stores, they took 1.4x as long); the last program reads the
             # blocks back in column chunks, so neither its accumulator nor a whole tile of partials stays live
             p_layout: gl.constexpr = _vector_layout(BN, BM, 4, num_warps)
             n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, p_layout))
