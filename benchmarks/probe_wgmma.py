@@ -48,8 +48,7 @@ def trace_calls(x, qps, gs, calls_traced=2):
     bufs = []
 
     def traced(*a, **kw):  # the grid is known only at launch: size the buffer then
-        programs = kw["grid"].programs(a[0].shape[0], kw["n"])
-        bufs.append(torch.zeros(programs, 16, dtype=torch.int64, device="cuda"))
+        bufs.append(wg.trace_buffer(kw["grid"], a[0].shape[0], kw["n"], "cuda"))
         return real(*a, trace=bufs[-1], **kw)
 
     graph = torch.cuda.CUDAGraph()

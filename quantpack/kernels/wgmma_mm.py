@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 __all__ = ["HAVE_GLUON", "WgmmaGrid", "balance_last_wave", "descriptor_types", "launch_wgmma", "resident_programs",
-           "wgmma_grid", "wgmma_usable"]
+           "trace_buffer", "wgmma_grid", "wgmma_usable"]
 
 if HAVE_GLUON:
     # one CTA-wide barrier, whatever this Triton calls it (3.6: thread_barrier, 3.9: barrier)
@@ -575,6 +575,12 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
                      getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps), 32)
         _resident[key] = props.multi_processor_count * max(1, per_sm)
     return _resident[key]
+
+
+def trace_buffer(grid: WgmmaGrid, m: int, n: int, device) -> torch.Tensor:
+    """A zeroed timeline buffer for one launch of ``grid`` (``launch_wgmma(trace=...)``): 16 int64 per program, the
+    global timer of event e at slot e, the SM's cycle counter at slot 8 + e, the SM at slot 7 (see _stamp)."""
+    return torch.zeros(grid.programs(m, n), 16, dtype=torch.int64, device=device)
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,

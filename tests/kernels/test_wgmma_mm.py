@@ -9,7 +9,8 @@ import torch
 
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels.mixed_mm import KernelConfig
-from quantpack.kernels.wgmma_mm import HAVE_GLUON, _scale_zero_planes, balance_last_wave, wgmma_grid, wgmma_usable
+from quantpack.kernels.wgmma_mm import (HAVE_GLUON, _scale_zero_planes, balance_last_wave, trace_buffer, wgmma_grid,
+                                        wgmma_usable)
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -33,6 +34,12 @@ def test_grid_split_leaves_every_program_a_k_step(k, split):
     per = -(-steps // g.split)
     assert 1 <= g.split <= split and (g.split - 1) * per < steps  # the last program starts inside K
     assert g.stages >= 2 and g.warps == 4
+
+
+def test_trace_buffer_holds_16_stamps_per_program():
+    """A split grid's programs (17 x 2 tiles, K split 2 ways) each get 16 zeroed int64 slots."""
+    buf = trace_buffer(wgmma_grid(100, 1040, 640, 64, 64, 64, 64, 2, 3), 100, 1040, "cpu")
+    assert buf.shape == (68, 16) and buf.dtype == torch.int64 and not buf.any()
 
 
 def test_a_last_wave_at_most_half_full_is_split_and_the_rest_runs_whole():
@@ -324,7 +331,7 @@ def test_trace_build_computes_the_same_product_and_stamps_every_program(monkeypa
     traces = []
 
     def traced(*a, **kw):
-        traces.append(torch.zeros(kw["grid"].programs(a[0].shape[0], kw["n"]), 16, dtype=torch.int64, device="cuda"))
+        traces.append(trace_buffer(kw["grid"], a[0].shape[0], kw["n"], "cuda"))
         return real(*a, trace=traces[-1], **kw)
 
     monkeypatch.setattr(mm_mod, "launch_wgmma", traced)
