@@ -333,34 +333,47 @@ def bench_transposed(ms, dtype, peak, bw):
 
 
 def bench_dequant(bw):
-    log(f"\n== dequant kernel (4096x4096 -> bf16) vs copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)")
+    """The dequant kernel at each benchmark shape, against the large copy's bandwidth (the target's figure) and against
+    a copy of the same bytes timed the same way (what a kernel of this size can reach); at 4096^2 every tile of
+    DEQUANT_VARIANTS is timed beside the shipped one."""
+    log(f"\n== dequant kernel (-> bf16) vs copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)")
     rows = []
-    n = k = 4096
-    for bits in (4, 8):
-        for axis in (1, 0):
-            for gs in (64, 128):
-                qw, s, z = random_packed(n, k, bits, torch.bfloat16, axis=axis, gs=gs)
-                out = dequantize(qw, s, z, group_size=gs, bits=bits, axis=axis)
-                assert torch.equal(out, ref_weight(qw, s, z, bits, gs, axis).to(torch.bfloat16)), "dequant mismatch"
-                nbytes = qw.numel() + 2 * s.numel() * 2 + n * k * 2
-                r = replicas(nbytes, L2)
-                cps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r - 1)]
-                choose = dq_mod._dequant_block
-                shipped = choose(bits, axis, gs)
-                variants = {}
-                for blk in [shipped] + [b for b in DEQUANT_VARIANTS if b != shipped]:
-                    dq_mod._dequant_block = lambda *_, blk=blk: blk
-                    variants[blk], _ = graph_time([lambda i=i: dequantize(*cps[i], group_size=gs, bits=bits, axis=axis)
-                                                   for i in range(r)])
-                dq_mod._dequant_block = choose
-                t = variants[shipped]
-                best = min(variants, key=variants.get)
-                tbs = nbytes / (t * 1e-3)
-                log(f"bits={bits} axis={axis} gs={gs}: {t * 1e3:7.1f}us  {tbs / 1e12:5.2f} TB/s  {tbs / bw * 100:5.1f}% of copy"
-                    f"  (best block {best}: {nbytes / (variants[best] * 1e-3) / bw * 100:5.1f}%)")
-                rows.append({"bits": bits, "axis": axis, "gs": gs, "us": t * 1e3, "pct_copy": tbs / bw * 100,
-                             "variants": {str(b): v * 1e3 for b, v in variants.items()}})
+    for n, k in SHAPES:
+        for bits in (4, 8):
+            for axis in (1, 0):
+                for gs in (64, 128):
+                    rows.append(_bench_dequant_one(n, k, bits, axis, gs, bw, sweep=(n, k) == SHAPES[0]))
     return rows
+
+
+def _bench_dequant_one(n, k, bits, axis, gs, bw, sweep):
+    qw, s, z = random_packed(n, k, bits, torch.bfloat16, axis=axis, gs=gs)
+    out = dequantize(qw, s, z, group_size=gs, bits=bits, axis=axis)
+    assert torch.equal(out, ref_weight(qw, s, z, bits, gs, axis).to(torch.bfloat16)), "dequant mismatch"
+    nbytes = qw.numel() + 2 * s.numel() * 2 + n * k * 2
+    r = replicas(nbytes, L2)
+    cps = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone()) for _ in range(r - 1)]
+    # the same bytes moved by a copy (half read, half written), in the same graph timing
+    srcs = [torch.randn(nbytes // 4, dtype=torch.bfloat16, device="cuda") for _ in range(r)]
+    dsts = [torch.empty_like(v) for v in srcs]
+    same, _ = graph_time([lambda i=i: dsts[i].copy_(srcs[i]) for i in range(r)])
+    del srcs, dsts
+    choose = dq_mod._dequant_block
+    shipped = choose(bits, axis, gs)
+    variants = {}
+    for blk in [shipped] + ([b for b in DEQUANT_VARIANTS if b != shipped] if sweep else []):
+        dq_mod._dequant_block = lambda *_, blk=blk: blk
+        variants[blk], _ = graph_time([lambda i=i: dequantize(*cps[i], group_size=gs, bits=bits, axis=axis)
+                                       for i in range(r)])
+    dq_mod._dequant_block = choose
+    t = variants[shipped]
+    best = min(variants, key=variants.get)
+    tbs = nbytes / (t * 1e-3)
+    log(f"{n}x{k} bits={bits} axis={axis} gs={gs}: {t * 1e3:7.1f}us  {tbs / 1e12:5.2f} TB/s  {tbs / bw * 100:5.1f}% of copy"
+        f"  (same-size copy {same * 1e3:5.1f}us: {t and same / t * 100:5.1f}%)"
+        + (f"  (best block {best}: {nbytes / (variants[best] * 1e-3) / bw * 100:5.1f}%)" if sweep else ""))
+    return {"n": n, "k": k, "bits": bits, "axis": axis, "gs": gs, "us": t * 1e3, "pct_copy": tbs / bw * 100,
+            "same_size_copy_us": same * 1e3, "variants": {str(b): v * 1e3 for b, v in variants.items()}}
 
 
 @triton.jit
