@@ -411,9 +411,10 @@ def _read_configs(path: Path) -> dict:
 
 def _table(dev_key: str) -> dict:
     """Config table of a device: its shipped file, else a shipped file tuned on a GPU of the same
-    compute capability (e.g. H200 configs on an H100: same SM count and architecture), else empty;
-    then the configs autotuned earlier on this machine (:func:`tuned_cache_path`) on top.
-    Autotuned entries are added to it in memory (and to that cache)."""
+    compute capability (e.g. an H100 PCIe or an H800 takes an H100 or H200 table: same architecture), the one
+    whose name shares the longest prefix with this device's, else empty; then the configs autotuned earlier on
+    this machine (:func:`tuned_cache_path`) on top. Autotuned entries are added to it in memory (and to that
+    cache)."""
     table = _tables.get(dev_key)
     if table is None:
         path = _CONFIG_DIR / f"{dev_key}.json"
@@ -421,7 +422,8 @@ def _table(dev_key: str) -> dict:
             cap = _capability(dev_key)
             same_arch = [p for p in sorted(_CONFIG_DIR.glob("*.json"))
                          if cap is not None and json.loads(p.read_text()).get("capability") == cap]
-            path = same_arch[0] if same_arch else path
+            if same_arch:  # (max keeps the first of equals: ties go to the sorted order)
+                path = max(same_arch, key=lambda p: len(os.path.commonprefix([p.stem, dev_key])))
         table = {}
         if path.is_file():
             table = {k: KernelConfig(**v) for k, v in json.loads(path.read_text())["configs"].items()}

@@ -243,15 +243,19 @@ def test_reference_fallback_without_triton(monkeypatch):
     assert outt.shape == (3, 160)
 
 
-def test_shipped_table_loads_and_same_arch_fallback(monkeypatch):
-    """The shipped H200 table parses into configs, and a GPU without its own file but of the same
-    compute capability (an H100) uses it rather than untuned heuristics."""
+def test_shipped_tables_load_and_same_arch_fallback(monkeypatch):
+    """The shipped H200 and H100 tables parse into configs (the H100's own M <= 16 picks differ), and a GPU
+    without its own file but of the same compute capability uses the one whose name is closest (an H100 PCIe:
+    the H100's) rather than untuned heuristics."""
     monkeypatch.setattr(mm_mod, "_tables", {})
-    h200 = mm_mod._table("nvidia_h200")
-    assert h200 and all(isinstance(c, KernelConfig) for c in h200.values())
-    assert mm_mod.config_key(False, 4, 4096, 4096, 1) in h200
     monkeypatch.setattr(mm_mod, "_capability", lambda key: [9, 0])
-    assert mm_mod._table("nvidia_h100_80gb_hbm3") == h200
+    h200 = mm_mod._table("nvidia_h200")
+    h100 = mm_mod._table("nvidia_h100_80gb_hbm3")
+    for table in (h200, h100):
+        assert table and all(isinstance(c, KernelConfig) for c in table.values())
+        assert mm_mod.config_key(False, 4, 4096, 4096, 1) in table
+    assert h100 != h200
+    assert mm_mod._table("nvidia_h100_pcie") == h100
     monkeypatch.setattr(mm_mod, "_capability", lambda key: [8, 0])
     assert mm_mod._table("nvidia_a100_sxm4_80gb") == {}
     # nearest tuned entry for an untuned shape/M: same direction and bits, closest M bucket first
