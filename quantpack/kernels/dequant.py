@@ -204,9 +204,15 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
 DEQUANT_BLOCKS = {(4, 1, 128): (32, 128, 8), (8, 1, 128): (64, 128, 8),
                   (4, 0, 128): (128, 128, 4), (8, 0, 128): (32, 128, 8),
                   (4, 0, 64): (32, 64, 2), (8, 0, 64): (32, 64, 2)}
+# weights of at least LARGE_WEIGHT elements (enough programs that fewer, longer ones stop paying): 4-bit axis 0
+# reached 79.4-79.7% of copy at 14336 x 4096 and 4096 x 14336 with 64 pair rows, 77.4-78.2% with 128, which
+# stays best at 4096 x 4096 (76.7% vs 70.9%; NOTES.md v16)
+LARGE_WEIGHT = 1 << 25
+DEQUANT_BLOCKS_LARGE = {(4, 0, 128): (64, 128, 4)}
 
 
-def _dequant_block(bits: int, axis: int, group_size: int) -> tuple[int, int, int]:
+def _dequant_block(bits: int, axis: int, group_size: int, elements: int = 0) -> tuple[int, int, int]:
+    """The tile of a dequant launch for a weight of ``elements`` (N x K) values."""
     if interpreting():
         return (32, 64, 4) if axis == 1 or group_size % 64 == 0 else (64, 16 if group_size % 32 else 32, 4)
     if axis == 1:  # fewer pair rows where a tile would straddle groups (keeps one scale/zero row per tile)
@@ -215,6 +221,8 @@ def _dequant_block(bits: int, axis: int, group_size: int) -> tuple[int, int, int
             block_r //= 2
         return block_r, block_n, warps
     block_n = next((b for b in (128, 64, 32, 16) if group_size % b == 0), 16)
+    if elements >= LARGE_WEIGHT and (bits, 0, block_n) in DEQUANT_BLOCKS_LARGE:
+        return DEQUANT_BLOCKS_LARGE[(bits, 0, block_n)]
     return DEQUANT_BLOCKS.get((bits, 0, block_n), (64, block_n, 4))
 
 
@@ -245,7 +253,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         return reference.dequantize(pw, out_dtype)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = _alloc((n, k), out_dtype, qweight.device)
-    block_r, block_n, warps = _dequant_block(bits, axis, group_size)
+    block_r, block_n, warps = _dequant_block(bits, axis, group_size, n * k)
     n_meta = scales.shape[1]
     grid = (triton.cdiv((k + 1) // 2, block_r), triton.cdiv(n, block_n))
     with on_device(qweight):

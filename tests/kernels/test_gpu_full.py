@@ -96,6 +96,20 @@ def test_full_size_dequant_exact(bits, axis, gs):
     assert torch.equal(out, reference.dequantize(PackedWeight(qw, s, z, bits, gs, axis, (n, k))))
 
 
+def test_large_weight_dequant_tile_exact():
+    """4-bit axis 0 weights of 2**25 values or more take the large-weight tile (DEQUANT_BLOCKS_LARGE): exact too."""
+    from quantpack.kernels import dequant as dq_mod
+
+    n, k, gs = 14336, 4096, 128
+    assert dq_mod._dequant_block(4, 0, gs, n * k) != dq_mod._dequant_block(4, 0, gs, 4096 * 4096)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    qw = torch.randint(0, 256, (k // 2, n), device="cuda", dtype=torch.uint8, generator=g)
+    s = (torch.rand(k, n // gs, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    z = (torch.rand(k, n // gs, device="cuda", generator=g) * 15).to(torch.bfloat16)
+    out = dequantize(qw, s, z, group_size=gs, bits=4, axis=0)
+    assert torch.equal(out, reference.dequantize(PackedWeight(qw, s, z, 4, gs, 0, (n, k))))
+
+
 def test_split_k_repeatable_and_counters_reset():
     pw, w = packed(4096, 4096, 4, 128, torch.float16)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.float16)
