@@ -370,7 +370,7 @@ def _bench_dequant_one(n, k, bits, axis, gs, bw, sweep):
     best = min(variants, key=variants.get)
     tbs = nbytes / (t * 1e-3)
     log(f"{n}x{k} bits={bits} axis={axis} gs={gs}: {t * 1e3:7.1f}us  {tbs / 1e12:5.2f} TB/s  {tbs / bw * 100:5.1f}% of copy"
-        f"  (same-size copy {same * 1e3:5.1f}us: {t and same / t * 100:5.1f}%)"
+        f"  (same-size copy {same * 1e3:5.1f}us: {same / t * 100:5.1f}%)"
         + (f"  (best block {best}: {nbytes / (variants[best] * 1e-3) / bw * 100:5.1f}%)" if sweep else ""))
     return {"n": n, "k": k, "bits": bits, "axis": axis, "gs": gs, "us": t * 1e3, "pct_copy": tbs / bw * 100,
             "same_size_copy_us": same * 1e3, "variants": {str(b): v * 1e3 for b, v in variants.items()}}
