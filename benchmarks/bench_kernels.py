@@ -359,7 +359,7 @@ def _bench_dequant_one(n, k, bits, axis, gs, bw, sweep):
     same, _ = graph_time([lambda i=i: dsts[i].copy_(srcs[i]) for i in range(r)])
     del srcs, dsts
     choose = dq_mod._dequant_block
-    shipped = choose(bits, axis, gs, n * k)
+    shipped = choose(bits, axis, gs)
     variants = {}
     for blk in [shipped] + ([b for b in DEQUANT_VARIANTS if b != shipped] if sweep else []):
         dq_mod._dequant_block = lambda *_, blk=blk: blk

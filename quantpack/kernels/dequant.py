@@ -89,18 +89,34 @@ def meta_rowwise(axis: int, group_size: int, block_pair_rows: int) -> bool:
 
 
 @triton.jit
-def load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS: tl.constexpr):
-    """Integer values (int32) of pair rows ``r`` x columns ``n``: (lo, hi) for k = 2r and 2r + 1."""
+def load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS: tl.constexpr):
+    """The packed bytes (uint8) of pair rows ``r`` x columns ``n``, as loaded: one tile for 4-bit, (k = 2r, 2r + 1)
+    for 8-bit (the second a copy of the first for 4-bit, unused). Split with :func:`split_pair_rows`."""
     mask = r_mask[:, None] & n_mask[None, :]
     if BITS == 4:
-        byte = tl.load(qw_ptr + r[:, None] * N + n[None, :], mask=mask, other=0).to(tl.int32)
-        lo = byte & 15
-        hi = byte >> 4
+        first = tl.load(qw_ptr + r[:, None] * N + n[None, :], mask=mask, other=0)
+        second = first
     else:
-        lo = tl.load(qw_ptr + (2 * r)[:, None] * N + n[None, :], mask=mask, other=0).to(tl.int32)
-        hi_mask = mask & ((2 * r + 1) < K)[:, None]
-        hi = tl.load(qw_ptr + (2 * r + 1)[:, None] * N + n[None, :], mask=hi_mask, other=0).to(tl.int32)
-    return lo, hi
+        first = tl.load(qw_ptr + (2 * r)[:, None] * N + n[None, :], mask=mask, other=0)
+        second = tl.load(qw_ptr + (2 * r + 1)[:, None] * N + n[None, :], mask=mask & ((2 * r + 1) < K)[:, None],
+                         other=0)
+    return first, second
+
+
+@triton.jit
+def split_pair_rows(first, second, BITS: tl.constexpr):
+    """Integer values (int32) (lo, hi) for k = 2r and 2r + 1 from :func:`load_pair_bytes`."""
+    if BITS == 4:
+        byte = first.to(tl.int32)
+        return byte & 15, byte >> 4
+    return first.to(tl.int32), second.to(tl.int32)
+
+
+@triton.jit
+def load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS: tl.constexpr):
+    """Integer values (int32) of pair rows ``r`` x columns ``n``: (lo, hi) for k = 2r and 2r + 1."""
+    first, second = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
+    return split_pair_rows(first, second, BITS)
 
 
 @triton.jit
@@ -160,9 +176,10 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = 2 * r < K
     n_mask = n < N
-    qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
-    flo = int_to_f32(qlo)
-    fhi = int_to_f32(qhi)
+    # every load is issued before the bytes are touched: unpacked first, the bytes went through a layout change (a
+    # CTA barrier) before the scale and zero loads were issued, three memory round trips in a row instead of one
+    # (4-bit axis 0, 64 pair rows: 71% -> 86% of copy at 4096^2; NOTES.md v16)
+    first, second = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
     if META_ROW:  # axis 1, tile inside one group: one row of scales/zeros
         g = (2 * r0) // G
         s_lo = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -174,10 +191,10 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
         # the tile's 2 * BLOCK_R scales (and zeros) as one vector of its own, split into lo/hi after:
         # indexed by the tile's rows they would be gathered again by every thread holding a row
         kk = 2 * r0 + tl.arange(0, 2 * BLOCK_R)
-        s_lo, s_hi = tl.split(tl.reshape(tl.load(s_ptr + kk * N_META + gc, mask=kk < K, other=0.0).to(tl.float32),
-                                         (BLOCK_R, 2)))
-        z_lo, z_hi = tl.split(tl.reshape(tl.load(z_ptr + kk * N_META + gc, mask=kk < K, other=0).to(tl.float32),
-                                         (BLOCK_R, 2)))
+        s_raw = tl.load(s_ptr + kk * N_META + gc, mask=kk < K, other=0.0)  # (both loads before either is used)
+        z_raw = tl.load(z_ptr + kk * N_META + gc, mask=kk < K, other=0)
+        s_lo, s_hi = tl.split(tl.reshape(s_raw.to(tl.float32), (BLOCK_R, 2)))
+        z_lo, z_hi = tl.split(tl.reshape(z_raw.to(tl.float32), (BLOCK_R, 2)))
         s_lo = s_lo[:, None]
         z_lo = z_lo[:, None]
         s_hi = s_hi[:, None]
@@ -185,6 +202,9 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
     else:
         s_lo, z_lo = load_meta(s_ptr, z_ptr, 2 * r, n, r_mask, n_mask, N, G, N_META, AXIS)
         s_hi, z_hi = load_meta(s_ptr, z_ptr, 2 * r + 1, n, r_mask & ((2 * r + 1) < K), n_mask, N, G, N_META, AXIS)
+    qlo, qhi = split_pair_rows(first, second, BITS)
+    flo = int_to_f32(qlo)
+    fhi = int_to_f32(qhi)
     if QUANT_ZERO:  # hqq quant_zero: uint8 zeros with one scalar scale and zero
         z_lo = (z_lo - zero_zero) * zero_scale
         z_hi = (z_hi - zero_zero) * zero_scale
@@ -197,22 +217,16 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
              mask=n_mask[:, None] & (k < K)[None, :])
 
 
-# (pair rows, columns, warps) per program by (bits, axis, column block), the best of a block sweep on an
-# H200 (BENCHMARKS.md runs G and J; benchmarks/NOTES.md, v5 and v8). For axis 0 the column block must
-# divide the group size so each row's scale/zero is one load (META_COL): the widest of 128, 64, 32, 16
-# that does; 4-bit gs 128 takes 128 pair rows so its 256 scales/zeros are loaded once, not per thread.
-DEQUANT_BLOCKS = {(4, 1, 128): (32, 128, 8), (8, 1, 128): (64, 128, 8),
-                  (4, 0, 128): (128, 128, 4), (8, 0, 128): (32, 128, 8),
+# (pair rows, columns, warps) per program by (bits, axis, column block), the best of a block sweep on an H200
+# at all three benchmark shapes (BENCHMARKS.md run Z; NOTES.md v16; earlier sweeps: runs G and J). For axis 0 the
+# column block must divide the group size so each row's scale/zero is one load (META_COL): the widest of 128,
+# 64, 32, 16 that does.
+DEQUANT_BLOCKS = {(4, 1, 128): (64, 128, 4), (8, 1, 128): (64, 128, 8),
+                  (4, 0, 128): (64, 128, 4), (8, 0, 128): (32, 128, 8),
                   (4, 0, 64): (32, 64, 2), (8, 0, 64): (32, 64, 2)}
-# weights of at least LARGE_WEIGHT elements (enough programs that fewer, longer ones stop paying): 4-bit axis 0
-# reached 79.4-79.7% of copy at 14336 x 4096 and 4096 x 14336 with 64 pair rows, 77.4-78.2% with 128, which
-# stays best at 4096 x 4096 (76.7% vs 70.9%; NOTES.md v16)
-LARGE_WEIGHT = 1 << 25
-DEQUANT_BLOCKS_LARGE = {(4, 0, 128): (64, 128, 4)}
 
 
-def _dequant_block(bits: int, axis: int, group_size: int, elements: int = 0) -> tuple[int, int, int]:
-    """The tile of a dequant launch for a weight of ``elements`` (N x K) values."""
+def _dequant_block(bits: int, axis: int, group_size: int) -> tuple[int, int, int]:
     if interpreting():
         return (32, 64, 4) if axis == 1 or group_size % 64 == 0 else (64, 16 if group_size % 32 else 32, 4)
     if axis == 1:  # fewer pair rows where a tile would straddle groups (keeps one scale/zero row per tile)
@@ -221,8 +235,6 @@ def _dequant_block(bits: int, axis: int, group_size: int, elements: int = 0) -> 
             block_r //= 2
         return block_r, block_n, warps
     block_n = next((b for b in (128, 64, 32, 16) if group_size % b == 0), 16)
-    if elements >= LARGE_WEIGHT and (bits, 0, block_n) in DEQUANT_BLOCKS_LARGE:
-        return DEQUANT_BLOCKS_LARGE[(bits, 0, block_n)]
     return DEQUANT_BLOCKS.get((bits, 0, block_n), (64, block_n, 4))
 
 
@@ -253,7 +265,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
         return reference.dequantize(pw, out_dtype)
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     out = _alloc((n, k), out_dtype, qweight.device)
-    block_r, block_n, warps = _dequant_block(bits, axis, group_size, n * k)
+    block_r, block_n, warps = _dequant_block(bits, axis, group_size)
     n_meta = scales.shape[1]
     grid = (triton.cdiv((k + 1) // 2, block_r), triton.cdiv(n, block_n))
     with on_device(qweight):

@@ -79,12 +79,3 @@ def test_cpu_without_triton_uses_reference(monkeypatch):
     out = dequantize(pw.qweight, pw.scales, pw.zeros, group_size=32, bits=8)
     assert torch.equal(out, reference.dequantize(pw))
 
-
-def test_large_4bit_axis0_weights_take_the_shorter_tile(monkeypatch):
-    """On a GPU, 4-bit axis-0 weights with 128-wide groups switch to 64 pair rows per program from 2**25 values
-    (measured faster there, slower at 4096 x 4096); other kinds keep their tile at every size."""
-    monkeypatch.setattr(dq_mod, "interpreting", lambda: False)
-    small, large = dq_mod._dequant_block(4, 0, 128, 4096 * 4096), dq_mod._dequant_block(4, 0, 128, 14336 * 4096)
-    assert small == dq_mod.DEQUANT_BLOCKS[(4, 0, 128)] and large == dq_mod.DEQUANT_BLOCKS_LARGE[(4, 0, 128)] != small
-    for bits, axis, gs in ((8, 0, 128), (4, 1, 128), (4, 0, 64)):
-        assert dq_mod._dequant_block(bits, axis, gs, 4096 * 4096) == dq_mod._dequant_block(bits, axis, gs, 14336 * 4096)

@@ -96,12 +96,9 @@ def test_full_size_dequant_exact(bits, axis, gs):
     assert torch.equal(out, reference.dequantize(PackedWeight(qw, s, z, bits, gs, axis, (n, k))))
 
 
-def test_large_weight_dequant_tile_exact():
-    """4-bit axis 0 weights of 2**25 values or more take the large-weight tile (DEQUANT_BLOCKS_LARGE): exact too."""
-    from quantpack.kernels import dequant as dq_mod
-
+def test_dequant_exact_at_14336x4096():
+    """A benchmark shape with more column tiles than 4096^2 (and 7168 programs): 4-bit axis 0 exact too."""
     n, k, gs = 14336, 4096, 128
-    assert dq_mod._dequant_block(4, 0, gs, n * k) != dq_mod._dequant_block(4, 0, gs, 4096 * 4096)
     g = torch.Generator(device="cuda").manual_seed(7)
     qw = torch.randint(0, 256, (k // 2, n), device="cuda", dtype=torch.uint8, generator=g)
     s = (torch.rand(k, n // gs, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
