@@ -78,4 +78,3 @@ def test_cpu_without_triton_uses_reference(monkeypatch):
     monkeypatch.setattr(dq_mod, "triton_usable", lambda t: False)
     out = dequantize(pw.qweight, pw.scales, pw.zeros, group_size=32, bits=8)
     assert torch.equal(out, reference.dequantize(pw))
-
