@@ -37,9 +37,6 @@ def run_wg(x, qw, s, z, gs, g):
     return mm.mixed_mm(x, qw, s, z, group_size=gs, config=cfg)
 
 
-EVENTS = ("start", "first copies", "accumulator", "stored", "summed")
-
-
 def trace_calls(x, qps, gs, calls_traced=2):
     """Timelines of two consecutive calls in the middle of a CUDA graph of one call per weight replica:
     (calls_traced, programs, 16) int64 (see wgmma_mm._stamp), after a few replays."""
@@ -70,22 +67,20 @@ def print_trace(traces):
     """Percentiles of each event over a call's programs (us from the call's first start), and per-program
     phase durations from the SM cycle counters (converted with the run's own cycles-per-ns)."""
     import numpy as np
-    first = traces[0]
-    t0 = int(first[:, 0].min())
-    ns = first[:, :5].numpy().astype(np.float64)
-    cyc = first[:, 8:13].numpy().astype(np.float64)
+    ns, cyc, sm = (t.numpy().astype(np.float64) for t in wg.read_trace(traces[0]))
+    t0 = ns[:, 0].min()
     ends = np.where(ns[:, 4] > 0, ns[:, 4], ns[:, 3])
     ghz = np.median((cyc[:, 3] - cyc[:, 0]) / np.maximum(ns[:, 3] - ns[:, 0], 1))
     pct = (0, 10, 50, 90, 100)
-    sms = len(set(first[:, 7].tolist()))
-    print(f"  trace: {len(first)} programs on {sms} SMs, span {(ends.max() - t0) / 1e3:.2f} us (clock {ghz:.2f} GHz)",
+    sms = len(set(sm.tolist()))
+    print(f"  trace: {len(ns)} programs on {sms} SMs, span {(ends.max() - t0) / 1e3:.2f} us (clock {ghz:.2f} GHz)",
           flush=True)
-    for e in range(5):
+    for e, event in enumerate(wg.TRACE_EVENTS):
         col = ns[:, e]
         col = col[col > 0]
         if len(col):
             q = np.percentile((col - t0) / 1e3, pct)
-            print(f"    {EVENTS[e]:>13} at us (p{'/p'.join(map(str, pct))}): " + " ".join(f"{v:6.2f}" for v in q))
+            print(f"    {event:>13} at us (p{'/p'.join(map(str, pct))}): " + " ".join(f"{v:6.2f}" for v in q))
     for name, a, b in (("launch->copies", 0, 1), ("copies->acc", 1, 2), ("start->acc", 0, 2), ("acc->stored", 2, 3),
                        ("stored->summed", 3, 4)):
         ok = (cyc[:, a] > 0) & (cyc[:, b] > 0)
@@ -93,7 +88,7 @@ def print_trace(traces):
             q = np.percentile((cyc[ok, b] - cyc[ok, a]) / ghz / 1e3, pct)
             print(f"    {name:>15} us (p{'/p'.join(map(str, pct))}): " + " ".join(f"{v:6.2f}" for v in q))
     if len(traces) > 1:
-        nxt = traces[1][:, :5].numpy().astype(np.float64)
+        nxt = wg.read_trace(traces[1])[0].numpy().astype(np.float64)
         start = nxt[:, 0].min()
         print(f"    next call's first start - this call's last end: {(start - ends.max()) / 1e3:.2f} us; "
               f"next call's span {(np.maximum(nxt[:, 3], nxt[:, 4]).max() - start) / 1e3:.2f} us")

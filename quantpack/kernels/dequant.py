@@ -90,33 +90,28 @@ def meta_rowwise(axis: int, group_size: int, block_pair_rows: int) -> bool:
 
 @triton.jit
 def load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS: tl.constexpr):
-    """The packed bytes (uint8) of pair rows ``r`` x columns ``n``, as loaded: one tile for 4-bit, (k = 2r, 2r + 1)
-    for 8-bit (the second a copy of the first for 4-bit, unused). Split with :func:`split_pair_rows`."""
+    """The packed bytes (uint8) of pair rows ``r`` x columns ``n``, as loaded: a 1-tuple (the byte tile) for 4-bit,
+    the rows of k = 2r and 2r + 1 for 8-bit. Split with :func:`split_pair_rows` after the tile's other loads are
+    issued (a use of the bytes that changes their layout would otherwise come before those loads)."""
     mask = r_mask[:, None] & n_mask[None, :]
     if BITS == 4:
-        first = tl.load(qw_ptr + r[:, None] * N + n[None, :], mask=mask, other=0)
-        second = first
+        raw = (tl.load(qw_ptr + r[:, None] * N + n[None, :], mask=mask, other=0),)
     else:
-        first = tl.load(qw_ptr + (2 * r)[:, None] * N + n[None, :], mask=mask, other=0)
-        second = tl.load(qw_ptr + (2 * r + 1)[:, None] * N + n[None, :], mask=mask & ((2 * r + 1) < K)[:, None],
-                         other=0)
-    return first, second
+        raw = (tl.load(qw_ptr + (2 * r)[:, None] * N + n[None, :], mask=mask, other=0),
+               tl.load(qw_ptr + (2 * r + 1)[:, None] * N + n[None, :], mask=mask & ((2 * r + 1) < K)[:, None],
+                       other=0))
+    return raw
 
 
 @triton.jit
-def split_pair_rows(first, second, BITS: tl.constexpr):
+def split_pair_rows(raw, BITS: tl.constexpr):
     """Integer values (int32) (lo, hi) for k = 2r and 2r + 1 from :func:`load_pair_bytes`."""
     if BITS == 4:
-        byte = first.to(tl.int32)
-        return byte & 15, byte >> 4
-    return first.to(tl.int32), second.to(tl.int32)
-
-
-@triton.jit
-def load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS: tl.constexpr):
-    """Integer values (int32) of pair rows ``r`` x columns ``n``: (lo, hi) for k = 2r and 2r + 1."""
-    first, second = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
-    return split_pair_rows(first, second, BITS)
+        byte = raw[0].to(tl.int32)
+        lo, hi = byte & 15, byte >> 4
+    else:
+        lo, hi = raw[0].to(tl.int32), raw[1].to(tl.int32)
+    return lo, hi
 
 
 @triton.jit
@@ -146,19 +141,22 @@ def dequant_pair_tile(qw_ptr, s_ptr, z_ptr, r, n, r_mask, n_mask, r0, N, K, G, N
     """Dequantized float32 (lo, hi) tiles (BR, BN) for pair rows ``r`` x columns ``n``.
     With META_ROW the tile sits inside one group (axis 1): scales/zeros are one row, read once,
     and dequant is one FMA per element with -z*s precomputed."""
-    qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
-    flo = int_to_f32(qlo)
-    fhi = int_to_f32(qhi)
+    raw = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)  # every load first (see _dequant_kernel)
     if META_ROW:
         g = (2 * r0) // G
         s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        s_lo, z_lo = load_meta(s_ptr, z_ptr, 2 * r, n, r_mask, n_mask, N, G, N_META, AXIS)
+        s_hi, z_hi = load_meta(s_ptr, z_ptr, 2 * r + 1, n, r_mask & ((2 * r + 1) < K), n_mask, N, G, N_META, AXIS)
+    qlo, qhi = split_pair_rows(raw, BITS)
+    flo = int_to_f32(qlo)
+    fhi = int_to_f32(qhi)
+    if META_ROW:
         mzs = -z * s
         lo = flo * s[None, :] + mzs[None, :]
         hi = fhi * s[None, :] + mzs[None, :]
     else:
-        s_lo, z_lo = load_meta(s_ptr, z_ptr, 2 * r, n, r_mask, n_mask, N, G, N_META, AXIS)
-        s_hi, z_hi = load_meta(s_ptr, z_ptr, 2 * r + 1, n, r_mask & ((2 * r + 1) < K), n_mask, N, G, N_META, AXIS)
         lo = (flo - z_lo) * s_lo
         hi = (fhi - z_hi) * s_hi
     return lo, hi
@@ -179,7 +177,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
     # every load is issued before the bytes are touched: unpacked first, the bytes went through a layout change (a
     # CTA barrier) before the scale and zero loads were issued, three memory round trips in a row instead of one
     # (4-bit axis 0, 64 pair rows: 71% -> 86% of copy at 4096^2; NOTES.md v16)
-    first, second = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
+    raw = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
     if META_ROW:  # axis 1, tile inside one group: one row of scales/zeros
         g = (2 * r0) // G
         s_lo = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -202,7 +200,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
     else:
         s_lo, z_lo = load_meta(s_ptr, z_ptr, 2 * r, n, r_mask, n_mask, N, G, N_META, AXIS)
         s_hi, z_hi = load_meta(s_ptr, z_ptr, 2 * r + 1, n, r_mask & ((2 * r + 1) < K), n_mask, N, G, N_META, AXIS)
-    qlo, qhi = split_pair_rows(first, second, BITS)
+    qlo, qhi = split_pair_rows(raw, BITS)
     flo = int_to_f32(qlo)
     fhi = int_to_f32(qhi)
     if QUANT_ZERO:  # hqq quant_zero: uint8 zeros with one scalar scale and zero

@@ -45,8 +45,8 @@ from triton.runtime.errors import OutOfResources
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
 from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
-from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_rows,
-                      meta_rowwise, on_device, triton_usable)
+from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_bytes,
+                      meta_rowwise, on_device, split_pair_rows, triton_usable)
 from .. import reference
 from ..format import PackedWeight
 
@@ -196,7 +196,11 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             x_e = x_e.to(tl.float32)
             x_o = x_o.to(tl.float32)
             if META_ROW:
-                qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
+                raw = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)  # every load before any use
+                g = (2 * r0) // G
+                s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+                qlo, qhi = split_pair_rows(raw, BITS)
                 if BLOCK_M == 1:  # 2-D: a reduction over rows that stays inside each thread
                     xe1 = tl.reshape(x_e, (BLOCK_R,))
                     xo1 = tl.reshape(x_o, (BLOCK_R,))
@@ -205,9 +209,6 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 else:
                     xq = tl.sum(x_e[:, :, None] * int_to_f32(qlo)[None, :, :]
                                 + x_o[:, :, None] * int_to_f32(qhi)[None, :, :], axis=1)
-                g = (2 * r0) // G
-                s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
                 xs = tl.sum(x_e + x_o, axis=1)
                 acc += xq * s[None, :] - xs[:, None] * (z * s)[None, :]
             else:
@@ -219,20 +220,20 @@ def _fwd_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             # OFFSET (bf16 128.0 / fp16 1024.0; exact), one integer op per element. The tile lies in
             # one group, so x (q + OFFSET) is rescaled once per tile column:
             #   s * d - s * (z + OFFSET) * sum(x),  d = x . (q + OFFSET)
+            raw = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)  # every load before any use
+            g = (2 * r0) // G
+            s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
             if USE_ASM and BITS == 4 and MAGIC != 0:
-                byte = tl.load(qw_ptr + r[:, None] * N + n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0)
-                blo, bhi = _unpack_magic(byte, MAGIC)
+                blo, bhi = _unpack_magic(raw[0], MAGIC)
             else:
-                qlo, qhi = load_pair_rows(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
+                qlo, qhi = split_pair_rows(raw, BITS)
                 if MAGIC != 0:
                     blo = (qlo | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
                     bhi = (qhi | MAGIC).to(tl.int16).to(DOT_DTYPE, bitcast=True)
                 else:
                     blo = qlo.to(DOT_DTYPE)
                     bhi = qhi.to(DOT_DTYPE)
-            g = (2 * r0) // G
-            s = tl.load(s_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * N + n, mask=n_mask, other=0.0).to(tl.float32)
             zc = s * (z + OFFSET)
             sx = tl.sum(x_e.to(tl.float32) + x_o.to(tl.float32), axis=1)
             x_e = x_e.to(DOT_DTYPE)

@@ -577,10 +577,21 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
     return _resident[key]
 
 
+TRACE_EVENTS = ("start", "first copies", "accumulator", "stored", "summed")  # the events _stamp records, in order
+
+
 def trace_buffer(grid: WgmmaGrid, m: int, n: int, device) -> torch.Tensor:
     """A zeroed timeline buffer for one launch of ``grid`` (``launch_wgmma(trace=...)``): 16 int64 per program, the
-    global timer of event e at slot e, the SM's cycle counter at slot 8 + e, the SM at slot 7 (see _stamp)."""
+    global timer of event e at slot e, the SM's cycle counter at slot 8 + e, the SM at slot 7 (see _stamp); read it
+    with :func:`read_trace`."""
     return torch.zeros(grid.programs(m, n), 16, dtype=torch.int64, device=device)
+
+
+def read_trace(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A filled :func:`trace_buffer` as (global ns, SM cycles), each (programs, len(TRACE_EVENTS)) with 0 for an
+    event a program did not record, and each program's SM (programs,)."""
+    events = len(TRACE_EVENTS)
+    return buf[:, :events], buf[:, 8:8 + events], buf[:, 7]
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,

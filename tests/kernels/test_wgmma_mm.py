@@ -9,8 +9,8 @@ import torch
 
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels.mixed_mm import KernelConfig
-from quantpack.kernels.wgmma_mm import (HAVE_GLUON, _scale_zero_planes, balance_last_wave, trace_buffer, wgmma_grid,
-                                        wgmma_usable)
+from quantpack.kernels.wgmma_mm import (HAVE_GLUON, TRACE_EVENTS, _scale_zero_planes, balance_last_wave, read_trace,
+                                        trace_buffer, wgmma_grid, wgmma_usable)
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -40,6 +40,15 @@ def test_trace_buffer_holds_16_stamps_per_program():
     """A split grid's programs (17 x 2 tiles, K split 2 ways) each get 16 zeroed int64 slots."""
     buf = trace_buffer(wgmma_grid(100, 1040, 640, 64, 64, 64, 64, 2, 3), 100, 1040, "cpu")
     assert buf.shape == (68, 16) and buf.dtype == torch.int64 and not buf.any()
+
+
+def test_read_trace_returns_each_events_timer_and_cycles_and_the_sm():
+    """_stamp's slots: event e's timer at e, its cycle counter at 8 + e, the SM at 7."""
+    buf = torch.arange(3 * 16, dtype=torch.int64).reshape(3, 16)
+    ns, cycles, sm = read_trace(buf)
+    events = len(TRACE_EVENTS)
+    assert events == 5 and torch.equal(ns, buf[:, :5]) and torch.equal(cycles, buf[:, 8:13])
+    assert torch.equal(sm, torch.tensor([7, 23, 39]))
 
 
 def test_a_last_wave_at_most_half_full_is_split_and_the_rest_runs_whole():
@@ -337,14 +346,13 @@ def test_trace_build_computes_the_same_product_and_stamps_every_program(monkeypa
     monkeypatch.setattr(mm_mod, "launch_wgmma", traced)
     out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
     assert torch.equal(out, plain)
-    (t, ) = (t.cpu() for t in traces)
-    assert len(t) == 2 * 17 * 2  # 17 tiles of 64 weight rows x 2 of 64 rows of x, K split two ways
-    ns, cycles = t[:, :5], t[:, 8:13]
+    ns, cycles, sm = read_trace(traces[0].cpu())
+    assert len(ns) == 2 * 17 * 2  # 17 tiles of 64 weight rows x 2 of 64 rows of x, K split two ways
     for stamps in (ns, cycles):
         first = stamps[:, 1] if not producer else stamps[:, 0]
         assert (stamps[:, 0] > 0).all() and (first >= stamps[:, 0]).all() and (stamps[:, 2] >= first).all()
         assert (stamps[:, 3] >= stamps[:, 2]).all()
         summed = stamps[:, 4] > 0
         assert summed.sum() == 17 * 2 and (stamps[summed, 4] >= stamps[summed, 3]).all()  # one per split tile
-    assert (t[:, 1] == 0).all() if producer else (t[:, 1] > 0).all()
-    assert ((t[:, 7] >= 0) & (t[:, 7] < torch.cuda.get_device_properties(0).multi_processor_count)).all()
+    assert (ns[:, 1] == 0).all() if producer else (ns[:, 1] > 0).all()
+    assert ((sm >= 0) & (sm < torch.cuda.get_device_properties(0).multi_processor_count)).all()
