@@ -8,7 +8,7 @@
 --bench  the table: cuBLAS bf16/fp16 F.linear, hqq reference HQQLinear (PYTORCH backend), torchao
          triton_mixed_mm, tinygemm (HQQLinearTorchWeightOnlyInt4, bf16 only), gemlite
          A16W4_HQQ_INT, quantpack mixed_mm; then the transposed kernel (M >= 1024) against cuBLAS
-         x @ W, the dequant kernel against copy bandwidth, W8A16 at M = 1, and (``stream``) how
+         x @ W, the dequant kernel against copy bandwidth, W8A16 (``--w8-ms``), and (``stream``) how
          fast a kernel that only reads each shape's packed bytes, with no math, can be.
 
 Method (as in shared/tools/anchors_gpu.py): random data; every implementation checked against an
@@ -113,15 +113,15 @@ def _warm(job):
         return f"{cfg}: {repr(e)[:160]}"
 
 
-def tune_jobs(ms, tr_ms, w8=True):
+def tune_jobs(ms, tr_ms, w8_ms=(1,)):
     jobs = []
     for n, k in SHAPES:
         for m in ms:
             jobs.append((False, 4, m, n, k))
         for m in tr_ms:
             jobs.append((True, 4, m, n, k))
-        if w8:
-            jobs.append((False, 8, 1, n, k))
+        for m in w8_ms:
+            jobs.append((False, 8, m, n, k))
     return jobs
 
 
@@ -131,9 +131,9 @@ def candidates(transposed, bits, m, n, k, paths):
             if not paths or c.path in paths]
 
 
-def tune(ms, tr_ms, dtype_name, l2, out_dir, w8=True, paths=()):
+def tune(ms, tr_ms, dtype_name, l2, out_dir, w8_ms=(1,), paths=()):
     dtype = DT[dtype_name]
-    jobs = tune_jobs(ms, tr_ms, w8)
+    jobs = tune_jobs(ms, tr_ms, w8_ms)
     warm = []
     for transposed, bits, m, n, k in jobs:
         for cfg in candidates(transposed, bits, m, n, k, paths):
@@ -418,23 +418,34 @@ def bench_stream(dtype):
     return rows
 
 
-def bench_w8(bw, dtype):
-    log(f"\n== W8A16 (8-bit weights) at M=1 vs cuBLAS, {dtype}")
+def bench_w8(ms, bw, peak, dtype):
+    log(f"\n== W8A16 (8-bit weights) vs cuBLAS, {dtype}: the dispatched path, and dequantize + cuBLAS (`dq`)")
     rows = []
     for n, k in SHAPES:
         qw, s, z, w, qps, ws = replicated(n, k, 8, dtype)
         nbytes = qw.numel() + 4 * s.numel()
         r8, r16 = len(qps), len(ws)
-        x = torch.randn(1, k, dtype=dtype, device="cuda")
-        out = mm.mixed_mm(x, qw, s, z, group_size=GS, bits=8)
-        ref = x.float() @ w.float().t()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        tq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, bits=8) for i in range(r8)])
-        tc, _ = graph_time([lambda i=i: F.linear(x, ws[i]) for i in range(r16)])
-        cfg = mm.pick_config(False, 8, 1, n, k, x.device)
-        log(f"N={n:5d} K={k:5d} M=1: quantpack W8 {tq * 1e3:6.1f}us ({nbytes / (tq * 1e-3) / 1e12:.2f} TB/s) "
-            f"cuBLAS {tc * 1e3:6.1f}us  x{tc / tq:.2f}  err {err:.1e}  [{cfg.path} s{cfg.split} w{cfg.num_warps}]")
-        rows.append({"N": n, "K": k, "dtype": str(dtype), "quantpack": tq * 1e3, "cublas": tc * 1e3, "err": err})
+        for m in ms:
+            x = torch.randn(m, k, dtype=dtype, device="cuda")
+            out = mm.mixed_mm(x, qw, s, z, group_size=GS, bits=8)
+            ref = x.float() @ w.float().t()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            tq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, bits=8) for i in range(r8)])
+            tc, _ = graph_time([lambda i=i: F.linear(x, ws[i]) for i in range(r16)])
+            tdq = math.nan
+            if m > 1:  # (the fused path this replaces beyond decode)
+                dq = mm.KernelConfig("dq")
+                tdq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, bits=8, config=dq)
+                                     for i in range(r8)])
+            cfg = mm._fix_config(mm.pick_config(False, 8, m, n, k, x.device), False, m, 1, GS)
+            floor = max((nbytes + 2 * m * (n + k)) / bw, 2 * m * n * k / peak) * 1e6  # us
+            log(f"N={n:5d} K={k:5d} M={m:5d}: quantpack W8 {tq * 1e3:7.1f}us ({nbytes / (tq * 1e-3) / 1e12:.2f} TB/s, "
+                f"{2 * m * n * k / (tq * 1e-3) / 1e12:5.0f} TFLOP/s) cuBLAS {tc * 1e3:7.1f}us  x{tc / tq:.2f}  "
+                f"dq {tdq * 1e3:7.1f}us x{tc / tdq:.2f}  floor {floor:6.1f}us  err {err:.1e}  "
+                f"[{cfg.path} {cfg.block_m}x{cfg.block_n}x{2 * cfg.block_r} s{cfg.split} w{cfg.num_warps}"
+                f"{' P' if cfg.producer else ''}]")
+            rows.append({"N": n, "K": k, "M": m, "dtype": str(dtype), "quantpack": tq * 1e3, "cublas": tc * 1e3,
+                         "dq": tdq * 1e3, "floor": floor, "err": err, "path": cfg.path})
     return rows
 
 
@@ -446,9 +457,11 @@ def main():
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--tr-ms", default="1024,4096")
+    ap.add_argument("--w8-ms", default="1,16,64,256,1024,4096", help="rows of x for the W8A16 section")
     ap.add_argument("--tune-ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--tune-tr-ms", default="256,1024,4096")
-    ap.add_argument("--tune-w8", default=1, type=int, help="also tune 8-bit weights at M = 1 (0: skip)")
+    ap.add_argument("--tune-w8", default=1, type=int, help="also tune 8-bit weights (0: skip)")
+    ap.add_argument("--tune-w8-ms", default="1", help="rows of x the 8-bit weights are tuned at")
     ap.add_argument("--tune-paths", default="", help="tune only these paths (comma-separated; default all)")
     ap.add_argument("--sections", default="transposed,dequant,w8,stream,main")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
@@ -465,12 +478,14 @@ def main():
     if args.tune:
         log(f"[{time.strftime('%H:%M:%S')}] tune")
         tune([int(v) for v in args.tune_ms.split(",") if v], [int(v) for v in args.tune_tr_ms.split(",") if v], "bf16",
-             L2, args.out, bool(args.tune_w8), tuple(p for p in args.tune_paths.split(",") if p))
+             L2, args.out, [int(v) for v in args.tune_w8_ms.split(",") if v] if args.tune_w8 else [],
+             tuple(p for p in args.tune_paths.split(",") if p))
     if args.bench:
         for name, fn in (("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],
                                                                  torch.bfloat16, peak, bw)),
                          ("dequant", lambda: bench_dequant(bw)),
-                         ("w8", lambda: [row for d in dtypes for row in bench_w8(bw, DT[d])]),
+                         ("w8", lambda: [row for d in dtypes for row in bench_w8([int(v) for v in args.w8_ms.split(",")],
+                                                                                 bw, peak, DT[d])]),
                          ("stream", lambda: bench_stream(DT[dtypes[0]])),
                          ("main", lambda: bench(ms, dtypes, bw, peak))):
             if name not in args.sections.split(","):

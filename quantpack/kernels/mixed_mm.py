@@ -454,15 +454,16 @@ def _remember(dev_key: str, key: str, cfg: KernelConfig) -> None:
 
 def _nearest(table: dict, transposed: bool, bits: int, n: int, k: int, m: int) -> KernelConfig | None:
     """The tuned config closest in (M bucket, N, K) (log distance, M weighted most) with the same
-    direction and bits; ``None`` if the table has none."""
+    direction and bits and an M bucket at most 4x away (a decode config says nothing about a batch of 4096,
+    where the heuristic knows more); ``None`` if the table has none."""
     want = config_key(transposed, bits, n, k, m).split("|")
     best, best_d = None, math.inf
     for key, cfg in table.items():
         parts = key.split("|")
-        if parts[0] != want[0] or parts[1] != want[1]:
+        dm = abs(math.log2(int(parts[4][1:]) / m_bucket(m)))
+        if parts[0] != want[0] or parts[1] != want[1] or dm > 2:
             continue
-        d = (4 * abs(math.log2(int(parts[4][1:]) / m_bucket(m))) + abs(math.log2(int(parts[2][1:]) / n))
-             + abs(math.log2(int(parts[3][1:]) / k)))
+        d = 4 * dm + abs(math.log2(int(parts[2][1:]) / n)) + abs(math.log2(int(parts[3][1:]) / k))
         if d < best_d:
             best, best_d = cfg, d
     return best
@@ -868,7 +869,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
                         cfg.producer)
         if wg.split == 1:
             wg = balance_last_wave(wg, m, n, k, resident_programs(x2, qweight, scales, zeros, bias, out, n=n, k=k,
-                                                                  group_size=group_size, grid=wg))
+                                                                  group_size=group_size, bits=bits, grid=wg))
         split, tiles = wg.split, wg.split_tiles(m, n)
     elif cfg.path == "mma":
         grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))
@@ -907,12 +908,13 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
 
     def launch(num_stages):
         if cfg.path == "wgmma":
-            launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
+            launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
                          grid=replace(wg, stages=num_stages))
         elif transposed:
             _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
                              x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-                             BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd, DOT_PREC=prec,
+                             BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd,
+                             DOT_PREC=prec,
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT=split,
                              GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
         else:

@@ -1,12 +1,12 @@
-"""Hopper (sm_90) 4-bit x bf16/fp16 GEMM on asynchronous warpgroup MMA (Gluon).
+"""Hopper (sm_90) 4- and 8-bit x bf16/fp16 GEMM on asynchronous warpgroup MMA (Gluon).
 
 Each program computes a (BLOCK_N x BLOCK_M) tile of ``out^T = W x^T``: the weight's rows fill the
 wgmma M side (64 per warpgroup), x's rows its N side (8..256), so 16-row batches waste nothing.
 Per K step of BLOCK_K in-features:
 
-- TMA copies x's (BLOCK_M, BLOCK_K) tile, the packed (BLOCK_K / 2, BLOCK_N) bytes (as 16-bit words:
-  the bytes of two adjacent weight rows) and the step's scale and zero rows (one copy: the two tensors as
-  planes of one view) into a ring of STAGES shared-memory slots (one mbarrier each);
+- TMA copies x's (BLOCK_M, BLOCK_K) tile, the packed (BLOCK_K / 2, BLOCK_N) bytes ((BLOCK_K, BLOCK_N) for
+  8-bit; as 16-bit words: the bytes of two adjacent weight rows) and the step's scale and zero rows (one
+  copy: the two tensors as planes of one view) into a ring of STAGES shared-memory slots (one mbarrier each);
 - each thread loads the words of the wgmma A-operand fragment it owns (ldmatrix), dequantizes them in
   registers (float32 FMA, then x's dtype: the reference's rounding) straight into that fragment;
 - an asynchronous wgmma multiplies the fragment (A, from registers) by x's tile (B, K-major, shared),
@@ -73,6 +73,21 @@ if HAVE_GLUON:
                 "{cvt} $0, f1, f0; {cvt} $1, f5, f4; {cvt} $2, f3, f2; {cvt} $3, f7, f6; }}")
     _DEQUANT_BF16 = gl.constexpr(_DEQUANT.format(cvt="cvt.rn.bf16x2.f32"))
     _DEQUANT_FP16 = gl.constexpr(_DEQUANT.format(cvt="cvt.rn.f16x2.f32"))
+    # 8-bit: one int32 word = in-features k and k + 1 of weight rows r and r + 1: bytes [r k, r+1 k, r k+1, r+1 k+1].
+    # A shift puts each byte at mantissa bits 15-22: OR-ed into 1.0f it is 1 + q / 256 exactly, and one FMA with
+    # S = 256 s, C = -(256 + z) s gives (q - z) s. Outputs: $0 row r (k, k + 1), $1 row r + 1, as wgmma reads its
+    # A fragment. Inputs (each twice, pack=2): $2 the word, S of rows r, r + 1 $3 $5, C likewise $7 $9.
+    # 14 instructions per 4 weights.
+    _DEQUANT8 = ("{{ .reg .b32 t, v0, v1, v2, v3; .reg .f32 f0, f1, f2, f3; "
+                 "shl.b32 t, $2, 15; lop3.b32 v0, t, 0x007F8000, 0x3F800000, 0xEA; "
+                 "shl.b32 t, $2, 7; lop3.b32 v1, t, 0x007F8000, 0x3F800000, 0xEA; "
+                 "shr.b32 t, $2, 1; lop3.b32 v2, t, 0x007F8000, 0x3F800000, 0xEA; "
+                 "shr.b32 t, $2, 9; lop3.b32 v3, t, 0x007F8000, 0x3F800000, 0xEA; "
+                 "fma.rn.f32 f0, v0, $3, $7; fma.rn.f32 f2, v2, $4, $8; "
+                 "fma.rn.f32 f1, v1, $5, $9; fma.rn.f32 f3, v3, $6, $10; "
+                 "{cvt} $0, f2, f0; {cvt} $1, f3, f1; }}")
+    _DEQUANT8_BF16 = gl.constexpr(_DEQUANT8.format(cvt="cvt.rn.bf16x2.f32"))
+    _DEQUANT8_FP16 = gl.constexpr(_DEQUANT8.format(cvt="cvt.rn.f16x2.f32"))
 
     @gluon.constexpr_function
     def _operand_words_layout(BN, BK, num_warps):
@@ -84,6 +99,25 @@ if HAVE_GLUON:
         warps = [[8 << i, 0] for i in range(num_warps.bit_length() - 1)]
         return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
                                           warp_bases=warps, block_bases=[], shape=[BN // 2, BK // 2])
+
+    @gluon.constexpr_function
+    def _operand_words_layout8(BN, BK, num_warps):
+        """8-bit: registers of the (BK, BN) byte tile read as (BN/2, BK) 16-bit words (the bytes of weight rows 2p,
+        2p + 1 at one in-feature) for the register A operand: a thread holds in-features 2t, 2t + 1, 2t + 8, 2t + 9
+        of each 16 (k and k + 1 adjacent, one 32-bit register) and the word p = 8w + g, as _operand_words_layout."""
+        reg = [[0, 1], [0, 8]] + [[0, 16 << i] for i in range((BK // 16).bit_length() - 1)]
+        warps = [[8 << i, 0] for i in range(num_warps.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warps, block_bases=[], shape=[BN // 2, BK])
+
+    @gluon.jit
+    def _mma_rows8(lo, hi):
+        """8-bit: two (BN/2, BK) halves (weight rows 2p and 2p + 1) of 16-bit values -> (BN, BK), weight rows
+        16w + 2g + b relabelled 16w + 8b + g as in _mma_rows."""
+        P: gl.constexpr = lo.shape[0]
+        K: gl.constexpr = lo.shape[1]
+        t = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), (P // 8, 8, 2, K))  # (w, g, b, k)
+        return gl.reshape(gl.permute(t, (0, 2, 1, 3)), (2 * P, K))
 
     @gluon.jit
     def _mma_rows(lo, hi):
@@ -129,16 +163,9 @@ if HAVE_GLUON:
         return c
 
     @gluon.jit
-    def _dequant_operand(q_smem, sz_smem, S_PLANE: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr):
-        """The step's weights ((BK/2, BN/2) 16-bit words) as the register A operand (BN, BK) of wgmma,
-        in MMA-row order."""
-        BN: gl.constexpr = 2 * q_smem.shape[1]
-        BK: gl.constexpr = 2 * q_smem.shape[0]
-        WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
-        words_layout: gl.constexpr = _operand_words_layout(BN, BK, WARPS)
-        pair_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
-        # lowered to ldmatrix.trans, whose per-lane row addresses take the pair rows in the t, t + 4 order
-        words = q_smem.permute((1, 0)).load(words_layout)
+    def _step_scales(sz_smem, S_PLANE: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr,
+                     pair_layout: gl.constexpr):
+        """The step's scales and zeros (float32) of weight rows 2p and 2p + 1: s0, s1, z0, z1, each (BN/2,)."""
         planes = sz_smem.reshape((2, BN)).load(_planes_layout(BN, WARPS)).to(gl.float32)
         first, second = gl.split(gl.permute(planes, (1, 0)))
         if S_PLANE == 0:
@@ -147,6 +174,29 @@ if HAVE_GLUON:
         else:
             s0, s1 = _row_pairs(second, pair_layout)
             z0, z1 = _row_pairs(first, pair_layout)
+        return s0, s1, z0, z1
+
+    @gluon.jit
+    def _dequant_operand(q_smem, sz_smem, x_smem, S_PLANE: gl.constexpr, a_layout: gl.constexpr):
+        """The step's weights (4-bit: (BK/2, BN/2) 16-bit words; 8-bit: (BK, BN/2)) as the register A operand
+        (BN, BK) of wgmma, in MMA-row order, in the dtype of x's tile (BM, BK)."""
+        if q_smem.shape[0] == x_smem.shape[1]:  # 8-bit: a byte row per in-feature
+            w = _dequant_operand8(q_smem, sz_smem, S_PLANE, a_layout, x_smem.dtype)
+        else:
+            w = _dequant_operand4(q_smem, sz_smem, S_PLANE, a_layout, x_smem.dtype)
+        return w
+
+    @gluon.jit
+    def _dequant_operand4(q_smem, sz_smem, S_PLANE: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+        """_dequant_operand for 4-bit weights: the (BK/2, BN/2) words of the step's (BK/2, BN) bytes."""
+        BN: gl.constexpr = 2 * q_smem.shape[1]
+        BK: gl.constexpr = 2 * q_smem.shape[0]
+        WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
+        words_layout: gl.constexpr = _operand_words_layout(BN, BK, WARPS)
+        pair_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
+        # lowered to ldmatrix.trans, whose per-lane row addresses take the pair rows in the t, t + 4 order
+        words = q_smem.permute((1, 0)).load(words_layout)
+        s0, s1, z0, z1 = _step_scales(sz_smem, S_PLANE, BN, WARPS, pair_layout)
         consts = (_row_const(s0 * 256.0, words), _row_const(s0 * 16.0, words), _row_const(s1 * 256.0, words),
                   _row_const(s1 * 16.0, words), _row_const(-(z0 * s0) - s0 * 256.0, words),
                   _row_const(-(z0 * s0) - s0 * 16.0, words), _row_const(-(z1 * s1) - s1 * 256.0, words),
@@ -161,6 +211,27 @@ if HAVE_GLUON:
         return gl.convert_layout(w, a_layout)
 
     @gluon.jit
+    def _dequant_operand8(q_smem, sz_smem, S_PLANE: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+        """_dequant_operand for 8-bit weights: the (BK, BN/2) words of the step's (BK, BN) bytes."""
+        BN: gl.constexpr = 2 * q_smem.shape[1]
+        BK: gl.constexpr = q_smem.shape[0]
+        WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
+        words_layout: gl.constexpr = _operand_words_layout8(BN, BK, WARPS)
+        pair_layout: gl.constexpr = gl.SliceLayout(1, words_layout)
+        words = q_smem.permute((1, 0)).load(words_layout)
+        s0, s1, z0, z1 = _step_scales(sz_smem, S_PLANE, BN, WARPS, pair_layout)
+        consts = (_row_const(s0 * 256.0, words), _row_const(s1 * 256.0, words),
+                  _row_const(-(z0 * s0) - s0 * 256.0, words), _row_const(-(z1 * s1) - s1 * 256.0, words))
+        if DTYPE == gl.bfloat16:
+            lo, hi = gl.inline_asm_elementwise(_DEQUANT8_BF16, "=r,=r" + ",r" * 9, (words, ) + consts,
+                                               dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
+        else:
+            lo, hi = gl.inline_asm_elementwise(_DEQUANT8_FP16, "=r,=r" + ",r" * 9, (words, ) + consts,
+                                               dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
+        w = _mma_rows8(lo, hi).to(DTYPE, bitcast=True)
+        return gl.convert_layout(w, a_layout)
+
+    @gluon.jit
     def _multiply_slot(x_s, q_s, sz_s, ready, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
                        a_layout: gl.constexpr):
         """K step i: wait for its copies, dequantize into the register A operand, start its MMA and retire the
@@ -168,7 +239,7 @@ if HAVE_GLUON:
         see the loop.)"""
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        a = _dequant_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, x_s.dtype)
+        a = _dequant_operand(q_s.index(slot), sz_s.index(slot), x_s.index(slot), S_PLANE, a_layout)
         acc = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), acc, is_async=True)
         return warpgroup_mma_wait(1, deps=(acc, ))
 
@@ -192,7 +263,8 @@ if HAVE_GLUON:
                         pred=pred)
         k0 = step * BK
         _tma_load(x_desc, [m0, k0], bar, x_s.index(slot), pred=pred)
-        _tma_load(q_desc, [k0 // 2, n0 // 2], bar, q_s.index(slot), pred=pred)
+        QK: gl.constexpr = q_desc.block_type.shape[0]  # packed rows per step: BK / 2 (4-bit) or BK (8-bit)
+        _tma_load(q_desc, [step * QK, n0 // 2], bar, q_s.index(slot), pred=pred)
         _tma_load(sz_desc, [0, k0 // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
 
     @gluon.jit
@@ -224,7 +296,7 @@ if HAVE_GLUON:
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
         mbarrier.wait(ready.index(0), 0)
-        a = _dequant_operand(q_s.index(0), sz_s.index(0), S_PLANE, a_layout, x_s.dtype)
+        a = _dequant_operand(q_s.index(0), sz_s.index(0), x_s.index(0), S_PLANE, a_layout)
         acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
                             use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc, ))
@@ -312,7 +384,7 @@ if HAVE_GLUON:
             # and ptxas then serializes every wgmma (C7515; the sm_90 compile test checks)
             mbarrier.wait(bars.index(0), 0)
             _stamp(trace_ptr, pid, 1, TRACE)
-            a = _dequant_operand(q_s.index(0), sz_s.index(0), S_PLANE, a_layout, DTYPE)
+            a = _dequant_operand(q_s.index(0), sz_s.index(0), x_s.index(0), S_PLANE, a_layout)
             acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
                                 use_acc=False, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))  # (nothing older in flight: only the type changes)
@@ -474,36 +546,38 @@ def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) ->
 
 def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, k: int,
                  group_size: int, bits: int, axis: int) -> bool:
-    """What the kernel's TMA copies and tiles need (the caller checks the GPU): 4-bit weights grouped along K
+    """What the kernel's TMA copies and tiles need (the caller checks the GPU): 4- or 8-bit weights grouped along K
     in groups of 64 or a multiple of 128, 16-bit activations, 16-byte aligned bases and rows (K % 8, N % 16),
     scales and zeros in two places (the planes of one copy)."""
     aligned = (all(t.data_ptr() % 16 == 0 for t in (x2, qweight, scales, zeros))
                and zeros.data_ptr() != scales.data_ptr())
-    return (HAVE_GLUON and bits == 4 and axis == 1 and (group_size == 64 or group_size % 128 == 0)
+    return (HAVE_GLUON and bits in (4, 8) and axis == 1 and (group_size == 64 or group_size % 128 == 0)
             and k % group_size == 0 and k % 8 == 0 and n % 16 == 0 and aligned
             and x2.dtype in (torch.bfloat16, torch.float16) and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
             and scales.dtype == zeros.dtype and scales.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())
 
 
-def _layouts(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid):
-    """Shared-memory layouts of the three TMA tiles: x (BM, BK), the packed (BK/2, BN) bytes as (BK/2, BN/2)
-    16-bit words, and the (2, 1, BN) scale and zero rows of a step (one copy: see _scale_zero_planes)."""
+def _layouts(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid, bits: int):
+    """Shared-memory layouts of the three TMA tiles: x (BM, BK), the packed bytes of a step ((BK/2, BN) for 4-bit,
+    (BK, BN) for 8-bit) as 16-bit words (BN/2 per row), and the (2, 1, BN) scale and zero rows of a step (one
+    copy: see _scale_zero_planes)."""
     dt = gl.bfloat16 if x_dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = grid.block_m, grid.block_n, grid.block_k
+    qk = bk // 2 if bits == 4 else bk
     planes = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * s_dtype.itemsize, rank=3)
     return (([bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], dt)),
-            ([bk // 2, bn // 2], gl.NVMMASharedLayout.get_default_for([bk // 2, bn // 2], gl.int16)),
+            ([qk, bn // 2], gl.NVMMASharedLayout.get_default_for([qk, bn // 2], gl.int16)),
             ([2, 1, bn], planes))
 
 
-def descriptor_types(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid) -> dict:
+def descriptor_types(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid, bits: int) -> dict:
     """The kernel's descriptor arguments as Triton signature strings (compiling without a GPU)."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     dtypes = (names[x_dtype], "i16", names[s_dtype])
     return {arg: f"tensordesc<{dt}{list(shape)},{layout!r}>"
             for arg, dt, (shape, layout) in zip(("x_desc", "q_desc", "sz_desc"), dtypes,
-                                                 _layouts(x_dtype, s_dtype, grid))}
+                                                 _layouts(x_dtype, s_dtype, grid, bits))}
 
 
 def _scale_zero_planes(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -516,18 +590,18 @@ def _scale_zero_planes(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch
     return base, abs(gap) // scales.element_size(), s_plane
 
 
-def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid):
+def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid, bits: int):
     """The three TMA descriptors of a launch and the plane that holds the scales."""
-    (x_block, x_layout), (q_block, q_layout), (sz_block, sz_layout) = _layouts(x2.dtype, scales.dtype, grid)
+    (x_block, x_layout), (q_block, q_layout), (sz_block, sz_layout) = _layouts(x2.dtype, scales.dtype, grid, bits)
     words = qweight.view(torch.int16)  # the bytes of weight rows 2p, 2p + 1 (N is even)
     base, plane, s_plane = _scale_zero_planes(scales, zeros)
     return (TensorDescriptor.from_tensor(x2, x_block, x_layout), TensorDescriptor.from_tensor(words, q_block, q_layout),
             TensorDescriptor(base, [2, scales.shape[0], n], [plane, n, 1], sz_block, sz_layout), s_plane)
 
 
-def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_size: int, grid: WgmmaGrid,
+def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_size: int, bits: int, grid: WgmmaGrid,
          warmup: bool = False, trace: torch.Tensor | None = None):
-    x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid)
+    x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid, bits)
     m = x2.shape[0]
     kernel = _wgmma_kernel.warmup if warmup else _wgmma_kernel[(grid.programs(m, n), )]
     extra = {"grid": (1, )} if warmup else {}
@@ -553,15 +627,15 @@ def producer_maxnreg(grid: WgmmaGrid) -> int:
 _resident: dict = {}  # (device, dtypes, tile, ...) -> programs that run at once
 
 
-def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, group_size: int,
+def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, group_size: int, bits: int,
                       grid: WgmmaGrid) -> int:
     """How many programs of this launch run at once on x's GPU: SMs x the CTAs per SM that the compiled
     kernel's registers, shared memory and threads allow (compiled, not run, the first time; then cached)."""
     grid = replace(grid, split=1, whole=0)  # the whole tiles are what fill the waves
-    key = (x2.device, x2.dtype, scales.dtype, out.dtype, bias is not None, group_size, grid,
+    key = (x2.device, x2.dtype, scales.dtype, out.dtype, bias is not None, group_size, bits, grid,
            _scale_zero_planes(scales, zeros)[2])
     if key not in _resident:
-        kernel = _run(x2, qweight, scales, zeros, bias, out, out, out, n, k, group_size, grid, warmup=True)
+        kernel = _run(x2, qweight, scales, zeros, bias, out, out, out, n, k, group_size, bits, grid, warmup=True)
         try:
             kernel._init_handles()  # loading the binary is what reads its register count
         except OutOfResources:  # (a ring too deep for this GPU: none fit; the launcher retries with fewer stages)
@@ -594,10 +668,11 @@ def read_trace(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return buf[:, :events], buf[:, 8:8 + events], buf[:, 7]
 
 
-def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int,
+def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int, bits: int,
                  grid: WgmmaGrid, trace: torch.Tensor | None = None) -> torch.Tensor:
-    """out (M, N) = x2 (M, K) @ W.T (+ bias). When grid.split > 1, ws holds grid.split x grid.split_tiles
-    float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split tile. ``trace`` (int64, 16 per
-    program, zeroed) makes each program record its timeline (see _stamp); it is for profiling only."""
-    _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, grid, trace=trace)
+    """out (M, N) = x2 (M, K) @ W.T (+ bias) for ``bits``-bit weights in quantpack's layout. When grid.split > 1,
+    ws holds grid.split x grid.split_tiles float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split
+    tile. ``trace`` (int64, 16 per program, zeroed) makes each program record its timeline (see _stamp); it is for
+    profiling only."""
+    _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, trace=trace)
     return out

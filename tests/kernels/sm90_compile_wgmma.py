@@ -28,26 +28,29 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from quantpack.kernels import wgmma_mm  # noqa: E402
 
-# (x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp[, trace]): the
-# tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without a producer
-# warp (also split: a partial last wave's tiles, balance_last_wave), and the profiling build (timeline stamps) of the
-# split tile
-VARIANTS = [("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
-            ("bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
-            ("fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False),
-            ("bf16", "fp32", 16, 128, 128, 1, 4, 128, False, False),
-            ("fp16", "fp16", 128, 64, 128, 2, 2, 256, False, False),
-            ("bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
-            ("fp16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
-            ("bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True),
-            ("bf16", "bf16", 256, 128, 64, 2, 3, 128, False, True),
-            ("bf16", "bf16", 64, 64, 128, 4, 4, 128, False, False, True)]
+# (weight bits, x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp[,
+# trace]): the tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without
+# a producer warp (also split: a partial last wave's tiles, balance_last_wave), the profiling build (timeline stamps) of
+# the split tile, and 8-bit weights
+VARIANTS = [(4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
+            (4, "bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
+            (4, "fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False),
+            (4, "bf16", "fp32", 16, 128, 128, 1, 4, 128, False, False),
+            (4, "fp16", "fp16", 128, 64, 128, 2, 2, 256, False, False),
+            (4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
+            (4, "fp16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
+            (4, "bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True),
+            (4, "bf16", "bf16", 256, 128, 64, 2, 3, 128, False, True),
+            (4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, False, False, True),
+            (8, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
+            (8, "fp16", "fp16", 128, 64, 64, 2, 3, 64, False, True),
+            (8, "bf16", "bf16", 256, 128, 64, 1, 3, 128, False, True)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def compile_variant(xname, sname, bm, bn, bk, split, stages, gs, bias, producer, trace=False):
+def compile_variant(bits, xname, sname, bm, bn, bk, split, stages, gs, bias, producer, trace=False):
     grid = wgmma_mm.WgmmaGrid(bm, bn, bk, split, stages, bn // 16, producer=producer)
-    sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid)
+    sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid, bits)
     sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "trace_ptr": "*i64",
             "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32"}
     const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "PRODUCER": producer,
@@ -96,7 +99,7 @@ if __name__ == "__main__":
     for v in VARIANTS:
         try:
             count, serialized, spills, operands = compile_variant(*v)
-            print(json.dumps({"variant": v, "wgmma": count, "per_step": v[4] // 16, "serialized": serialized,
+            print(json.dumps({"variant": v, "wgmma": count, "per_step": v[5] // 16, "serialized": serialized,
                               "spills": spills, "operands": operands}), flush=True)
         except Exception as exc:  # noqa: BLE001  (reported per variant; the test names it)
             print(json.dumps({"variant": v, "error": repr(exc)[-2000:]}), flush=True)

@@ -261,6 +261,15 @@ def test_shipped_tables_load_and_same_arch_fallback(monkeypatch):
     # nearest tuned entry for an untuned shape/M: same direction and bits, closest M bucket first
     near = mm_mod._nearest(h200, False, 4, 5120, 4096, 2)
     assert near is not None and near == h200[mm_mod.config_key(False, 4, 4096, 4096, 1)]
+    # but not across regimes: a decode entry (M = 1) says nothing about a batch of 64, which gets the heuristic, and
+    # neither does any entry more than 4x away in M
+    decode = {mm_mod.config_key(False, 8, 4096, 4096, 1): KernelConfig("mma")}
+    assert mm_mod._nearest(decode, False, 8, 4096, 4096, 4) == KernelConfig("mma")
+    assert mm_mod._nearest(decode, False, 8, 4096, 4096, 64) is None
+    assert mm_mod._nearest(decode, False, 8, 4096, 4096, 8) is None
+    # the shipped 8-bit batches run the fused kernels (or dequantize + cuBLAS), never a decode config
+    for m in (64, 256, 1024, 4096):
+        assert h200[mm_mod.config_key(False, 8, 14336, 4096, m)].path in ("wgmma", "dq")
 
 
 def test_autotuned_configs_are_cached_for_later_processes(tmp_path, monkeypatch):

@@ -110,6 +110,16 @@ def test_scales_and_zeros_the_planes_cannot_join_are_refused():
     assert not wgmma_usable(x, q, s, z_odd, 64, 256, 64, 4, 1)
 
 
+@pytest.mark.skipif(not HAVE_GLUON, reason="this Triton has no Gluon")
+def test_8bit_weights_are_usable_and_other_widths_or_axes_are_not():
+    x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    meta = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    q8 = torch.zeros(256, 64, dtype=torch.uint8)  # (K, N): a byte row per in-feature
+    assert wgmma_usable(x, q8, meta[0], meta[1], 64, 256, 64, 8, 1)
+    assert not wgmma_usable(x, q8, meta[0], meta[1], 64, 256, 64, 3, 1)
+    assert not wgmma_usable(x, q8, meta[0], meta[1], 64, 256, 64, 8, 0)
+
+
 def test_forced_wgmma_config_falls_back_off_hopper():
     """Where the kernel cannot run (CPU, interpreter, another GPU), a wgmma table entry still computes
     the right product through the path the heuristic picks instead."""
@@ -178,13 +188,17 @@ def assert_graph_replays(x, w, call):
 @needs_hopper
 @pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bits", [4, 8], ids=["w4", "w8"])
 @pytest.mark.parametrize("n,k,gs", [(1040, 640, 64), (4096, 4096, 128), (208, 1152, 128), (1024, 2048, 256)])
-def test_kernel_matches_reference(n, k, gs, dtype, producer):
+def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer):
     """Awkward rows of x (1, 3, 17, 100, 300: partial tiles along M), N not a multiple of the tile,
     K with a partial split (down to one K step per program), every tile the tuner offers, split-K, shallow
-    and deep rings, bias; the MMA warps issuing the copies themselves or a producer warp."""
-    pw, w = packed(n, k, gs, dtype)
+    and deep rings, bias; the MMA warps issuing the copies themselves or a producer warp; 4- and 8-bit weights."""
+    pw, w = packed(n, k, gs, dtype, bits=bits)
     bias = torch.randn(n, device="cuda", dtype=dtype)
+    calls = []
+    real = mm_mod.launch_wgmma
+    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: calls.append(kw["bits"]) or real(*a, **kw))
     for m in (1, 3, 17, 64, 100, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.float() @ w.t()
@@ -192,10 +206,11 @@ def test_kernel_matches_reference(n, k, gs, dtype, producer):
                                           (128, 64, 64, 3, 2), (16, 64, 32, 8, 4), (16, 64, 64, 8, 4)):
             cfg = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages,
                                producer=producer)
-            out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg)
+            out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg)
             assert rel_err(out, ref) < 8e-3, (m, cfg)
-            out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg, bias=bias)
+            out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg, bias=bias)
             assert rel_err(out, ref + bias.float()) < 8e-3, (m, cfg, "bias")
+    assert calls == [bits] * (6 * 6 * 2)  # every call ran the kernel (none fell back to another path)
 
 
 @pytest.mark.gpu
@@ -236,13 +251,29 @@ def test_kernel_runs_when_dispatched(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
+def test_8bit_batches_run_the_kernel_when_dispatched(monkeypatch):
+    """The shipped table sends 8-bit weights at 16-1024 rows of x to wgmma (4096 x 4096): the launches are the
+    kernel's with 8-bit tiles, and the products match."""
+    pw, w = packed(4096, 4096, 128, torch.bfloat16, bits=8)
+    bits = []
+    real = mm_mod.launch_wgmma
+    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: bits.append(kw["bits"]) or real(*a, **kw))
+    for m in (16, 64, 256, 1024):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, bits=8)
+        assert rel_err(out, x.float() @ w.t()) < 8e-3, m
+    assert bits == [8] * 4
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
 def test_cuda_graph_replay_with_split_counters(producer):
     """Split-K's arrival counters reset themselves: the same captured launch replays correctly."""
     pw, w = packed(4096, 4096, 128, torch.bfloat16)
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig("wgmma", 64, 64, 64, split=4, num_warps=4, num_stages=4, producer=producer)
-    assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128,
+    assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, bits=4,
                                                        config=cfg))
 
 
@@ -280,7 +311,7 @@ def test_a_ring_too_deep_for_shared_memory_runs_with_fewer_stages():
     pw, w = packed(208, 1152, 128, torch.bfloat16)
     x = torch.randn(300, 1152, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(300, 208, device="cuda", dtype=torch.bfloat16)
-    assert resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=208, k=1152, group_size=128,
+    assert resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=208, k=1152, group_size=128, bits=4,
                              grid=WgmmaGrid(256, 128, 128, 1, 4, 8)) == 0
     cfg = KernelConfig("wgmma", 256, 128, 64, split=1, num_warps=8, num_stages=4)
     out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
@@ -299,13 +330,13 @@ def test_resident_programs_reads_the_compiled_kernel():
     pw, _ = packed(4096, 4096, 128, torch.bfloat16)
     x = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(1024, 4096, device="cuda", dtype=torch.bfloat16)
-    big = resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128,
+    big = resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128, bits=4,
                             grid=WgmmaGrid(256, 128, 64, 1, 3, 8))
-    small = resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128,
+    small = resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128, bits=4,
                               grid=WgmmaGrid(64, 64, 128, 1, 4, 4))
     assert big == sms and small >= sms and small % sms == 0, (big, small)
     big, small = (resident_programs(x, pw.qweight, pw.scales, pw.zeros, None, out, n=4096, k=4096, group_size=128,
-                                    grid=WgmmaGrid(bm, bn, bk, 1, stages, bn // 16, producer=True))
+                                    bits=4, grid=WgmmaGrid(bm, bn, bk, 1, stages, bn // 16, producer=True))
                   for bm, bn, bk, stages in ((256, 128, 64, 3), (64, 64, 128, 4)))
     assert big == sms and small == 2 * sms, (big, small)
 
