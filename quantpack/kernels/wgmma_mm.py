@@ -201,12 +201,9 @@ if HAVE_GLUON:
                   _row_const(s1 * 16.0, words), _row_const(-(z0 * s0) - s0 * 256.0, words),
                   _row_const(-(z0 * s0) - s0 * 16.0, words), _row_const(-(z1 * s1) - s1 * 256.0, words),
                   _row_const(-(z1 * s1) - s1 * 16.0, words))
-        if DTYPE == gl.bfloat16:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT_BF16, "=r,=r,=r,=r" + ",r" * 17, (words, ) + consts,
-                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=2)
-        else:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT_FP16, "=r,=r,=r,=r" + ",r" * 17, (words, ) + consts,
-                                               dtype=(gl.int32, gl.int32), is_pure=True, pack=2)
+        asm: gl.constexpr = _DEQUANT_BF16 if DTYPE == gl.bfloat16 else _DEQUANT_FP16
+        lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r" + ",r" * 17, (words, ) + consts,
+                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=2)
         w = _mma_rows(lo, hi).to(DTYPE, bitcast=True)
         return gl.convert_layout(w, a_layout)
 
@@ -222,12 +219,9 @@ if HAVE_GLUON:
         s0, s1, z0, z1 = _step_scales(sz_smem, S_PLANE, BN, WARPS, pair_layout)
         consts = (_row_const(s0 * 256.0, words), _row_const(s1 * 256.0, words),
                   _row_const(-(z0 * s0) - s0 * 256.0, words), _row_const(-(z1 * s1) - s1 * 256.0, words))
-        if DTYPE == gl.bfloat16:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT8_BF16, "=r,=r" + ",r" * 9, (words, ) + consts,
-                                               dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
-        else:
-            lo, hi = gl.inline_asm_elementwise(_DEQUANT8_FP16, "=r,=r" + ",r" * 9, (words, ) + consts,
-                                               dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
+        asm: gl.constexpr = _DEQUANT8_BF16 if DTYPE == gl.bfloat16 else _DEQUANT8_FP16
+        lo, hi = gl.inline_asm_elementwise(asm, "=r,=r" + ",r" * 9, (words, ) + consts,
+                                           dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
         w = _mma_rows8(lo, hi).to(DTYPE, bitcast=True)
         return gl.convert_layout(w, a_layout)
 
