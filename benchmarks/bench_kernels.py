@@ -160,10 +160,7 @@ def tune(ms, tr_ms, dtype_name, l2, out_dir, w8_ms=(1,), paths=()):
         ranked = sorted(times.items(), key=lambda kv: (kv[0] != best, kv[1]))
         results[key] = [(c.__dict__, t) for c, t in ranked]
         log(f"tune {key}: best {times[best]:.1f}us {best}  | next: " +
-            "; ".join(f"{t:.1f}us {c.path}{'/raw' if c.rawq else ''}{'/words' if c.words else ''}"
-                      f"{f'/x{c.block_m}/r{c.block_n}/d{c.num_stages}' if c.path == 'mma' else f'/{c.block_m}x{c.block_n}x{c.block_r}'}"
-                      f"/s{c.split}/w{c.num_warps}{'/P' if c.producer else ''}"
-                      for c, t in ranked[1:4]))
+            "; ".join(f"{t:.1f}us {config_label(c)}" for c, t in ranked[1:4]))
         del qw, s, z, x
     torch.cuda.empty_cache()
     dev_key = mm.device_key(torch.device("cuda"))
@@ -284,15 +281,7 @@ def bench(ms, dtypes, bw, peak):
                 if q:
                     extra = (f" | {(nbytes4 + 2 * m * k + 2 * m * n) / (q * 1e-6) / 1e12:5.2f} "
                              f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
-                cfg = mm.pick_config(False, 4, m, n, k, x.device)
-                # (mma: x = rows of x per program, r = rows of N per warp, d = chunks of loads in flight)
-                # (wgmma: rows of x x weight rows x in-features per K step, d = TMA ring depth, /P = producer warp)
-                tile = (f"x{max(16, cfg.block_m)} r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma"
-                        else f"{cfg.block_m}x{cfg.block_n}xk{2 * cfg.block_r} d{cfg.num_stages} " if cfg.path == "wgmma"
-                        else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} ")
-                flags = f"{'/P' if cfg.producer else ''}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''}"
-                extra += (f"  [{cfg.path}{flags} "
-                          f"{tile}s{cfg.split} w{cfg.num_warps}]")
+                extra += f"  [{config_label(mm.pick_config(False, 4, m, n, k, x.device))}]"
                 log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)
                 for nm in names:
                     if line.get(nm + "_fail"):
@@ -418,6 +407,20 @@ def bench_stream(dtype):
     return rows
 
 
+DQ = mm.KernelConfig("dq")
+
+
+def config_label(cfg) -> str:
+    """The dispatched config as the tables print it.
+    (mma: x = rows of x per program, r = rows of N per warp, d = chunks of loads in flight)
+    (wgmma: rows of x x weight rows x in-features per K step, d = TMA ring depth, /P = producer warp)"""
+    tile = (f"x{max(16, cfg.block_m)} r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma"
+            else f"{cfg.block_m}x{cfg.block_n}xk{2 * cfg.block_r} d{cfg.num_stages} " if cfg.path == "wgmma"
+            else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} ")
+    flags = f"{'/P' if cfg.producer else ''}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''}"
+    return f"{cfg.path}{flags} {tile}s{cfg.split} w{cfg.num_warps}"
+
+
 def bench_w8(ms, bw, peak, dtype):
     log(f"\n== W8A16 (8-bit weights) vs cuBLAS, {dtype}: the dispatched path, and dequantize + cuBLAS (`dq`)")
     rows = []
@@ -434,16 +437,13 @@ def bench_w8(ms, bw, peak, dtype):
             tc, _ = graph_time([lambda i=i: F.linear(x, ws[i]) for i in range(r16)])
             tdq = math.nan
             if m > 1:  # (the fused path this replaces beyond decode)
-                dq = mm.KernelConfig("dq")
-                tdq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, bits=8, config=dq)
+                tdq, _ = graph_time([lambda i=i: mm.mixed_mm(x, *qps[i], group_size=GS, bits=8, config=DQ)
                                      for i in range(r8)])
-            cfg = mm._fix_config(mm.pick_config(False, 8, m, n, k, x.device), False, m, 1, GS)
+            cfg = mm.pick_config(False, 8, m, n, k, x.device)
             floor = max((nbytes + 2 * m * (n + k)) / bw, 2 * m * n * k / peak) * 1e6  # us
             log(f"N={n:5d} K={k:5d} M={m:5d}: quantpack W8 {tq * 1e3:7.1f}us ({nbytes / (tq * 1e-3) / 1e12:.2f} TB/s, "
                 f"{2 * m * n * k / (tq * 1e-3) / 1e12:5.0f} TFLOP/s) cuBLAS {tc * 1e3:7.1f}us  x{tc / tq:.2f}  "
-                f"dq {tdq * 1e3:7.1f}us x{tc / tdq:.2f}  floor {floor:6.1f}us  err {err:.1e}  "
-                f"[{cfg.path} {cfg.block_m}x{cfg.block_n}x{2 * cfg.block_r} s{cfg.split} w{cfg.num_warps}"
-                f"{' P' if cfg.producer else ''}]")
+                f"dq {tdq * 1e3:7.1f}us x{tc / tdq:.2f}  floor {floor:6.1f}us  err {err:.1e}  [{config_label(cfg)}]")
             rows.append({"N": n, "K": k, "M": m, "dtype": str(dtype), "quantpack": tq * 1e3, "cublas": tc * 1e3,
                          "dq": tdq * 1e3, "floor": floor, "err": err, "path": cfg.path})
     return rows
