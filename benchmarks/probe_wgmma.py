@@ -33,7 +33,7 @@ from quantpack.kernels import wgmma_mm as wg  # noqa: E402
 def run_wg(x, qw, s, z, gs, g):
     """The wgmma launch of tile ``g`` through mixed_mm (its workspace and counters, as the shipped path)."""
     cfg = mm.KernelConfig("wgmma", g.block_m, g.block_n, g.block_k // 2, split=g.split, num_warps=g.warps,
-                          num_stages=g.stages, producer=g.producer)
+                          num_stages=g.stages, producer=g.producer, rawq=g.rawq)
     return mm.mixed_mm(x, qw, s, z, group_size=gs, config=cfg)
 
 
@@ -105,6 +105,7 @@ def main():
     ap.add_argument("--splits", default="1,2,4")
     ap.add_argument("--stages", default="3,4", help="TMA ring depths to sweep")
     ap.add_argument("--producer", default="0,1", help="without (0) and/or with (1) a TMA producer warp")
+    ap.add_argument("--rawq", default="0", help="with the scales applied per step (1) and/or to the weights (0)")
     ap.add_argument("--rounds", type=int, default=1, help="time everything this many times, keep each one's best")
     ap.add_argument("--top", type=int, default=6, help="print the fastest this many")
     ap.add_argument("--trace", action="store_true", help="only print the shipped pick's timeline (see above)")
@@ -143,11 +144,12 @@ def main():
                     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
                 splits = [int(v) for v in args.splits.split(",")]
                 producers = [bool(int(v)) for v in args.producer.split(",")]
-                for (bm, bn, bk), split, stages, balanced, producer in itertools.product(
+                rawqs = [bool(int(v)) for v in args.rawq.split(",")]
+                for (bm, bn, bk), split, stages, balanced, producer, rawq in itertools.product(
                         tiles, splits, [int(v) for v in args.stages.split(",")],
-                        (True, False) if args.unbalanced else (True,), producers):
-                    g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages, producer)
-                    if g.split == split and (balanced or split == 1):
+                        (True, False) if args.unbalanced else (True,), producers, rawqs):
+                    g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages, producer, rawq)
+                    if g.split == split and (balanced or split == 1) and g not in [h for h, _ in grids]:
                         grids.append((g, balanced))
             # every round times cuBLAS, the shipped pick and each tile once; each keeps its fastest round
             # (the GPU's clock drifts over a sweep, so single times taken minutes apart do not compare)
@@ -182,7 +184,7 @@ def main():
                   f" (best of {args.rounds} rounds)", flush=True)
             for (g, balanced), t in sorted(best.items(), key=lambda kv: kv[1])[:args.top]:
                 print(f"  {t*1e3:7.1f} us x{tb/t:5.2f}  bm{g.block_m} bn{g.block_n} bk{g.block_k} s{g.split} "
-                      f"st{g.stages} w{g.warps}{' P' if g.producer else ''}{'' if balanced else ' ub'}  "
+                      f"st{g.stages} w{g.warps}{' P' if g.producer else ''}{' R' if g.rawq else ''}{'' if balanced else ' ub'}  "
                       f"err {errs[(g, balanced)]:.1e}", flush=True)
         del qps, wds
         torch.cuda.empty_cache()

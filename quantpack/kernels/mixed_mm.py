@@ -76,7 +76,7 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 2  # pipeline stages (dot paths); chunks of loads in flight per warp (mma: 1-2)
-    rawq: bool = False  # dot paths, 4/8-bit, groups along K: MMA on raw q, rescale per tile
+    rawq: bool = False  # dot/wgmma paths, groups along K: MMA on raw q, rescale per tile (wgmma: 4-bit, per K step)
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
     producer: bool = False  # wgmma path: a producer warp issues the TMA copies (warp-specialized)
 
@@ -619,6 +619,15 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                                              producer=producer)
                             if c not in out:
                                 out.append(c)
+    if mb <= 32 and bits == 4 and wgmma_device(device):
+        # Hopper, few rows: the raw weights' MMA, scales and zeros applied per K step (9 instead of 24 instructions
+        # per 8 weights; benchmarks/NOTES.md v18), with its producer warp; from one row of x (a 16-row tile)
+        for bm, bn, br, split in itertools.product(sorted({16, min(32, max(16, mb))}), (64, 128), (32, 64),
+                                                   (1, 2, 4, 8)):
+            c = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=4, producer=True,
+                             rawq=True)
+            if c not in out:
+                out.append(c)
     if mb > 64:
         for path, bm, bn, br, warps, stages in (("dot", 64, 128, 32, 4, 4), ("dot", 128, 128, 32, 8, 3),
                                                 ("dot", 128, 256, 32, 8, 3), ("dot", 128, 128, 64, 8, 3),
@@ -866,7 +875,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         tiles = m * tiles_n
     elif cfg.path == "wgmma":
         wg = wgmma_grid(m, n, k, group_size, cfg.block_m, cfg.block_n, 2 * cfg.block_r, split, cfg.num_stages,
-                        cfg.producer)
+                        cfg.producer, rawq=cfg.rawq and bits == 4)
         if wg.split == 1:
             wg = balance_last_wave(wg, m, n, k, resident_programs(x2, qweight, scales, zeros, bias, out, n=n, k=k,
                                                                   group_size=group_size, bits=bits, grid=wg))

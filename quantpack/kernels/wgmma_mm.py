@@ -15,6 +15,10 @@ Per K step of BLOCK_K in-features:
 
 With PRODUCER, one extra warp (Gluon ``warp_specialize``) issues the copies, each once the MMA warps have released
 the slot through its "empty" mbarrier, so the MMA warps run no TMA code and fewer CTA barriers per step.
+With RAWQ (4-bit, with PRODUCER) the A operand is the raw weights, q + OFFSET in x's dtype (9 instructions per
+8 weights instead of 24), and each step's scales and zeros are applied to its sums: acc += s (W_raw x) -
+(z + OFFSET) s (ones x), the second MMA giving x's sums over the step (for few rows of x, where the dequant's
+instructions are a larger share of a step).
 
 The weight's rows reach the MMA permuted (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a thread's two
 rows are one 16-bit load); the epilogue undoes it. Triton's own pipeliner cannot overlap a dequantized
@@ -88,6 +92,18 @@ if HAVE_GLUON:
                  "{cvt} $0, f2, f0; {cvt} $1, f3, f1; }}")
     _DEQUANT8_BF16 = gl.constexpr(_DEQUANT8.format(cvt="cvt.rn.bf16x2.f32"))
     _DEQUANT8_FP16 = gl.constexpr(_DEQUANT8.format(cvt="cvt.rn.f16x2.f32"))
+    # RAWQ (4-bit): the same word, unpacked to x's dtype without the scales: each byte's nibbles q become q + OFFSET
+    # exactly (OR-ed into the mantissa of OFFSET = 128 in bf16, 1024 in fp16), in-feature 2kk in the low half.
+    # u = word >> 4 has each byte's high nibble at the bottom; PRMT puts byte b of the word and of u at bytes 0 and 2,
+    # one LOP3 keeps those two nibbles and ORs in the magic. Outputs as _DEQUANT's; $4 the word. 9 instructions
+    # per 8 weights (_DEQUANT: 24). The scales and zeros are applied to the MMA's sums per K step instead.
+    _UNPACK_RAW = ("{{ .reg .b32 u, t; shr.b32 u, $4, 4; "
+                   "prmt.b32 t, $4, u, 0x0400; lop3.b32 $0, t, 0x000F000F, {magic}, 0xEA; "
+                   "prmt.b32 t, $4, u, 0x0602; lop3.b32 $1, t, 0x000F000F, {magic}, 0xEA; "
+                   "prmt.b32 t, $4, u, 0x0501; lop3.b32 $2, t, 0x000F000F, {magic}, 0xEA; "
+                   "prmt.b32 t, $4, u, 0x0703; lop3.b32 $3, t, 0x000F000F, {magic}, 0xEA; }}")
+    _UNPACK_RAW_BF16 = gl.constexpr(_UNPACK_RAW.format(magic="0x43004300"))
+    _UNPACK_RAW_FP16 = gl.constexpr(_UNPACK_RAW.format(magic="0x64006400"))
 
     @gluon.constexpr_function
     def _operand_words_layout(BN, BK, num_warps):
@@ -163,17 +179,24 @@ if HAVE_GLUON:
         return c
 
     @gluon.jit
-    def _step_scales(sz_smem, S_PLANE: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr,
-                     pair_layout: gl.constexpr):
-        """The step's scales and zeros (float32) of weight rows 2p and 2p + 1: s0, s1, z0, z1, each (BN/2,)."""
+    def _step_rows(sz_smem, S_PLANE: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr):
+        """The step's scale and zero rows (float32, (BN,) each, weight-row order), each thread holding weight rows
+        16w + 2g + {0, 1} (_planes_layout)."""
         planes = sz_smem.reshape((2, BN)).load(_planes_layout(BN, WARPS)).to(gl.float32)
         first, second = gl.split(gl.permute(planes, (1, 0)))
         if S_PLANE == 0:
-            s0, s1 = _row_pairs(first, pair_layout)
-            z0, z1 = _row_pairs(second, pair_layout)
+            s, z = first, second
         else:
-            s0, s1 = _row_pairs(second, pair_layout)
-            z0, z1 = _row_pairs(first, pair_layout)
+            s, z = second, first
+        return s, z
+
+    @gluon.jit
+    def _step_scales(sz_smem, S_PLANE: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr,
+                     pair_layout: gl.constexpr):
+        """The step's scales and zeros (float32) of weight rows 2p and 2p + 1: s0, s1, z0, z1, each (BN/2,)."""
+        s, z = _step_rows(sz_smem, S_PLANE, BN, WARPS)
+        s0, s1 = _row_pairs(s, pair_layout)
+        z0, z1 = _row_pairs(z, pair_layout)
         return s0, s1, z0, z1
 
     @gluon.jit
@@ -224,6 +247,61 @@ if HAVE_GLUON:
                                            dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
         w = _mma_rows8(lo, hi).to(DTYPE, bitcast=True)
         return gl.convert_layout(w, a_layout)
+
+    @gluon.jit
+    def _raw_operand(q_smem, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+        """RAWQ: the step's 4-bit weights as q + OFFSET (x's dtype), the register A operand (BN, BK) in MMA-row order."""
+        BN: gl.constexpr = 2 * q_smem.shape[1]
+        BK: gl.constexpr = 2 * q_smem.shape[0]
+        WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
+        words = q_smem.permute((1, 0)).load(_operand_words_layout(BN, BK, WARPS))
+        asm: gl.constexpr = _UNPACK_RAW_BF16 if DTYPE == gl.bfloat16 else _UNPACK_RAW_FP16
+        lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", (words, ), dtype=(gl.int32, gl.int32), is_pure=True,
+                                           pack=2)
+        return gl.convert_layout(_mma_rows(lo, hi).to(DTYPE, bitcast=True), a_layout)
+
+    @gluon.jit
+    def _mma_order(acc):
+        """The inverse of _weight_rows: a (BN, BM) tile from weight-row order to MMA-row order (a relabelling)."""
+        BN: gl.constexpr = acc.shape[0]
+        BM: gl.constexpr = acc.shape[1]
+        return gl.reshape(gl.permute(gl.reshape(acc, (BN // 16, 8, 2, BM)), (0, 2, 1, 3)), (BN, BM))
+
+    @gluon.jit
+    def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
+                          a_layout: gl.constexpr, acc_layout: gl.constexpr):
+        """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the raw weights
+        (q + OFFSET) and one of ones (x's sums over the step) into fresh accumulators, both waited for, then
+        acc += s part - (z + OFFSET) s sums per weight row, in weight-row order (where each thread's rows are the ones
+        its scale loads gave it: no exchange). A step lies in one group (BLOCK_K divides it). Starting the next
+        step's MMAs before adding this step's measured no faster (benchmarks/NOTES.md v18). Returns (accumulator in
+        MMA-row order,), as _consume_ring."""
+        BN: gl.constexpr = 2 * q_s.shape[2]
+        BM: gl.constexpr = x_s.shape[1]
+        BK: gl.constexpr = x_s.shape[2]
+        DTYPE: gl.constexpr = x_s.dtype
+        WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
+        OFFSET: gl.constexpr = 128.0 if DTYPE == gl.bfloat16 else 1024.0
+        ones = gl.full((BN, BK), 1.0, DTYPE, a_layout)
+        acc = _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
+        rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        for i in range(steps):
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            a = _raw_operand(q_s.index(slot), a_layout, DTYPE)
+            xt = x_s.index(slot).permute((1, 0))
+            # (use_acc=False over zeros: the first MMA ignores its input, so no instruction defines these registers
+            # before the MMAs do, and ptxas keeps them asynchronous)
+            part = warpgroup_mma(a, xt, gl.zeros((BN, BM), gl.float32, acc_layout), use_acc=False, is_async=True)
+            sums = warpgroup_mma(ones, xt, gl.zeros((BN, BM), gl.float32, acc_layout), use_acc=False, is_async=True)
+            s, z = _step_rows(sz_s.index(slot), S_PLANE, BN, WARPS)
+            c = gl.convert_layout(-(z + OFFSET) * s, rows)
+            s = gl.convert_layout(s, rows)
+            part, sums = warpgroup_mma_wait(0, deps=(part, sums))
+            fence_async_shared()  # (the slot's words and scale rows were read by ordinary loads)
+            mbarrier.arrive(empty.index(slot))
+            acc = acc + s[:, None] * _weight_rows(part) + c[:, None] * _weight_rows(sums)
+        return (_mma_order(acc), )
 
     @gluon.jit
     def _multiply_slot(x_s, q_s, sz_s, ready, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
@@ -316,7 +394,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr, M, N, K, stride_om,
                       whole, G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, TRACE: gl.constexpr, num_warps: gl.constexpr):
+                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, RAWQ: gl.constexpr, TRACE: gl.constexpr,
+                      num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = sz_desc.block_type.shape[2]
@@ -362,10 +441,16 @@ if HAVE_GLUON:
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
                 mbarrier.init(empty.index(i), count=1)
-            acc = gl.warp_specialize([(_consume_ring, (x_s, q_s, sz_s, bars, empty, steps, STAGES, S_PLANE, a_layout,
-                                                       acc_layout)),
-                                      (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first, steps,
-                                                    m0, n0, G, STAGES))], [1], [24])[0]
+            if RAWQ:
+                acc = gl.warp_specialize([(_consume_ring_raw, (x_s, q_s, sz_s, bars, empty, steps, STAGES, S_PLANE,
+                                                               a_layout, acc_layout)),
+                                          (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first,
+                                                        steps, m0, n0, G, STAGES))], [1], [24])[0]
+            else:
+                acc = gl.warp_specialize([(_consume_ring, (x_s, q_s, sz_s, bars, empty, steps, STAGES, S_PLANE, a_layout,
+                                                           acc_layout)),
+                                          (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first,
+                                                        steps, m0, n0, G, STAGES))], [1], [24])[0]
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(empty.index(i))
         else:
@@ -490,6 +575,7 @@ class WgmmaGrid:
     warps: int
     whole: int = 0
     producer: bool = False
+    rawq: bool = False  # 4-bit with a producer warp: MMA on q + OFFSET, scales and zeros applied per K step
 
     def tiles(self, m: int, n: int) -> int:
         return triton.cdiv(n, self.block_n) * triton.cdiv(m, self.block_m)
@@ -513,14 +599,15 @@ def _fit_split(steps: int, split: int) -> int:
 
 
 def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int, split: int,
-               stages: int, producer: bool = False) -> WgmmaGrid:
+               stages: int, producer: bool = False, rawq: bool = False) -> WgmmaGrid:
     """Clamp a tuned tile to this call: BLOCK_M to x's rows (a power of two, as TMA blocks are, 16 to 256),
     BLOCK_K to a divisor of the group (64 or 128 in-features), the split so that every program has at
-    least one K step."""
+    least one K step. ``rawq`` (4-bit only; the caller checks) runs on the producer warp's ring."""
     block_m = max(16, min(block_m, 256, triton.next_power_of_2(m)))
     block_k = 128 if block_k >= 128 and group_size % 128 == 0 else 64
     split = _fit_split(triton.cdiv(k, block_k), split)
-    return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16, producer=producer)
+    return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16, producer=producer or rawq,
+                     rawq=rawq)
 
 
 def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> WgmmaGrid:
@@ -604,7 +691,7 @@ def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_s
     return kernel(x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt,
                   trace if trace is not None else cnt, m, n, k, out.stride(0), grid.whole, G=group_size,
                   HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages, S_PLANE=s_plane,
-                  PRODUCER=grid.producer, TRACE=trace is not None, num_warps=grid.warps, **extra)
+                  PRODUCER=grid.producer, RAWQ=grid.rawq, TRACE=trace is not None, num_warps=grid.warps, **extra)
 
 
 def producer_maxnreg(grid: WgmmaGrid) -> int:

@@ -133,6 +133,20 @@ def test_forced_wgmma_config_falls_back_off_hopper():
     assert rel_err(out, x.float() @ w.t()) < 5e-3
 
 
+@pytest.mark.parametrize("m,raw", [(1, True), (16, True), (32, True), (64, False)])
+def test_tuner_offers_raw_weights_on_hopper_for_few_rows_and_4_bits(monkeypatch, m, raw):
+    """RAWQ tiles (producer warp, from one row of x) are candidates at up to 32 rows of 4-bit weights on Hopper,
+    never for 8-bit weights, and they clamp to a 16-row x tile at one row."""
+    monkeypatch.setattr(mm_mod, "wgmma_device", lambda device: True)
+    dev = torch.device("cpu")
+    found = [c for c in mm_mod.candidate_configs(False, m, 4096, 4096, dev, bits=4) if c.path == "wgmma" and c.rawq]
+    assert bool(found) == raw and all(c.producer for c in found)
+    assert not [c for c in mm_mod.candidate_configs(False, m, 4096, 4096, dev, bits=8) if c.rawq and c.path == "wgmma"]
+    if found:
+        g = wgmma_grid(m, 4096, 4096, 128, max(c.block_m for c in found), 64, 128, 4, 4, rawq=True)
+        assert g.rawq and g.producer and g.block_m == (16 if m <= 16 else 32)
+
+
 def test_heuristic_offers_wgmma_only_on_hopper():
     cpu = torch.device("cpu")
     assert mm_mod.heuristic_config(False, 64, 4096, 4096, cpu).path != "wgmma"
@@ -140,8 +154,8 @@ def test_heuristic_offers_wgmma_only_on_hopper():
 
 
 def test_sm90_compile_keeps_the_mmas_asynchronous():
-    """Every variant (tiles, dtypes, float32 scales, split-K, bias) gets through Gluon and ptxas for sm_90
-    with BLOCK_K / 16 wgmma per K step at four sites (the peeled first step, the loop's two, the remainder),
+    """Every variant (tiles, dtypes, float32 scales, split-K, bias, RAWQ) gets through Gluon and ptxas for sm_90
+    with BLOCK_K / 16 wgmma per K step at four sites (RAWQ: two MMAs per step at one site, each step waited for) (the peeled first step, the loop's two, the remainder),
     without ptxas serializing them (C7515: what a zero-filled accumulator inside the MMA pipeline caused),
     and with each site reading its register operand from other registers than the site before it, whose
     MMA is still in flight while it dequantizes (one loop site rewriting its own registers gave wrong sums)."""
@@ -153,7 +167,11 @@ def test_sm90_compile_keeps_the_mmas_asynchronous():
 
     for line in run_script("sm90_compile_wgmma.py", VARIANTS):
         assert "error" not in line, line
-        assert line["wgmma"] == 4 * line["per_step"] and not line["serialized"] and line["spills"] == 0, line
+        assert not line["serialized"] and line["spills"] == 0, line
+        if len(line["variant"]) > 12 and line["variant"][12]:  # RAWQ: one loop site, the weights' and the ones' MMAs
+            assert line["wgmma"] == 2 * line["per_step"] and len(line["operands"]) == 2, line
+            continue
+        assert line["wgmma"] == 4 * line["per_step"], line
         peeled, odd, even, last = (set(regs) for regs in line["operands"])
         # in order: peeled -> odd -> even -> odd ... -> last (when the step count is even)
         assert not (peeled & odd) and not (odd & even) and not (even & last) and not (peeled & last), line
@@ -186,31 +204,36 @@ def assert_graph_replays(x, w, call):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
+@pytest.mark.parametrize("producer,rawq", [(False, False), (True, False), (True, True)],
+                         ids=["", "producer", "rawq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bits", [4, 8], ids=["w4", "w8"])
 @pytest.mark.parametrize("n,k,gs", [(1040, 640, 64), (4096, 4096, 128), (208, 1152, 128), (1024, 2048, 256)])
-def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer):
+def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer, rawq):
     """Awkward rows of x (1, 3, 17, 100, 300: partial tiles along M), N not a multiple of the tile,
     K with a partial split (down to one K step per program), every tile the tuner offers, split-K, shallow
-    and deep rings, bias; the MMA warps issuing the copies themselves or a producer warp; 4- and 8-bit weights."""
+    and deep rings, bias; the MMA warps issuing the copies themselves or a producer warp; 4- and 8-bit weights;
+    4-bit weights multiplied raw (q + OFFSET) with the scales and zeros applied to each step's sums."""
+    if rawq and bits == 8:
+        pytest.skip("rawq is 4-bit only (an 8-bit code does not fit bf16's mantissa)")
     pw, w = packed(n, k, gs, dtype, bits=bits)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     calls = []
     real = mm_mod.launch_wgmma
-    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: calls.append(kw["bits"]) or real(*a, **kw))
+    monkeypatch.setattr(mm_mod, "launch_wgmma",
+                        lambda *a, **kw: calls.append((kw["bits"], kw["grid"])) or real(*a, **kw))
     for m in (1, 3, 17, 64, 100, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         ref = x.float() @ w.t()
         for bm, bn, br, split, stages in ((64, 64, 64, 1, 4), (32, 128, 32, 4, 3), (256, 128, 32, 2, 3),
                                           (128, 64, 64, 3, 2), (16, 64, 32, 8, 4), (16, 64, 64, 8, 4)):
             cfg = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages,
-                               producer=producer)
+                               producer=producer, rawq=rawq)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg)
             assert rel_err(out, ref) < 8e-3, (m, cfg)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg, bias=bias)
             assert rel_err(out, ref + bias.float()) < 8e-3, (m, cfg, "bias")
-    assert calls == [bits] * (6 * 6 * 2)  # every call ran the kernel (none fell back to another path)
+    assert [(b, g.rawq) for b, g in calls] == [(bits, rawq)] * (6 * 6 * 2)  # every call ran the kernel as asked
 
 
 @pytest.mark.gpu
@@ -247,6 +270,20 @@ def test_kernel_runs_when_dispatched(monkeypatch):
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
     out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
     assert len(calls) == 7 and rel_err(out, x.float() @ w.t()) < 8e-3
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_16_rows_run_the_raw_weights_when_dispatched(monkeypatch):
+    """The shipped tables send 16 rows of x at the three benchmark shapes to wgmma with RAWQ: the launches are the
+    kernel's with raw weights, and the products match."""
+    calls = spy_grids(monkeypatch)
+    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
+        pw, w = packed(n, k, 128, torch.bfloat16)
+        x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
+        assert rel_err(out, x.float() @ w.t()) < 8e-3, (n, k)
+    assert [g.rawq for g in calls] == [True] * 3
 
 
 @pytest.mark.gpu
