@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--splits", default="1,2,4")
     ap.add_argument("--stages", default="3,4", help="TMA ring depths to sweep")
     ap.add_argument("--producer", default="0,1", help="without (0) and/or with (1) a TMA producer warp")
-    ap.add_argument("--rawq", default="0", help="with the scales applied per step (1) and/or to the weights (0)")
+    ap.add_argument("--rawq", default="0", help="RAWQ tiles (1: raw weights, scales applied per K step) and/or dequantized ones (0)")
     ap.add_argument("--rounds", type=int, default=1, help="time everything this many times, keep each one's best")
     ap.add_argument("--top", type=int, default=6, help="print the fastest this many")
     ap.add_argument("--trace", action="store_true", help="only print the shipped pick's timeline (see above)")
@@ -149,7 +149,7 @@ def main():
                         tiles, splits, [int(v) for v in args.stages.split(",")],
                         (True, False) if args.unbalanced else (True,), producers, rawqs):
                     g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages, producer, rawq)
-                    if g.split == split and (balanced or split == 1) and g not in [h for h, _ in grids]:
+                    if g.split == split and (balanced or split == 1) and (g, balanced) not in grids:
                         grids.append((g, balanced))
             # every round times cuBLAS, the shipped pick and each tile once; each keeps its fastest round
             # (the GPU's clock drifts over a sweep, so single times taken minutes apart do not compare)
