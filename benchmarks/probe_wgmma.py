@@ -6,7 +6,7 @@ bench_kernels (CUDA-graph replays over weight replicas past L2) beside cuBLAS an
     python benchmarks/probe_wgmma.py --shapes 4096x4096 --ms 64 --trace   # the shipped pick's timeline
 
 --trace: two consecutive calls in the middle of the timed graph record, per program, when it started, when its
-first copies landed (without a producer warp), when its accumulator was done, when its tile (or partial) was
+first copies landed, when its accumulator was done, when its tile (or partial) was
 stored and when a split tile's last program had summed it (the kernel's _stamp); printed as percentiles over
 the programs in microseconds from the first program's start, and the gap between the two calls.
 """

@@ -268,8 +268,8 @@ if HAVE_GLUON:
         return gl.reshape(gl.permute(gl.reshape(acc, (BN // 16, 8, 2, BM)), (0, 2, 1, 3)), (BN, BM))
 
     @gluon.jit
-    def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
-                          a_layout: gl.constexpr, acc_layout: gl.constexpr):
+    def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr,
+                          S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
         """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the raw weights
         (q + OFFSET) and one of ones (x's sums over the step) into fresh accumulators, both waited for, then
         acc += s part - (z + OFFSET) s sums per weight row, in weight-row order (where each thread's rows are the ones
@@ -288,6 +288,8 @@ if HAVE_GLUON:
         for i in range(steps):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            if i == 0:
+                _stamp(trace_ptr, pid, 1, TRACE)
             a = _raw_operand(q_s.index(slot), a_layout, DTYPE)
             xt = x_s.index(slot).permute((1, 0))
             # (use_acc=False over zeros: the first MMA ignores its input, so no instruction defines these registers
@@ -361,13 +363,14 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _consume_ring(x_s, q_s, sz_s, ready, empty, steps, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
-                      a_layout: gl.constexpr, acc_layout: gl.constexpr):
+    def _consume_ring(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
+                      a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
         """The MMA warps' K loop when a producer warp fills the ring (the same schedule as the loop in
         _wgmma_kernel, without the copies). Returns (accumulator,)."""
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
         mbarrier.wait(ready.index(0), 0)
+        _stamp(trace_ptr, pid, 1, TRACE)
         a = _dequant_operand(q_s.index(0), sz_s.index(0), x_s.index(0), S_PLANE, a_layout)
         acc = warpgroup_mma(a, x_s.index(0).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
                             use_acc=False, is_async=True)
@@ -404,7 +407,7 @@ if HAVE_GLUON:
         # programs [0, whole) own tiles [0, whole) outright; the programs after them split each remaining
         # tile's K range SPLIT ways (whole = 0: split-K everywhere; a partial last wave: only its tiles)
         pid = gl.program_id(0)
-        _stamp(trace_ptr, pid, 0, TRACE)  # events: 0 start, 1 first step's copies landed (without PRODUCER),
+        _stamp(trace_ptr, pid, 0, TRACE)  # events: 0 start, 1 first step's copies landed,
         # 2 accumulator done, 3 tile or partial stored (and counted), 4 split tile summed and stored; slot 7: SM
         if TRACE:
             gl.store(trace_ptr + pid * 16 + 7, gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
@@ -442,13 +445,13 @@ if HAVE_GLUON:
             for i in gl.static_range(STAGES):
                 mbarrier.init(empty.index(i), count=1)
             if RAWQ:
-                acc = gl.warp_specialize([(_consume_ring_raw, (x_s, q_s, sz_s, bars, empty, steps, STAGES, S_PLANE,
-                                                               a_layout, acc_layout)),
+                acc = gl.warp_specialize([(_consume_ring_raw, (x_s, q_s, sz_s, bars, empty, steps, trace_ptr, pid,
+                                                               STAGES, S_PLANE, a_layout, acc_layout, TRACE)),
                                           (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first,
                                                         steps, m0, n0, G, STAGES))], [1], [24])[0]
             else:
-                acc = gl.warp_specialize([(_consume_ring, (x_s, q_s, sz_s, bars, empty, steps, STAGES, S_PLANE, a_layout,
-                                                           acc_layout)),
+                acc = gl.warp_specialize([(_consume_ring, (x_s, q_s, sz_s, bars, empty, steps, trace_ptr, pid, STAGES,
+                                                           S_PLANE, a_layout, acc_layout, TRACE)),
                                           (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first,
                                                         steps, m0, n0, G, STAGES))], [1], [24])[0]
             for i in gl.static_range(STAGES):

@@ -31,13 +31,13 @@ from quantpack.kernels import wgmma_mm  # noqa: E402
 # (weight bits, x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp[,
 # trace[, rawq]]): the tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without
 # a producer warp (also split: a partial last wave's tiles, balance_last_wave), the profiling build (timeline stamps) of
-# the split tile, 8-bit weights, and RAWQ (4-bit weights multiplied raw, the scales applied per K step)
+# the split tile (with and without a producer warp, and of RAWQ), 8-bit weights, and RAWQ (4-bit weights multiplied raw, the scales applied per K step)
 VARIANTS = [(4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             (4, "bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
             (4, "fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False),
             (4, "bf16", "fp32", 16, 128, 128, 1, 4, 128, False, False),
             (4, "fp16", "fp16", 128, 64, 128, 2, 2, 256, False, False),
-            (4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True),
+            (4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, True, True),
             (4, "fp16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
             (4, "bf16", "bf16", 256, 64, 64, 1, 3, 128, False, True),
             (4, "bf16", "bf16", 256, 128, 64, 2, 3, 128, False, True),
@@ -45,7 +45,7 @@ VARIANTS = [(4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             (8, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             (8, "fp16", "fp16", 128, 64, 64, 2, 3, 64, False, True),
             (8, "bf16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
-            (4, "bf16", "bf16", 16, 64, 128, 4, 4, 128, False, True, False, True),
+            (4, "bf16", "bf16", 16, 64, 128, 4, 4, 128, False, True, True, True),
             (4, "fp16", "fp16", 32, 128, 64, 2, 4, 64, True, True, False, True)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
