@@ -15,10 +15,10 @@ Per K step of BLOCK_K in-features:
 
 With PRODUCER, one extra warp (Gluon ``warp_specialize``) issues the copies, each once the MMA warps have released
 the slot through its "empty" mbarrier, so the MMA warps run no TMA code and fewer CTA barriers per step.
-With RAWQ (4-bit, with PRODUCER) the A operand is the raw weights, q + OFFSET in x's dtype (9 instructions per
-8 weights instead of 24), and each step's scales and zeros are applied to its sums: acc += s (W_raw x) -
-(z + OFFSET) s (ones x), the second MMA giving x's sums over the step (for few rows of x, where the dequant's
-instructions are a larger share of a step).
+With RAWQ (4-bit, with PRODUCER) the A operand is q - z in x's dtype, without the scales: the nibbles OR-ed into
+OFFSET's mantissa are q + OFFSET exactly, then two packed subtractions (OFFSET, exact; z, rounded once, as
+dequantizing rounds) give q - z (17 instructions per 8 weights instead of 24), and each step's MMA is scaled once:
+acc += s (W_q-z x) (for few rows of x, where the dequant's instructions are a larger share of a step).
 
 The weight's rows reach the MMA permuted (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a thread's two
 rows are one 16-bit load); the epilogue undoes it. Triton's own pipeliner cannot overlap a dequantized
@@ -96,7 +96,8 @@ if HAVE_GLUON:
     # exactly (OR-ed into the mantissa of OFFSET = 128 in bf16, 1024 in fp16), in-feature 2kk in the low half.
     # u = word >> 4 has each byte's high nibble at the bottom; PRMT puts byte b of the word and of u at bytes 0 and 2,
     # one LOP3 keeps those two nibbles and ORs in the magic. Outputs as _DEQUANT's; $4 the word. 9 instructions
-    # per 8 weights (_DEQUANT: 24). The scales and zeros are applied to the MMA's sums per K step instead.
+    # per 8 weights (_DEQUANT: 24). _ZERO_SUB then makes each register q - z (below); the scales are applied to the
+    # MMA's sums per K step.
     _UNPACK_RAW = ("{{ .reg .b32 u, t; shr.b32 u, $4, 4; "
                    "prmt.b32 t, $4, u, 0x0400; lop3.b32 $0, t, 0x000F000F, {magic}, 0xEA; "
                    "prmt.b32 t, $4, u, 0x0602; lop3.b32 $1, t, 0x000F000F, {magic}, 0xEA; "
@@ -104,6 +105,14 @@ if HAVE_GLUON:
                    "prmt.b32 t, $4, u, 0x0703; lop3.b32 $3, t, 0x000F000F, {magic}, 0xEA; }}")
     _UNPACK_RAW_BF16 = gl.constexpr(_UNPACK_RAW.format(magic="0x43004300"))
     _UNPACK_RAW_FP16 = gl.constexpr(_UNPACK_RAW.format(magic="0x64006400"))
+    # RAWQ's zeros: (q + OFFSET) - OFFSET is q exactly, then - z rounds once to x's dtype, as dequantizing rounds (one
+    # subtraction with OFFSET + z would round z to OFFSET's unit). $0, $1 from $2, $4 (q + OFFSET of two weight rows)
+    # and $3, $5 (each row's z twice). Subtracting the zeros here instead of applying them to x's sums per step (a
+    # second MMA of ones) measured 2-7% faster at 16 rows on an H200 (benchmarks/NOTES.md v19).
+    _ZERO_SUB = ("{{ .reg .b32 m; mov.b32 m, {magic}; sub.rn.{t}x2 $0, $2, m; sub.rn.{t}x2 $0, $0, $3; "
+                 "sub.rn.{t}x2 $1, $4, m; sub.rn.{t}x2 $1, $1, $5; }}")
+    _ZERO_SUB_BF16 = gl.constexpr(_ZERO_SUB.format(t="bf16", magic="0x43004300"))
+    _ZERO_SUB_FP16 = gl.constexpr(_ZERO_SUB.format(t="f16", magic="0x64006400"))
 
     @gluon.constexpr_function
     def _operand_words_layout(BN, BK, num_warps):
@@ -249,15 +258,28 @@ if HAVE_GLUON:
         return gl.convert_layout(w, a_layout)
 
     @gluon.jit
-    def _raw_operand(q_smem, a_layout: gl.constexpr, DTYPE: gl.constexpr):
-        """RAWQ: the step's 4-bit weights as q + OFFSET (x's dtype), the register A operand (BN, BK) in MMA-row order."""
+    def _pair_bits(v, DTYPE: gl.constexpr):
+        """A float32 value as the 32-bit pair (v, v) in x's dtype."""
+        b = v.to(DTYPE).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return b | (b << 16)
+
+    @gluon.jit
+    def _raw_operand(q_smem, sz_smem, S_PLANE: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+        """RAWQ: the step's 4-bit weights as q - z (x's dtype, no scales), the register A operand (BN, BK) in MMA-row
+        order."""
         BN: gl.constexpr = 2 * q_smem.shape[1]
         BK: gl.constexpr = 2 * q_smem.shape[0]
         WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
-        words = q_smem.permute((1, 0)).load(_operand_words_layout(BN, BK, WARPS))
+        words_layout: gl.constexpr = _operand_words_layout(BN, BK, WARPS)
+        words = q_smem.permute((1, 0)).load(words_layout)
+        _, _, z0, z1 = _step_scales(sz_smem, S_PLANE, BN, WARPS, gl.SliceLayout(1, words_layout))
         asm: gl.constexpr = _UNPACK_RAW_BF16 if DTYPE == gl.bfloat16 else _UNPACK_RAW_FP16
         lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", (words, ), dtype=(gl.int32, gl.int32), is_pure=True,
                                            pack=2)
+        sub: gl.constexpr = _ZERO_SUB_BF16 if DTYPE == gl.bfloat16 else _ZERO_SUB_FP16
+        lo, hi = gl.inline_asm_elementwise(sub, "=r,=r,r,r,r,r", (lo, _row_const(_pair_bits(z0, DTYPE), words), hi,
+                                                                   _row_const(_pair_bits(z1, DTYPE), words)),
+                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
         return gl.convert_layout(_mma_rows(lo, hi).to(DTYPE, bitcast=True), a_layout)
 
     @gluon.jit
@@ -270,19 +292,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr,
                           S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
-        """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the raw weights
-        (q + OFFSET) and one of ones (x's sums over the step) into fresh accumulators, both waited for, then
-        acc += s part - (z + OFFSET) s sums per weight row, in weight-row order (where each thread's rows are the ones
-        its scale loads gave it: no exchange). A step lies in one group (BLOCK_K divides it). Starting the next
-        step's MMAs before adding this step's measured no faster (benchmarks/NOTES.md v18). Returns (accumulator in
-        MMA-row order,), as _consume_ring."""
+        """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the unscaled weights
+        (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where
+        each thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K
+        divides it). Starting the next step's MMAs before adding this step's, or preparing its operand while this
+        step's MMA runs, measured no faster (benchmarks/NOTES.md v18, v19). Returns (accumulator in MMA-row order,),
+        as _consume_ring."""
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
-        BK: gl.constexpr = x_s.shape[2]
         DTYPE: gl.constexpr = x_s.dtype
         WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
-        OFFSET: gl.constexpr = 128.0 if DTYPE == gl.bfloat16 else 1024.0
-        ones = gl.full((BN, BK), 1.0, DTYPE, a_layout)
         acc = _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
         rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
         for i in range(steps):
@@ -290,19 +309,17 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             if i == 0:
                 _stamp(trace_ptr, pid, 1, TRACE)
-            a = _raw_operand(q_s.index(slot), a_layout, DTYPE)
-            xt = x_s.index(slot).permute((1, 0))
-            # (use_acc=False over zeros: the first MMA ignores its input, so no instruction defines these registers
-            # before the MMAs do, and ptxas keeps them asynchronous)
-            part = warpgroup_mma(a, xt, gl.zeros((BN, BM), gl.float32, acc_layout), use_acc=False, is_async=True)
-            sums = warpgroup_mma(ones, xt, gl.zeros((BN, BM), gl.float32, acc_layout), use_acc=False, is_async=True)
-            s, z = _step_rows(sz_s.index(slot), S_PLANE, BN, WARPS)
-            c = gl.convert_layout(-(z + OFFSET) * s, rows)
+            a = _raw_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, DTYPE)
+            # (use_acc=False over zeros: the MMA ignores its input, so no instruction defines these registers before
+            # the MMA does, and ptxas keeps it asynchronous)
+            part = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
+                                 use_acc=False, is_async=True)
+            s, _ = _step_rows(sz_s.index(slot), S_PLANE, BN, WARPS)
             s = gl.convert_layout(s, rows)
-            part, sums = warpgroup_mma_wait(0, deps=(part, sums))
+            part = warpgroup_mma_wait(0, deps=(part, ))
             fence_async_shared()  # (the slot's words and scale rows were read by ordinary loads)
             mbarrier.arrive(empty.index(slot))
-            acc = acc + s[:, None] * _weight_rows(part) + c[:, None] * _weight_rows(sums)
+            acc = acc + s[:, None] * _weight_rows(part)
         return (_mma_order(acc), )
 
     @gluon.jit
