@@ -96,8 +96,8 @@ if HAVE_GLUON:
     # exactly (OR-ed into the mantissa of OFFSET = 128 in bf16, 1024 in fp16), in-feature 2kk in the low half.
     # u = word >> 4 has each byte's high nibble at the bottom; PRMT puts byte b of the word and of u at bytes 0 and 2,
     # one LOP3 keeps those two nibbles and ORs in the magic. Outputs as _DEQUANT's; $4 the word. 9 instructions
-    # per 8 weights (_DEQUANT: 24). _ZERO_SUB then makes each register q - z (below); the scales are applied to the
-    # MMA's sums per K step.
+    # per 8 weights (_DEQUANT: 24). _ZERO_SUB then makes each register q - z (below); the scales are applied to each
+    # K step's MMA result.
     _UNPACK_RAW = ("{{ .reg .b32 u, t; shr.b32 u, $4, 4; "
                    "prmt.b32 t, $4, u, 0x0400; lop3.b32 $0, t, 0x000F000F, {magic}, 0xEA; "
                    "prmt.b32 t, $4, u, 0x0602; lop3.b32 $1, t, 0x000F000F, {magic}, 0xEA; "
