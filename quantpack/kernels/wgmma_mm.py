@@ -264,15 +264,15 @@ if HAVE_GLUON:
         return b | (b << 16)
 
     @gluon.jit
-    def _raw_operand(q_smem, sz_smem, S_PLANE: gl.constexpr, a_layout: gl.constexpr, DTYPE: gl.constexpr):
-        """RAWQ: the step's 4-bit weights as q - z (x's dtype, no scales), the register A operand (BN, BK) in MMA-row
-        order."""
+    def _raw_operand(q_smem, z, a_layout: gl.constexpr, DTYPE: gl.constexpr):
+        """RAWQ: the step's 4-bit weights as q - z (x's dtype, no scales; z the step's zero row from _step_rows), the
+        register A operand (BN, BK) in MMA-row order."""
         BN: gl.constexpr = 2 * q_smem.shape[1]
         BK: gl.constexpr = 2 * q_smem.shape[0]
         WARPS: gl.constexpr = a_layout.parent.warps_per_cta[0]
         words_layout: gl.constexpr = _operand_words_layout(BN, BK, WARPS)
         words = q_smem.permute((1, 0)).load(words_layout)
-        _, _, z0, z1 = _step_scales(sz_smem, S_PLANE, BN, WARPS, gl.SliceLayout(1, words_layout))
+        z0, z1 = _row_pairs(z, gl.SliceLayout(1, words_layout))
         asm: gl.constexpr = _UNPACK_RAW_BF16 if DTYPE == gl.bfloat16 else _UNPACK_RAW_FP16
         lo, hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", (words, ), dtype=(gl.int32, gl.int32), is_pure=True,
                                            pack=2)
@@ -309,12 +309,12 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             if i == 0:
                 _stamp(trace_ptr, pid, 1, TRACE)
-            a = _raw_operand(q_s.index(slot), sz_s.index(slot), S_PLANE, a_layout, DTYPE)
+            s, z = _step_rows(sz_s.index(slot), S_PLANE, BN, WARPS)
+            a = _raw_operand(q_s.index(slot), z, a_layout, DTYPE)
             # (use_acc=False over zeros: the MMA ignores its input, so no instruction defines these registers before
             # the MMA does, and ptxas keeps it asynchronous)
             part = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
                                  use_acc=False, is_async=True)
-            s, _ = _step_rows(sz_s.index(slot), S_PLANE, BN, WARPS)
             s = gl.convert_layout(s, rows)
             part = warpgroup_mma_wait(0, deps=(part, ))
             fence_async_shared()  # (the slot's words and scale rows were read by ordinary loads)
