@@ -882,7 +882,10 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         if wg.split == 1:
             resident = resident_programs(x2, qweight, scales, zeros, bias, out, n=n, k=k, group_size=group_size,
                                          bits=bits, grid=wg)
-            wg = stream_k_grid(wg, m, n, k, resident) if wg.stream_k else balance_last_wave(wg, m, n, k, resident)
+            if wg.stream_k:
+                wg = stream_k_grid(wg, m, n, k, resident)
+            if not wg.stream_k:
+                wg = balance_last_wave(wg, m, n, k, resident)
         split, tiles = wg.split, wg.split_tiles(m, n)
     elif cfg.path == "mma":
         grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))

@@ -290,21 +290,16 @@ if HAVE_GLUON:
         return gl.reshape(gl.permute(gl.reshape(acc, (BN // 16, 8, 2, BM)), (0, 2, 1, 3)), (BN, BM))
 
     @gluon.jit
-    def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr,
-                          S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
-        """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the unscaled weights
-        (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where
-        each thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K
-        divides it). Starting the next step's MMAs before adding this step's, or preparing its operand while this
-        step's MMA runs, measured no faster (benchmarks/NOTES.md v18, v19). Returns (accumulator in MMA-row order,),
-        as _consume_ring."""
+    def _raw_steps(x_s, q_s, sz_s, ready, empty, start, stop, acc, trace_ptr, pid, STAGES: gl.constexpr,
+                   S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
+        """RAWQ's K steps start..stop - 1 of the ring into ``acc`` (weight-row order): each one wgmma of q - z, waited
+        for, its slot released, then acc += s part."""
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
         DTYPE: gl.constexpr = x_s.dtype
         WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
-        acc = _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
         rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-        for i in range(steps):
+        for i in range(start, stop):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             if i == 0:
@@ -320,6 +315,23 @@ if HAVE_GLUON:
             fence_async_shared()  # (the slot's words and scale rows were read by ordinary loads)
             mbarrier.arrive(empty.index(slot))
             acc = acc + s[:, None] * _weight_rows(part)
+        return acc
+
+    @gluon.jit
+    def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr,
+                          S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
+        """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the unscaled weights
+        (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where
+        each thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K
+        divides it). Starting the next step's MMAs before adding this step's, or preparing its operand while this
+        step's MMA runs, measured no faster (benchmarks/NOTES.md v18, v19). Returns (accumulator in MMA-row order,),
+        as _consume_ring."""
+        BN: gl.constexpr = 2 * q_s.shape[2]
+        BM: gl.constexpr = x_s.shape[1]
+        DTYPE: gl.constexpr = x_s.dtype
+        WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
+        acc = _raw_steps(x_s, q_s, sz_s, ready, empty, 0, steps, _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout)),
+                         trace_ptr, pid, STAGES, S_PLANE, a_layout, acc_layout, TRACE)
         return (_mma_order(acc), )
 
     @gluon.jit
@@ -329,88 +341,107 @@ if HAVE_GLUON:
         g1 - 1 down to g0, each once the consumers have released its slot (as _load_ring)."""
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BN: gl.constexpr = sz_desc.block_type.shape[2]
+        tile = (g1 - 1) // total
+        step = g1 - 1 - tile * total
         for i in range(g1 - g0):
-            g = g1 - 1 - i
-            tile = g // total
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, g - tile * total, slot, tile // tiles_n * BM,
+            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, step, slot, tile // tiles_n * BM,
                         tile % tiles_n * BN, G, True)
+            if step == 0:
+                tile -= 1
+                step = total
+            step -= 1
 
     @gluon.jit
     def _consume_stream_raw(x_s, q_s, sz_s, ready, empty, g0, g1, total, tiles_n, span, M, N, bias_ptr, out_ptr, ws_ptr,
                             flag_ptr, stride_om, trace_ptr, pid, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
                             a_layout: gl.constexpr, acc_layout: gl.constexpr, HAS_BIAS: gl.constexpr,
                             TRACE: gl.constexpr):
-        """The MMA warps' loop with RAWQ under stream-K: the steps _load_stream copies, each as in _consume_ring_raw;
-        where a tile's steps end (its step 0, walking down, or the program's last step) the tile's sum goes out
-        through _stream_tile_end and the accumulator starts again. Returns ()."""
+        """The MMA warps under stream-K (RAWQ), a run of at most one tile's K steps (span <= total; stream_k_grid), so
+        at most two tiles, walked downwards as _load_stream copies them: first steps hi..lo of tile t (the run's end),
+        then, if the run started in tile t - 1, that tile's steps total - 1 .. down to where the run starts. The first
+        sum is a partial unless it has tile t's last step (_stream_partial); the second always has its tile's last step.
+        Both loops run before any program waits for another (a wait's loop ahead of the steps made ptxas give up its
+        uniform registers in them: 20% more instructions a step), the partial's flag goes up after them, then the
+        tiles this program has the last step of are finished (_stream_finish). Returns ()."""
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
-        DTYPE: gl.constexpr = x_s.dtype
         WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
         zero = _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
-        acc = zero
-        rows: gl.constexpr = gl.SliceLayout(1, zero.type.layout)
-        hi = (g1 - 1) % total  # the last step of the tile segment being walked
-        for i in range(g1 - g0):
-            g = g1 - 1 - i
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            if i == 0:
-                _stamp(trace_ptr, pid, 1, TRACE)
-            s, z = _step_rows(sz_s.index(slot), S_PLANE, BN, WARPS)
-            a = _raw_operand(q_s.index(slot), z, a_layout, DTYPE)
-            part = warpgroup_mma(a, x_s.index(slot).permute((1, 0)), gl.zeros((BN, BM), gl.float32, acc_layout),
-                                 use_acc=False, is_async=True)
-            s = gl.convert_layout(s, rows)
-            part = warpgroup_mma_wait(0, deps=(part, ))
-            fence_async_shared()
-            mbarrier.arrive(empty.index(slot))
-            acc = acc + s[:, None] * _weight_rows(part)
-            step = g % total
-            if (step == 0) | (g == g0):
-                _stream_tile_end(acc, g // total, step, hi, total, tiles_n, span, pid, M, N, bias_ptr, out_ptr, ws_ptr,
-                                 flag_ptr, stride_om, HAS_BIAS, WARPS)
-                acc = zero
-                hi = total - 1
+        tile = (g1 - 1) // total
+        hi = g1 - 1 - tile * total
+        first = gl.minimum(hi + 1, g1 - g0)  # steps of tile t
+        acc = _raw_steps(x_s, q_s, sz_s, ready, empty, 0, first, zero, trace_ptr, pid, STAGES, S_PLANE, a_layout,
+                         acc_layout, TRACE)
+        owned = hi == total - 1
+        if not owned:
+            _stream_partial(acc, pid, ws_ptr, WARPS)
+        rest = _raw_steps(x_s, q_s, sz_s, ready, empty, first, g1 - g0, zero, trace_ptr, pid, STAGES, S_PLANE,
+                          a_layout, acc_layout, TRACE)
+        if not owned:
+            _stream_flag(flag_ptr, pid)
+        if first < g1 - g0:
+            _stream_finish(rest, tile - 1, total - (g1 - g0 - first), total, tiles_n, span, pid, M, N, bias_ptr,
+                           out_ptr, ws_ptr, flag_ptr, stride_om, HAS_BIAS, WARPS)
+        if owned:
+            _stream_finish(acc, tile, hi + 1 - first, total, tiles_n, span, pid, M, N, bias_ptr, out_ptr, ws_ptr,
+                           flag_ptr, stride_om, HAS_BIAS, WARPS)
         _stamp(trace_ptr, pid, 3, TRACE)
         return ()
 
     @gluon.jit
-    def _stream_tile_end(acc, tile, lo, hi, total, tiles_n, span, pid, M, N, bias_ptr, out_ptr, ws_ptr, flag_ptr,
-                         stride_om, HAS_BIAS: gl.constexpr, WARPS: gl.constexpr):
-        """Stream-K: this program's sum of steps lo..hi of ``tile`` (weight-row order). Without the tile's last step
-        it is a partial: stored in the program's float32 block, then flagged. With it, the program owns the tile:
-        it adds the partials of the lower-numbered programs that hold the tile's earlier steps (each waited for on
-        its flag, then the flag cleared) and stores the tile. A program waits only for lower-numbered ones, which
-        the GPU dispatches first, so whether all programs fit on the GPU at once does not matter for progress; and
-        as each program walks its steps downwards, its partial (the first tile it walks) is ready early and the
-        tile it owns (the last it walks) is summed at its end."""
+    def _stream_partial(acc, pid, ws_ptr, WARPS: gl.constexpr):
+        """Stream-K: this program's partial sum of a tile (the first it walks, without the tile's last step) into
+        its float32 block; _stream_flag tells the tile's owner."""
         BN: gl.constexpr = acc.shape[0]
         BM: gl.constexpr = acc.shape[1]
         p_layout: gl.constexpr = _vector_layout(BN, BM, 4, WARPS)
         n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, p_layout))
         m_p = gl.arange(0, BM, layout=gl.SliceLayout(0, p_layout))
+        gl.store(ws_ptr + pid * (BN * BM) + m_p[None, :] * BN + n_p[:, None], gl.convert_layout(acc, p_layout))
+
+    @gluon.jit
+    def _stream_flag(flag_ptr, pid):
+        """Stream-K: raise this program's flag once its partial's stores (every thread's: the barrier) are visible."""
+        _cta_barrier()
+        gl.atomic_xchg(flag_ptr + pid, 1, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _stream_finish(acc, tile, lo, total, tiles_n, span, pid, M, N, bias_ptr, out_ptr, ws_ptr, flag_ptr, stride_om,
+                       HAS_BIAS: gl.constexpr, WARPS: gl.constexpr):
+        """Stream-K: this program has ``tile``'s last step and its sum of steps lo.. (weight-row order). When lo > 0 the
+        tile's earlier steps are partials of the lower-numbered programs from tile * total // span: it waits for
+        their flags (eight at a time, read together), adds their blocks (loaded together), clears the flags for the
+        next launch, then stores the tile (+ bias). A program waits only for lower-numbered ones, which the GPU
+        dispatches first, so progress does not need every program on the GPU at once; and as each program walks its
+        steps downwards, the partials it waits for are the ones their programs walked first."""
+        BN: gl.constexpr = acc.shape[0]
+        BM: gl.constexpr = acc.shape[1]
+        CH: gl.constexpr = 8
+        p_layout: gl.constexpr = _vector_layout(BN, BM, 4, WARPS)
+        n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, p_layout))
+        m_p = gl.arange(0, BM, layout=gl.SliceLayout(0, p_layout))
         local = m_p[None, :] * BN + n_p[:, None]
         total_sum = gl.convert_layout(acc, p_layout)
-        if hi < total - 1:
-            gl.store(ws_ptr + pid * (BN * BM) + local, total_sum)
-            _cta_barrier()
-            gl.atomic_xchg(flag_ptr + pid, 1, sem="release", scope="gpu")
-        else:
-            if lo > 0:
-                for p in range(tile * total // span, pid):
-                    flag = gl.atomic_add(flag_ptr + p, 0, sem="acquire", scope="gpu")
-                    while flag == 0:
-                        flag = gl.atomic_add(flag_ptr + p, 0, sem="acquire", scope="gpu")
-                    total_sum += gl.load(ws_ptr + p * (BN * BM) + local, cache_modifier=".cg")
-                    gl.atomic_xchg(flag_ptr + p, 0, sem="relaxed", scope="gpu")
-            n0 = tile % tiles_n * BN
-            if HAS_BIAS:
-                total_sum += gl.load(bias_ptr + n0 + n_p, mask=n0 + n_p < N, other=0.0).to(gl.float32)[:, None]
-            _store_out(total_sum.to(out_ptr.dtype.element_ty), n0 + n_p, tile // tiles_n * BM + m_p, M, N, out_ptr,
-                       stride_om)
+        if lo > 0:
+            f_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+            for c0 in range(tile * total // span, pid, CH):
+                owners = c0 + gl.arange(0, CH, layout=f_layout)
+                mine = owners < pid
+                nothing = gl.zeros_like(owners)
+                flags = gl.atomic_add(flag_ptr + owners, nothing, mask=mine, sem="acquire", scope="gpu")
+                while gl.min(gl.where(mine, flags, 1), axis=0) == 0:
+                    flags = gl.atomic_add(flag_ptr + owners, nothing, mask=mine, sem="acquire", scope="gpu")
+                for j in gl.static_range(CH):  # (unrolled: the blocks' loads in flight together)
+                    total_sum += gl.load(ws_ptr + (c0 + j) * (BN * BM) + local, mask=(c0 + j < pid) & (local >= 0),
+                                         other=0.0, cache_modifier=".cg")
+                gl.store(flag_ptr + owners, nothing, mask=mine)
+        n0 = tile % tiles_n * BN
+        if HAS_BIAS:
+            total_sum += gl.load(bias_ptr + n0 + n_p, mask=n0 + n_p < N, other=0.0).to(gl.float32)[:, None]
+        _store_out(total_sum.to(out_ptr.dtype.element_ty), n0 + n_p, tile // tiles_n * BM + m_p, M, N, out_ptr,
+                   stride_om)
 
     @gluon.jit
     def _multiply_slot(x_s, q_s, sz_s, ready, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
@@ -741,9 +772,13 @@ def stream_k_grid(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> Wgm
     """Stream-K: the grid's tiles x K steps in equal runs of ``span`` consecutive steps, one per program, as many
     programs as run at once (``resident``), so every SM does the same work. 14336 x 4096 at 16 rows of x is 224
     tiles of 32 steps: whole tiles leave 40 of 132 SMs with one program and 92 with two, and the 92 finish about
-    3 us later (benchmarks/NOTES.md v19); as 256 runs of 28 steps every SM holds two."""
-    steps = grid.tiles(m, n) * triton.cdiv(k, grid.block_k)
-    return replace(grid, span=triton.cdiv(steps, max(1, min(resident, steps))))
+    3 us later (benchmarks/NOTES.md v19); as 256 runs of 28 steps every SM holds two. A run spans at most one tile's
+    steps (so at most two tiles): with more tiles than programs at once the grid runs whole tiles instead
+    (``stream_k`` off)."""
+    per_tile = triton.cdiv(k, grid.block_k)
+    steps = grid.tiles(m, n) * per_tile
+    span = triton.cdiv(steps, max(1, min(resident, steps)))
+    return replace(grid, span=span) if span <= per_tile else replace(grid, stream_k=False)
 
 
 def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> WgmmaGrid:
@@ -853,7 +888,9 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
     key = (x2.device, x2.dtype, scales.dtype, out.dtype, bias is not None, group_size, bits, grid,
            _scale_zero_planes(scales, zeros)[2])
     if key not in _resident:
-        kernel = _run(x2, qweight, scales, zeros, bias, out, out, out, n, k, group_size, bits, grid, warmup=True)
+        # (compiled, not run: the workspace and counters only need their dtypes, which stream-K's flags use)
+        ws, cnt = (torch.empty(1, dtype=dt, device=x2.device) for dt in (torch.float32, torch.int32))
+        kernel = _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, warmup=True)
         try:
             kernel._init_handles()  # loading the binary is what reads its register count
         except OutOfResources:  # (a ring too deep for this GPU: none fit; the launcher retries with fewer stages)

@@ -91,7 +91,8 @@ def test_a_split_grid_is_not_rebalanced():
     (16, 4096, 4096, 264, 8, 256),    # 64 x 32
     (16, 1040, 640, 40, 5, 34),       # 17 tiles (the last partial) x 10 steps of 64 = 170 in runs of 5
     (16, 128, 256, 264, 1, 8),        # fewer steps than resident programs: one step each
-    (16, 1040, 640, 4, 43, 4),        # runs longer than a tile (10 steps): whole tiles inside a program
+    (16, 1040, 640, 17, 10, 17),      # as many programs as tiles: runs of a whole tile's steps
+    (40, 1040, 640, 60, 9, 57),       # three 16-row blocks of x: 51 tiles
 ])
 def test_stream_k_gives_every_program_an_equal_run_of_tile_steps(m, n, k, resident, span, programs):
     g = stream_k_grid(wgmma_grid(m, n, k, 128 if k % 128 == 0 and k >= 1024 else 64, 16, 64, 128, 1, 4, rawq=True,
@@ -99,6 +100,14 @@ def test_stream_k_gives_every_program_an_equal_run_of_tile_steps(m, n, k, reside
     steps = g.tiles(m, n) * -(-k // g.block_k)
     assert g.stream_k and g.split == 1 and (g.span, g.programs(m, n, k)) == (span, programs)
     assert programs <= resident and (programs - 1) * span < steps <= programs * span
+    assert span <= -(-k // g.block_k)  # a run touches at most two tiles
+
+
+@pytest.mark.parametrize("n,resident", [(1040, 16), (1040, 4), (28672, 264)])
+def test_stream_k_with_more_tiles_than_programs_runs_whole_tiles(n, resident):
+    """Runs longer than a tile's steps would cross several tiles: the grid runs whole tiles instead."""
+    g = stream_k_grid(wgmma_grid(16, n, 640, 64, 16, 64, 128, 1, 4, rawq=True, stream_k=True), 16, n, 640, resident)
+    assert not g.stream_k and g.split == 1 and g.programs(16, n, 640) == g.tiles(16, n)
 
 
 def test_stream_k_needs_raw_weights_and_ignores_the_split():
@@ -180,7 +189,7 @@ def test_heuristic_offers_wgmma_only_on_hopper():
 def test_sm90_compile_keeps_the_mmas_asynchronous():
     """Every variant (tiles, dtypes, float32 scales, split-K, bias, RAWQ, stream-K) gets through Gluon and ptxas for sm_90
     with BLOCK_K / 16 wgmma per K step at four sites (the peeled first step, the loop's two, the remainder; RAWQ: one
-    site, each step waited for),
+    site, each step waited for; RAWQ under stream-K: one per tile of a run, two),
     without ptxas serializing them (C7515: what a zero-filled accumulator inside the MMA pipeline caused),
     and with each site reading its register operand from other registers than the site before it, whose
     MMA is still in flight while it dequantizes (one loop site rewriting its own registers gave wrong sums)."""
@@ -194,7 +203,8 @@ def test_sm90_compile_keeps_the_mmas_asynchronous():
         assert "error" not in line, line
         assert not line["serialized"] and line["spills"] == 0, line
         if len(line["variant"]) > 12 and line["variant"][12]:  # RAWQ: one loop site, the weights' MMA
-            assert line["wgmma"] == line["per_step"] and len(line["operands"]) == 1, line
+            sites = 2 if len(line["variant"]) > 13 and line["variant"][13] else 1  # (stream-K: a loop per tile)
+            assert line["wgmma"] == sites * line["per_step"] and len(line["operands"]) == sites, line
             continue
         assert line["wgmma"] == 4 * line["per_step"], line
         peeled, odd, even, last = (set(regs) for regs in line["operands"])
@@ -367,11 +377,12 @@ def test_balanced_last_wave_matches_reference(monkeypatch, resident, balanced, p
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("resident", [1, 3, 7, 40, 4096])
+@pytest.mark.parametrize("resident", [3, 17, 23, 40, 4096])
 def test_stream_k_matches_reference(monkeypatch, resident):
-    """Stream-K with every kind of run (made to happen at small sizes by claiming ``resident`` programs): one program
-    for everything (1), runs of several whole tiles between partial ones (3, 7), runs shorter than a tile, so a tile's
-    owner sums several programs' partials (40), one K step per program (4096: more than there are steps); bias,
+    """Stream-K with every kind of run (made to happen at small sizes by claiming ``resident`` programs): more tiles
+    than programs (3: whole tiles instead), runs of a whole tile's steps, aligned or not (17, 23: a run across two
+    tiles, both partial), runs shorter than a tile, so a tile's owner sums several programs' partials (40), one K step
+    per program (4096: more than there are steps); bias,
     bf16 and fp16, 64- and 128-wide groups, awkward M and N, 16- and 32-row x tiles; every flag back at zero after
     each launch, and a CUDA graph replaying them."""
     monkeypatch.setattr(mm_mod, "resident_programs", lambda *a, **kw: resident)
@@ -387,7 +398,7 @@ def test_stream_k_matches_reference(monkeypatch, resident):
                 out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg, bias=bias)
                 assert rel_err(out, x.float() @ w.t() + bias.float()) < 8e-3, (n, m, cfg, grids[-1])
                 assert not mm_mod._counter_buffer(x.device).any(), grids[-1]
-    assert len(grids) == 2 * 4 * 3 and all(g.stream_k and g.span >= 1 for g in grids)
+    assert len(grids) == 2 * 4 * 3 and all(g.stream_k == (resident > 3) for g in grids)
     pw, w = packed(1040, 640, 64, torch.bfloat16)
     x = torch.randn(16, 640, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig("wgmma", 16, 64, 32, num_warps=4, num_stages=4, producer=True, rawq=True, stream_k=True)
