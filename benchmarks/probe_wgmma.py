@@ -33,7 +33,7 @@ from quantpack.kernels import wgmma_mm as wg  # noqa: E402
 def run_wg(x, qw, s, z, gs, g):
     """The wgmma launch of tile ``g`` through mixed_mm (its workspace and counters, as the shipped path)."""
     cfg = mm.KernelConfig("wgmma", g.block_m, g.block_n, g.block_k // 2, split=g.split, num_warps=g.warps,
-                          num_stages=g.stages, producer=g.producer, rawq=g.rawq, stream_k=g.stream_k)
+                          num_stages=g.stages, producer=g.producer, rawq=g.rawq)
     return mm.mixed_mm(x, qw, s, z, group_size=gs, config=cfg)
 
 
@@ -45,7 +45,7 @@ def trace_calls(x, qps, gs, calls_traced=2):
     bufs = []
 
     def traced(*a, **kw):  # the grid is known only at launch: size the buffer then
-        bufs.append(wg.trace_buffer(kw["grid"], a[0].shape[0], kw["n"], kw["k"], "cuda"))
+        bufs.append(wg.trace_buffer(kw["grid"], a[0].shape[0], kw["n"], "cuda"))
         return real(*a, trace=bufs[-1], **kw)
 
     graph = torch.cuda.CUDAGraph()
@@ -102,7 +102,7 @@ def main():
     ap.add_argument("--gs", type=int, default=128)
     ap.add_argument("--no-sweep", action="store_true", help="time only cuBLAS and the shipped pick")
     ap.add_argument("--tiles", default="", help="sweep only these BLOCK_MxBLOCK_NxBLOCK_K tiles (comma-separated)")
-    ap.add_argument("--splits", default="1,2,4", help="K splits; 0: stream-K (with --rawq 1)")
+    ap.add_argument("--splits", default="1,2,4")
     ap.add_argument("--stages", default="3,4", help="TMA ring depths to sweep")
     ap.add_argument("--producer", default="0,1", help="without (0) and/or with (1) a TMA producer warp")
     ap.add_argument("--rawq", default="0", help="RAWQ tiles (1: raw weights, scales applied per K step) and/or dequantized ones (0)")
@@ -148,9 +148,8 @@ def main():
                 for (bm, bn, bk), split, stages, balanced, producer, rawq in itertools.product(
                         tiles, splits, [int(v) for v in args.stages.split(",")],
                         (True, False) if args.unbalanced else (True,), producers, rawqs):
-                    g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, max(1, split), stages, producer, rawq,
-                                      stream_k=split == 0)  # (split 0: stream-K, RAWQ only)
-                    if g.split == max(1, split) and g.stream_k == (split == 0) and (balanced or split == 1) and (g, balanced) not in grids:
+                    g = wg.wgmma_grid(m, n, k, gs, bm, bn, bk, split, stages, producer, rawq)
+                    if g.split == split and (balanced or split == 1) and (g, balanced) not in grids:
                         grids.append((g, balanced))
             # every round times cuBLAS, the shipped pick and each tile once; each keeps its fastest round
             # (the GPU's clock drifts over a sweep, so single times taken minutes apart do not compare)
@@ -185,7 +184,7 @@ def main():
                   f" (best of {args.rounds} rounds)", flush=True)
             for (g, balanced), t in sorted(best.items(), key=lambda kv: kv[1])[:args.top]:
                 print(f"  {t*1e3:7.1f} us x{tb/t:5.2f}  bm{g.block_m} bn{g.block_n} bk{g.block_k} s{g.split} "
-                      f"st{g.stages} w{g.warps}{' P' if g.producer else ''}{' R' if g.rawq else ''}{' sK' if g.stream_k else ''}{'' if balanced else ' ub'}  "
+                      f"st{g.stages} w{g.warps}{' P' if g.producer else ''}{' R' if g.rawq else ''}{'' if balanced else ' ub'}  "
                       f"err {errs[(g, balanced)]:.1e}", flush=True)
         del qps, wds
         torch.cuda.empty_cache()

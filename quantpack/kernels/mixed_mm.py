@@ -44,8 +44,7 @@ from triton.runtime.errors import OutOfResources
 
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
-from .wgmma_mm import (HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, stream_k_grid, wgmma_grid,
-                       wgmma_usable)
+from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
 from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_bytes,
                       meta_rowwise, on_device, split_pair_rows, triton_usable)
 from .. import reference
@@ -80,7 +79,6 @@ class KernelConfig:
     rawq: bool = False  # dot/wgmma paths, groups along K: MMA on raw q, rescale per tile (wgmma: 4-bit, per K step)
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
     producer: bool = False  # wgmma path: a producer warp issues the TMA copies (warp-specialized)
-    stream_k: bool = False  # wgmma path with rawq: stream-K (every program the same number of tile-steps; no split)
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -624,11 +622,10 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
     if mb <= 32 and bits == 4 and wgmma_device(device):
         # Hopper, few rows: the raw weights' MMA, scales and zeros applied per K step (9 instead of 24 instructions
         # per 8 weights; benchmarks/NOTES.md v18), with its producer warp; from one row of x (a 16-row tile)
-        # (split 0 below: stream-K, programs of equal runs of tile-steps, as many as run at once)
         for bm, bn, br, split in itertools.product(sorted({16, min(32, max(16, mb))}), (64, 128), (32, 64),
-                                                   (0, 1, 2, 4, 8)):
-            c = KernelConfig("wgmma", bm, bn, br, split=max(1, split), num_warps=bn // 16, num_stages=4, producer=True,
-                             rawq=True, stream_k=split == 0)
+                                                   (1, 2, 4, 8)):
+            c = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=4, producer=True,
+                             rawq=True)
             if c not in out:
                 out.append(c)
     if mb > 64:
@@ -878,14 +875,10 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         tiles = m * tiles_n
     elif cfg.path == "wgmma":
         wg = wgmma_grid(m, n, k, group_size, cfg.block_m, cfg.block_n, 2 * cfg.block_r, split, cfg.num_stages,
-                        cfg.producer, rawq=cfg.rawq and bits == 4, stream_k=cfg.stream_k)
+                        cfg.producer, rawq=cfg.rawq and bits == 4)
         if wg.split == 1:
-            resident = resident_programs(x2, qweight, scales, zeros, bias, out, n=n, k=k, group_size=group_size,
-                                         bits=bits, grid=wg)
-            if wg.stream_k:
-                wg = stream_k_grid(wg, m, n, k, resident)
-            if not wg.stream_k:
-                wg = balance_last_wave(wg, m, n, k, resident)
+            wg = balance_last_wave(wg, m, n, k, resident_programs(x2, qweight, scales, zeros, bias, out, n=n, k=k,
+                                                                  group_size=group_size, bits=bits, grid=wg))
         split, tiles = wg.split, wg.split_tiles(m, n)
     elif cfg.path == "mma":
         grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))
@@ -898,11 +891,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         split = 1  # (a divisor of anything: valid for gemv and mma too)
         if cfg.path == "wgmma":
             wg = replace(wg, split=1, whole=0)
-    if cfg.path == "wgmma" and wg.stream_k:  # one tile-sized block and one flag per program
-        programs = wg.programs(m, n, k)
-        ws = _alloc((programs, wg.block_n * wg.block_m), torch.float32, x2.device)
-        cnt = _counter_slice(x2.device, programs)
-    elif split > 1:
+    if split > 1:
         if cfg.path == "gemv":  # each row's partials together
             shape = (m, split, out_cols)
         elif cfg.path == "wgmma":  # one tile-sized block per split program

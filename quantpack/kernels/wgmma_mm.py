@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 __all__ = ["HAVE_GLUON", "WgmmaGrid", "balance_last_wave", "descriptor_types", "launch_wgmma", "resident_programs",
-           "stream_k_grid", "trace_buffer", "wgmma_grid", "wgmma_usable"]
+           "trace_buffer", "wgmma_grid", "wgmma_usable"]
 
 if HAVE_GLUON:
     # one CTA-wide barrier, whatever this Triton calls it (3.6: thread_barrier, 3.9: barrier)
@@ -290,16 +290,21 @@ if HAVE_GLUON:
         return gl.reshape(gl.permute(gl.reshape(acc, (BN // 16, 8, 2, BM)), (0, 2, 1, 3)), (BN, BM))
 
     @gluon.jit
-    def _raw_steps(x_s, q_s, sz_s, ready, empty, start, stop, acc, trace_ptr, pid, STAGES: gl.constexpr,
-                   S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
-        """RAWQ's K steps start..stop - 1 of the ring into ``acc`` (weight-row order): each one wgmma of q - z, waited
-        for, its slot released, then acc += s part."""
+    def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr,
+                          S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
+        """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the unscaled weights
+        (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where
+        each thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K
+        divides it). Starting the next step's MMAs before adding this step's, or preparing its operand while this
+        step's MMA runs, measured no faster (benchmarks/NOTES.md v18, v19). Returns (accumulator in MMA-row order,),
+        as _consume_ring."""
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
         DTYPE: gl.constexpr = x_s.dtype
         WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
+        acc = _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
         rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-        for i in range(start, stop):
+        for i in range(steps):
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             if i == 0:
@@ -315,133 +320,7 @@ if HAVE_GLUON:
             fence_async_shared()  # (the slot's words and scale rows were read by ordinary loads)
             mbarrier.arrive(empty.index(slot))
             acc = acc + s[:, None] * _weight_rows(part)
-        return acc
-
-    @gluon.jit
-    def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr,
-                          S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
-        """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the unscaled weights
-        (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where
-        each thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K
-        divides it). Starting the next step's MMAs before adding this step's, or preparing its operand while this
-        step's MMA runs, measured no faster (benchmarks/NOTES.md v18, v19). Returns (accumulator in MMA-row order,),
-        as _consume_ring."""
-        BN: gl.constexpr = 2 * q_s.shape[2]
-        BM: gl.constexpr = x_s.shape[1]
-        DTYPE: gl.constexpr = x_s.dtype
-        WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
-        acc = _raw_steps(x_s, q_s, sz_s, ready, empty, 0, steps, _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout)),
-                         trace_ptr, pid, STAGES, S_PLANE, a_layout, acc_layout, TRACE)
         return (_mma_order(acc), )
-
-    @gluon.jit
-    def _load_stream(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, empty, g0, g1, total, tiles_n, G: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """The producer warp under stream-K: the program's global K steps g (tile g // total, step g % total) from
-        g1 - 1 down to g0, each once the consumers have released its slot (as _load_ring)."""
-        BM: gl.constexpr = x_desc.block_type.shape[0]
-        BN: gl.constexpr = sz_desc.block_type.shape[2]
-        tile = (g1 - 1) // total
-        step = g1 - 1 - tile * total
-        for i in range(g1 - g0):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, step, slot, tile // tiles_n * BM,
-                        tile % tiles_n * BN, G, True)
-            if step == 0:
-                tile -= 1
-                step = total
-            step -= 1
-
-    @gluon.jit
-    def _consume_stream_raw(x_s, q_s, sz_s, ready, empty, g0, g1, total, tiles_n, span, M, N, bias_ptr, out_ptr, ws_ptr,
-                            flag_ptr, stride_om, trace_ptr, pid, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
-                            a_layout: gl.constexpr, acc_layout: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            TRACE: gl.constexpr):
-        """The MMA warps under stream-K (RAWQ), a run of at most one tile's K steps (span <= total; stream_k_grid), so
-        at most two tiles, walked downwards as _load_stream copies them: first steps hi..lo of tile t (the run's end),
-        then, if the run started in tile t - 1, that tile's steps total - 1 .. down to where the run starts. The first
-        sum is a partial unless it has tile t's last step (_stream_partial); the second always has its tile's last step.
-        Both loops run before any program waits for another (a wait's loop ahead of the steps made ptxas give up its
-        uniform registers in them: 20% more instructions a step), the partial's flag goes up after them, then the
-        tiles this program has the last step of are finished (_stream_finish). Returns ()."""
-        BN: gl.constexpr = 2 * q_s.shape[2]
-        BM: gl.constexpr = x_s.shape[1]
-        WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
-        zero = _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
-        tile = (g1 - 1) // total
-        hi = g1 - 1 - tile * total
-        first = gl.minimum(hi + 1, g1 - g0)  # steps of tile t
-        acc = _raw_steps(x_s, q_s, sz_s, ready, empty, 0, first, zero, trace_ptr, pid, STAGES, S_PLANE, a_layout,
-                         acc_layout, TRACE)
-        owned = hi == total - 1
-        if not owned:
-            _stream_partial(acc, pid, ws_ptr, WARPS)
-        rest = _raw_steps(x_s, q_s, sz_s, ready, empty, first, g1 - g0, zero, trace_ptr, pid, STAGES, S_PLANE,
-                          a_layout, acc_layout, TRACE)
-        if not owned:
-            _stream_flag(flag_ptr, pid)
-        if first < g1 - g0:
-            _stream_finish(rest, tile - 1, total - (g1 - g0 - first), total, tiles_n, span, pid, M, N, bias_ptr,
-                           out_ptr, ws_ptr, flag_ptr, stride_om, HAS_BIAS, WARPS)
-        if owned:
-            _stream_finish(acc, tile, hi + 1 - first, total, tiles_n, span, pid, M, N, bias_ptr, out_ptr, ws_ptr,
-                           flag_ptr, stride_om, HAS_BIAS, WARPS)
-        _stamp(trace_ptr, pid, 3, TRACE)
-        return ()
-
-    @gluon.jit
-    def _stream_partial(acc, pid, ws_ptr, WARPS: gl.constexpr):
-        """Stream-K: this program's partial sum of a tile (the first it walks, without the tile's last step) into
-        its float32 block; _stream_flag tells the tile's owner."""
-        BN: gl.constexpr = acc.shape[0]
-        BM: gl.constexpr = acc.shape[1]
-        p_layout: gl.constexpr = _vector_layout(BN, BM, 4, WARPS)
-        n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, p_layout))
-        m_p = gl.arange(0, BM, layout=gl.SliceLayout(0, p_layout))
-        gl.store(ws_ptr + pid * (BN * BM) + m_p[None, :] * BN + n_p[:, None], gl.convert_layout(acc, p_layout))
-
-    @gluon.jit
-    def _stream_flag(flag_ptr, pid):
-        """Stream-K: raise this program's flag once its partial's stores (every thread's: the barrier) are visible."""
-        _cta_barrier()
-        gl.atomic_xchg(flag_ptr + pid, 1, sem="release", scope="gpu")
-
-    @gluon.jit
-    def _stream_finish(acc, tile, lo, total, tiles_n, span, pid, M, N, bias_ptr, out_ptr, ws_ptr, flag_ptr, stride_om,
-                       HAS_BIAS: gl.constexpr, WARPS: gl.constexpr):
-        """Stream-K: this program has ``tile``'s last step and its sum of steps lo.. (weight-row order). When lo > 0 the
-        tile's earlier steps are partials of the lower-numbered programs from tile * total // span: it waits for
-        their flags (eight at a time, read together), adds their blocks (loaded together), clears the flags for the
-        next launch, then stores the tile (+ bias). A program waits only for lower-numbered ones, which the GPU
-        dispatches first, so progress does not need every program on the GPU at once; and as each program walks its
-        steps downwards, the partials it waits for are the ones their programs walked first."""
-        BN: gl.constexpr = acc.shape[0]
-        BM: gl.constexpr = acc.shape[1]
-        CH: gl.constexpr = 8
-        p_layout: gl.constexpr = _vector_layout(BN, BM, 4, WARPS)
-        n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, p_layout))
-        m_p = gl.arange(0, BM, layout=gl.SliceLayout(0, p_layout))
-        local = m_p[None, :] * BN + n_p[:, None]
-        total_sum = gl.convert_layout(acc, p_layout)
-        if lo > 0:
-            f_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-            for c0 in range(tile * total // span, pid, CH):
-                owners = c0 + gl.arange(0, CH, layout=f_layout)
-                mine = owners < pid
-                nothing = gl.zeros_like(owners)
-                flags = gl.atomic_add(flag_ptr + owners, nothing, mask=mine, sem="acquire", scope="gpu")
-                while gl.min(gl.where(mine, flags, 1), axis=0) == 0:
-                    flags = gl.atomic_add(flag_ptr + owners, nothing, mask=mine, sem="acquire", scope="gpu")
-                for j in gl.static_range(CH):  # (unrolled: the blocks' loads in flight together)
-                    total_sum += gl.load(ws_ptr + (c0 + j) * (BN * BM) + local, mask=(c0 + j < pid) & (local >= 0),
-                                         other=0.0, cache_modifier=".cg")
-                gl.store(flag_ptr + owners, nothing, mask=mine)
-        n0 = tile % tiles_n * BN
-        if HAS_BIAS:
-            total_sum += gl.load(bias_ptr + n0 + n_p, mask=n0 + n_p < N, other=0.0).to(gl.float32)[:, None]
-        _store_out(total_sum.to(out_ptr.dtype.element_ty), n0 + n_p, tile // tiles_n * BM + m_p, M, N, out_ptr,
-                   stride_om)
 
     @gluon.jit
     def _multiply_slot(x_s, q_s, sz_s, ready, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
@@ -534,9 +413,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr, M, N, K, stride_om,
-                      whole, span, G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, RAWQ: gl.constexpr, STREAM: gl.constexpr,
-                      TRACE: gl.constexpr, num_warps: gl.constexpr):
+                      whole, G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, RAWQ: gl.constexpr, TRACE: gl.constexpr,
+                      num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = sz_desc.block_type.shape[2]
@@ -582,16 +461,7 @@ if HAVE_GLUON:
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
                 mbarrier.init(empty.index(i), count=1)
-            if STREAM:  # (RAWQ) every program the same ``span`` of the grid's tiles x K steps, tiles shared
-                g0 = pid * span
-                g1 = gl.minimum(g0 + span, tiles_n * ((M + BM - 1) // BM) * total)
-                gl.warp_specialize([(_consume_stream_raw, (x_s, q_s, sz_s, bars, empty, g0, g1, total, tiles_n, span, M,
-                                                           N, bias_ptr, out_ptr, ws_ptr, cnt_ptr, stride_om, trace_ptr,
-                                                           pid, STAGES, S_PLANE, a_layout, acc_layout, HAS_BIAS,
-                                                           TRACE)),
-                                    (_load_stream, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, g0, g1, total,
-                                                    tiles_n, G, STAGES))], [1], [24])
-            elif RAWQ:
+            if RAWQ:
                 acc = gl.warp_specialize([(_consume_ring_raw, (x_s, q_s, sz_s, bars, empty, steps, trace_ptr, pid,
                                                                STAGES, S_PLANE, a_layout, acc_layout, TRACE)),
                                           (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first,
@@ -631,17 +501,16 @@ if HAVE_GLUON:
                 acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, acc, G,
                                 STAGES, S_PLANE, a_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
-        if not STREAM:  # (stream-K's tiles went out inside its loop)
-            _stamp(trace_ptr, pid, 2, TRACE)
-            acc = _weight_rows(acc)
+        _stamp(trace_ptr, pid, 2, TRACE)
+        acc = _weight_rows(acc)
         # (here, before the epilogue: the CTA barrier that comes with the invalidates also keeps the epilogue's
         # convert_layout scratch, which reuses the ring's shared memory, from overwriting x's slot while other
         # warps' last wgmma may still read it; moved after the epilogue, 3-stage rings gave NaN)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        if not STREAM:
-            _epilogue(acc, pid, tile, whole, part, n0, m0, M, N, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr,
-                      stride_om, HAS_BIAS, SPLIT, TRACE, num_warps)
+
+        _epilogue(acc, pid, tile, whole, part, n0, m0, M, N, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr, stride_om,
+                  HAS_BIAS, SPLIT, TRACE, num_warps)
 
     @gluon.constexpr_function
     def _vector_layout(BN, BM, per_thread, num_warps):
@@ -716,8 +585,7 @@ if HAVE_GLUON:
 @dataclass(frozen=True)
 class WgmmaGrid:
     """A launch: (BLOCK_M, BLOCK_N, BLOCK_K) tile, K split, ring depth, warps (4 per 64 weight rows), and the
-    tiles that run whole before the split ones (0: every tile split; see :func:`balance_last_wave`). With
-    ``stream_k`` (RAWQ only) each program runs ``span`` of the grid's tiles x K steps instead (:func:`stream_k_grid`)."""
+    tiles that run whole before the split ones (0: every tile split; see :func:`balance_last_wave`)."""
 
     block_m: int
     block_n: int
@@ -728,15 +596,11 @@ class WgmmaGrid:
     whole: int = 0
     producer: bool = False
     rawq: bool = False  # 4-bit with a producer warp: MMA on q + OFFSET, scales and zeros applied per K step
-    stream_k: bool = False  # RAWQ: programs of ``span`` tile-steps each, a tile's steps shared by several programs
-    span: int = 0
 
     def tiles(self, m: int, n: int) -> int:
         return triton.cdiv(n, self.block_n) * triton.cdiv(m, self.block_m)
 
-    def programs(self, m: int, n: int, k: int) -> int:
-        if self.stream_k:
-            return triton.cdiv(self.tiles(m, n) * triton.cdiv(k, self.block_k), self.span)
+    def programs(self, m: int, n: int) -> int:
         if self.split == 1:
             return self.tiles(m, n)
         return self.whole + (self.tiles(m, n) - self.whole) * self.split
@@ -755,30 +619,15 @@ def _fit_split(steps: int, split: int) -> int:
 
 
 def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int, split: int,
-               stages: int, producer: bool = False, rawq: bool = False, stream_k: bool = False) -> WgmmaGrid:
+               stages: int, producer: bool = False, rawq: bool = False) -> WgmmaGrid:
     """Clamp a tuned tile to this call: BLOCK_M to x's rows (a power of two, as TMA blocks are, 16 to 256),
     BLOCK_K to a divisor of the group (64 or 128 in-features), the split so that every program has at
-    least one K step. ``rawq`` (4-bit only; the caller checks) runs on the producer warp's ring, and so does
-    ``stream_k`` (RAWQ only, no split; :func:`stream_k_grid` sets its span)."""
+    least one K step. ``rawq`` (4-bit only; the caller checks) runs on the producer warp's ring."""
     block_m = max(16, min(block_m, 256, triton.next_power_of_2(m)))
     block_k = 128 if block_k >= 128 and group_size % 128 == 0 else 64
-    stream_k = stream_k and rawq
-    split = 1 if stream_k else _fit_split(triton.cdiv(k, block_k), split)
+    split = _fit_split(triton.cdiv(k, block_k), split)
     return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16, producer=producer or rawq,
-                     rawq=rawq, stream_k=stream_k)
-
-
-def stream_k_grid(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> WgmmaGrid:
-    """Stream-K: the grid's tiles x K steps in equal runs of ``span`` consecutive steps, one per program, as many
-    programs as run at once (``resident``), so every SM does the same work. 14336 x 4096 at 16 rows of x is 224
-    tiles of 32 steps: whole tiles leave 40 of 132 SMs with one program and 92 with two, and the 92 finish about
-    3 us later (benchmarks/NOTES.md v19); as 256 runs of 28 steps every SM holds two. A run spans at most one tile's
-    steps (so at most two tiles): with more tiles than programs at once the grid runs whole tiles instead
-    (``stream_k`` off)."""
-    per_tile = triton.cdiv(k, grid.block_k)
-    steps = grid.tiles(m, n) * per_tile
-    span = triton.cdiv(steps, max(1, min(resident, steps)))
-    return replace(grid, span=span) if span <= per_tile else replace(grid, stream_k=False)
+                     rawq=rawq)
 
 
 def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> WgmmaGrid:
@@ -855,15 +704,14 @@ def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_s
          warmup: bool = False, trace: torch.Tensor | None = None):
     x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid, bits)
     m = x2.shape[0]
-    kernel = _wgmma_kernel.warmup if warmup else _wgmma_kernel[(grid.programs(m, n, k), )]
+    kernel = _wgmma_kernel.warmup if warmup else _wgmma_kernel[(grid.programs(m, n), )]
     extra = {"grid": (1, )} if warmup else {}
     if grid.producer:
         extra["maxnreg"] = producer_maxnreg(grid)
     return kernel(x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt,
-                  trace if trace is not None else cnt, m, n, k, out.stride(0), grid.whole, grid.span,
-                  G=group_size, HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages, S_PLANE=s_plane,
-                  PRODUCER=grid.producer, RAWQ=grid.rawq, STREAM=grid.stream_k, TRACE=trace is not None,
-                  num_warps=grid.warps, **extra)
+                  trace if trace is not None else cnt, m, n, k, out.stride(0), grid.whole, G=group_size,
+                  HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages, S_PLANE=s_plane,
+                  PRODUCER=grid.producer, RAWQ=grid.rawq, TRACE=trace is not None, num_warps=grid.warps, **extra)
 
 
 def producer_maxnreg(grid: WgmmaGrid) -> int:
@@ -884,13 +732,11 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
                       grid: WgmmaGrid) -> int:
     """How many programs of this launch run at once on x's GPU: SMs x the CTAs per SM that the compiled
     kernel's registers, shared memory and threads allow (compiled, not run, the first time; then cached)."""
-    grid = replace(grid, split=1, whole=0, span=0)  # the whole tiles are what fill the waves
+    grid = replace(grid, split=1, whole=0)  # the whole tiles are what fill the waves
     key = (x2.device, x2.dtype, scales.dtype, out.dtype, bias is not None, group_size, bits, grid,
            _scale_zero_planes(scales, zeros)[2])
     if key not in _resident:
-        # (compiled, not run: the workspace and counters only need their dtypes, which stream-K's flags use)
-        ws, cnt = (torch.empty(1, dtype=dt, device=x2.device) for dt in (torch.float32, torch.int32))
-        kernel = _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, warmup=True)
+        kernel = _run(x2, qweight, scales, zeros, bias, out, out, out, n, k, group_size, bits, grid, warmup=True)
         try:
             kernel._init_handles()  # loading the binary is what reads its register count
         except OutOfResources:  # (a ring too deep for this GPU: none fit; the launcher retries with fewer stages)
@@ -909,11 +755,11 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
 TRACE_EVENTS = ("start", "first copies", "accumulator", "stored", "summed")  # the events _stamp records, in order
 
 
-def trace_buffer(grid: WgmmaGrid, m: int, n: int, k: int, device) -> torch.Tensor:
+def trace_buffer(grid: WgmmaGrid, m: int, n: int, device) -> torch.Tensor:
     """A zeroed timeline buffer for one launch of ``grid`` (``launch_wgmma(trace=...)``): 16 int64 per program, the
     global timer of event e at slot e, the SM's cycle counter at slot 8 + e, the SM at slot 7 (see _stamp); read it
     with :func:`read_trace`."""
-    return torch.zeros(grid.programs(m, n, k), 16, dtype=torch.int64, device=device)
+    return torch.zeros(grid.programs(m, n), 16, dtype=torch.int64, device=device)
 
 
 def read_trace(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -927,7 +773,7 @@ def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: i
                  grid: WgmmaGrid, trace: torch.Tensor | None = None) -> torch.Tensor:
     """out (M, N) = x2 (M, K) @ W.T (+ bias) for ``bits``-bit weights in quantpack's layout. When grid.split > 1,
     ws holds grid.split x grid.split_tiles float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split
-    tile; with grid.stream_k, one block and one int32 (zero) per program. ``trace`` (int64, 16 per program, zeroed) makes each program record its timeline (see _stamp); it is for
+    tile. ``trace`` (int64, 16 per program, zeroed) makes each program record its timeline (see _stamp); it is for
     profiling only."""
     _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, trace=trace)
     return out

@@ -10,7 +10,7 @@ import torch
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.wgmma_mm import (HAVE_GLUON, TRACE_EVENTS, _scale_zero_planes, balance_last_wave, read_trace,
-                                        stream_k_grid, trace_buffer, wgmma_grid, wgmma_usable)
+                                        trace_buffer, wgmma_grid, wgmma_usable)
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -38,7 +38,7 @@ def test_grid_split_leaves_every_program_a_k_step(k, split):
 
 def test_trace_buffer_holds_16_stamps_per_program():
     """A split grid's programs (17 x 2 tiles, K split 2 ways) each get 16 zeroed int64 slots."""
-    buf = trace_buffer(wgmma_grid(100, 1040, 640, 64, 64, 64, 64, 2, 3), 100, 1040, 640, "cpu")
+    buf = trace_buffer(wgmma_grid(100, 1040, 640, 64, 64, 64, 64, 2, 3), 100, 1040, "cpu")
     assert buf.shape == (68, 16) and buf.dtype == torch.int64 and not buf.any()
 
 
@@ -56,7 +56,7 @@ def test_a_last_wave_at_most_half_full_is_split_and_the_rest_runs_whole():
     and 52 tiles; those 52 split two ways (104 programs), the first 396 run whole."""
     g = balance_last_wave(wgmma_grid(1024, 14336, 4096, 128, 256, 128, 64, 1, 3), 1024, 14336, 4096, 132)
     assert (g.split, g.whole) == (2, 396)
-    assert g.tiles(1024, 14336) == 448 and g.split_tiles(1024, 14336) == 52 and g.programs(1024, 14336, 4096) == 500
+    assert g.tiles(1024, 14336) == 448 and g.split_tiles(1024, 14336) == 52 and g.programs(1024, 14336) == 500
 
 
 @pytest.mark.parametrize("m,n,k,resident,want", [
@@ -73,47 +73,16 @@ def test_a_last_wave_at_most_half_full_is_split_and_the_rest_runs_whole():
 def test_last_wave_balance(m, n, k, resident, want):
     g = balance_last_wave(wgmma_grid(m, n, k, 64, 256, 128, 64, 1, 3), m, n, k, resident)
     if want == (1, 0):
-        assert g.split == 1 and g.programs(m, n, k) == g.tiles(m, n)
+        assert g.split == 1 and g.programs(m, n) == g.tiles(m, n)
     else:
         assert (g.split, g.whole) == want
         assert g.whole % resident == 0 and 2 * (g.tiles(m, n) - g.whole) <= resident
-        assert g.programs(m, n, k) - g.whole <= resident  # the split tiles' programs fit one wave
+        assert g.programs(m, n) - g.whole <= resident  # the split tiles' programs fit one wave
 
 
 def test_a_split_grid_is_not_rebalanced():
     g = wgmma_grid(64, 4096, 4096, 128, 64, 64, 128, 4, 4)
-    assert balance_last_wave(g, 64, 4096, 4096, 132) == g and g.whole == 0 and g.programs(64, 4096, 4096) == 64 * 4
-
-
-@pytest.mark.parametrize("m,n,k,resident,span,programs", [
-    (16, 14336, 4096, 264, 28, 256),  # 224 tiles x 32 steps: runs of 28, every SM two programs
-    (1, 4096, 14336, 264, 28, 256),   # 64 tiles x 112 steps
-    (16, 4096, 4096, 264, 8, 256),    # 64 x 32
-    (16, 1040, 640, 40, 5, 34),       # 17 tiles (the last partial) x 10 steps of 64 = 170 in runs of 5
-    (16, 128, 256, 264, 1, 8),        # fewer steps than resident programs: one step each
-    (16, 1040, 640, 17, 10, 17),      # as many programs as tiles: runs of a whole tile's steps
-    (40, 1040, 640, 60, 9, 57),       # three 16-row blocks of x: 51 tiles
-])
-def test_stream_k_gives_every_program_an_equal_run_of_tile_steps(m, n, k, resident, span, programs):
-    g = stream_k_grid(wgmma_grid(m, n, k, 128 if k % 128 == 0 and k >= 1024 else 64, 16, 64, 128, 1, 4, rawq=True,
-                                 stream_k=True), m, n, k, resident)
-    steps = g.tiles(m, n) * -(-k // g.block_k)
-    assert g.stream_k and g.split == 1 and (g.span, g.programs(m, n, k)) == (span, programs)
-    assert programs <= resident and (programs - 1) * span < steps <= programs * span
-    assert span <= -(-k // g.block_k)  # a run touches at most two tiles
-
-
-@pytest.mark.parametrize("n,resident", [(1040, 16), (1040, 4), (28672, 264)])
-def test_stream_k_with_more_tiles_than_programs_runs_whole_tiles(n, resident):
-    """Runs longer than a tile's steps would cross several tiles: the grid runs whole tiles instead."""
-    g = stream_k_grid(wgmma_grid(16, n, 640, 64, 16, 64, 128, 1, 4, rawq=True, stream_k=True), 16, n, 640, resident)
-    assert not g.stream_k and g.split == 1 and g.programs(16, n, 640) == g.tiles(16, n)
-
-
-def test_stream_k_needs_raw_weights_and_ignores_the_split():
-    assert not wgmma_grid(16, 4096, 4096, 128, 16, 64, 128, 4, 4, stream_k=True).stream_k  # (8-bit or dequantizing)
-    g = wgmma_grid(16, 4096, 4096, 128, 16, 64, 128, 4, 4, rawq=True, stream_k=True)
-    assert g.stream_k and g.split == 1 and g.producer
+    assert balance_last_wave(g, 64, 4096, 4096, 132) == g and g.whole == 0 and g.programs(64, 4096) == 64 * 4
 
 
 def test_scales_and_zeros_become_planes_of_one_view_in_either_order():
@@ -167,13 +136,11 @@ def test_forced_wgmma_config_falls_back_off_hopper():
 @pytest.mark.parametrize("m,raw", [(1, True), (16, True), (32, True), (64, False)])
 def test_tuner_offers_raw_weights_on_hopper_for_few_rows_and_4_bits(monkeypatch, m, raw):
     """RAWQ tiles (producer warp, from one row of x) are candidates at up to 32 rows of 4-bit weights on Hopper,
-    split and stream-K, never for 8-bit weights, and they clamp to a 16-row x tile at one row."""
+    never for 8-bit weights, and they clamp to a 16-row x tile at one row."""
     monkeypatch.setattr(mm_mod, "wgmma_device", lambda device: True)
     dev = torch.device("cpu")
     found = [c for c in mm_mod.candidate_configs(False, m, 4096, 4096, dev, bits=4) if c.path == "wgmma" and c.rawq]
     assert bool(found) == raw and all(c.producer for c in found)
-    assert bool([c for c in found if c.stream_k and c.split == 1]) == raw and any(c.split > 1 for c in found) == raw
-    assert not [c for c in mm_mod.candidate_configs(False, m, 4096, 4096, dev, bits=4) if c.stream_k and not c.rawq]
     assert not [c for c in mm_mod.candidate_configs(False, m, 4096, 4096, dev, bits=8) if c.rawq and c.path == "wgmma"]
     if found:
         g = wgmma_grid(m, 4096, 4096, 128, max(c.block_m for c in found), 64, 128, 4, 4, rawq=True)
@@ -187,9 +154,9 @@ def test_heuristic_offers_wgmma_only_on_hopper():
 
 
 def test_sm90_compile_keeps_the_mmas_asynchronous():
-    """Every variant (tiles, dtypes, float32 scales, split-K, bias, RAWQ, stream-K) gets through Gluon and ptxas for sm_90
+    """Every variant (tiles, dtypes, float32 scales, split-K, bias, RAWQ) gets through Gluon and ptxas for sm_90
     with BLOCK_K / 16 wgmma per K step at four sites (the peeled first step, the loop's two, the remainder; RAWQ: one
-    site, each step waited for; RAWQ under stream-K: one per tile of a run, two),
+    site, each step waited for),
     without ptxas serializing them (C7515: what a zero-filled accumulator inside the MMA pipeline caused),
     and with each site reading its register operand from other registers than the site before it, whose
     MMA is still in flight while it dequantizes (one loop site rewriting its own registers gave wrong sums)."""
@@ -203,8 +170,7 @@ def test_sm90_compile_keeps_the_mmas_asynchronous():
         assert "error" not in line, line
         assert not line["serialized"] and line["spills"] == 0, line
         if len(line["variant"]) > 12 and line["variant"][12]:  # RAWQ: one loop site, the weights' MMA
-            sites = 2 if len(line["variant"]) > 13 and line["variant"][13] else 1  # (stream-K: a loop per tile)
-            assert line["wgmma"] == sites * line["per_step"] and len(line["operands"]) == sites, line
+            assert line["wgmma"] == line["per_step"] and len(line["operands"]) == 1, line
             continue
         assert line["wgmma"] == 4 * line["per_step"], line
         peeled, odd, even, last = (set(regs) for regs in line["operands"])
@@ -239,17 +205,16 @@ def assert_graph_replays(x, w, call):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("producer,rawq,stream_k", [(False, False, False), (True, False, False), (True, True, False),
-                                                    (True, True, True)], ids=["", "producer", "rawq", "rawq-streamk"])
+@pytest.mark.parametrize("producer,rawq", [(False, False), (True, False), (True, True)],
+                         ids=["", "producer", "rawq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bits", [4, 8], ids=["w4", "w8"])
 @pytest.mark.parametrize("n,k,gs", [(1040, 640, 64), (4096, 4096, 128), (208, 1152, 128), (1024, 2048, 256)])
-def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer, rawq, stream_k):
+def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer, rawq):
     """Awkward rows of x (1, 3, 17, 100, 300: partial tiles along M), N not a multiple of the tile,
     K with a partial split (down to one K step per program), every tile the tuner offers, split-K, shallow
     and deep rings, bias; the MMA warps issuing the copies themselves or a producer warp; 4- and 8-bit weights;
-    4-bit weights unpacked to q - z without the scales (RAWQ), the scales applied to each step's sums, also under
-    stream-K (as many programs as fit on this GPU, each an equal run of the tiles' K steps)."""
+    4-bit weights unpacked to q - z without the scales (RAWQ), the scales applied to each step's sums."""
     if rawq and bits == 8:
         pytest.skip("rawq is 4-bit only (an 8-bit code does not fit bf16's mantissa)")
     pw, w = packed(n, k, gs, dtype, bits=bits)
@@ -264,13 +229,12 @@ def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer, 
         for bm, bn, br, split, stages in ((64, 64, 64, 1, 4), (32, 128, 32, 4, 3), (256, 128, 32, 2, 3),
                                           (128, 64, 64, 3, 2), (16, 64, 32, 8, 4), (16, 64, 64, 8, 4)):
             cfg = KernelConfig("wgmma", bm, bn, br, split=split, num_warps=bn // 16, num_stages=stages,
-                               producer=producer, rawq=rawq, stream_k=stream_k)
+                               producer=producer, rawq=rawq)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg)
             assert rel_err(out, ref) < 8e-3, (m, cfg)
             out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bits=bits, config=cfg, bias=bias)
             assert rel_err(out, ref + bias.float()) < 8e-3, (m, cfg, "bias")
-    # every call ran the kernel as asked
-    assert [(b, g.rawq, g.stream_k) for b, g in calls] == [(bits, rawq, stream_k)] * (6 * 6 * 2)
+    assert [(b, g.rawq) for b, g in calls] == [(bits, rawq)] * (6 * 6 * 2)  # every call ran the kernel as asked
 
 
 @pytest.mark.gpu
@@ -377,37 +341,6 @@ def test_balanced_last_wave_matches_reference(monkeypatch, resident, balanced, p
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("resident", [3, 17, 23, 40, 4096])
-def test_stream_k_matches_reference(monkeypatch, resident):
-    """Stream-K with every kind of run (made to happen at small sizes by claiming ``resident`` programs): more tiles
-    than programs (3: whole tiles instead), runs of a whole tile's steps, aligned or not (17, 23: a run across two
-    tiles, both partial), runs shorter than a tile, so a tile's owner sums several programs' partials (40), one K step
-    per program (4096: more than there are steps); bias,
-    bf16 and fp16, 64- and 128-wide groups, awkward M and N, 16- and 32-row x tiles; every flag back at zero after
-    each launch, and a CUDA graph replaying them."""
-    monkeypatch.setattr(mm_mod, "resident_programs", lambda *a, **kw: resident)
-    grids = spy_grids(monkeypatch)
-    for n, k, gs, dtype in ((1040, 640, 64, torch.bfloat16), (208, 1152, 128, torch.float16)):
-        pw, w = packed(n, k, gs, dtype)
-        bias = torch.randn(n, device="cuda", dtype=dtype)
-        for m in (1, 3, 17, 32):
-            x = torch.randn(m, k, device="cuda", dtype=dtype)
-            for bm, bn, br in ((16, 64, 64), (16, 128, 32), (32, 64, 32)):
-                cfg = KernelConfig("wgmma", bm, bn, br, num_warps=bn // 16, num_stages=4, producer=True, rawq=True,
-                                   stream_k=True)
-                out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg, bias=bias)
-                assert rel_err(out, x.float() @ w.t() + bias.float()) < 8e-3, (n, m, cfg, grids[-1])
-                assert not mm_mod._counter_buffer(x.device).any(), grids[-1]
-    assert len(grids) == 2 * 4 * 3 and all(g.stream_k == (resident > 3) for g in grids)
-    pw, w = packed(1040, 640, 64, torch.bfloat16)
-    x = torch.randn(16, 640, device="cuda", dtype=torch.bfloat16)
-    cfg = KernelConfig("wgmma", 16, 64, 32, num_warps=4, num_stages=4, producer=True, rawq=True, stream_k=True)
-    assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64,
-                                                       config=cfg))
-
-
-@pytest.mark.gpu
-@needs_hopper
 def test_a_ring_too_deep_for_shared_memory_runs_with_fewer_stages():
     """256 rows of x x 128 in-features x 4 stages is 256 KB of x alone: nothing is resident as asked, so no
     wave is balanced, and the launch retries with fewer stages (the product is right)."""
@@ -476,7 +409,7 @@ def test_trace_build_computes_the_same_product_and_stamps_every_program(monkeypa
     traces = []
 
     def traced(*a, **kw):
-        traces.append(trace_buffer(kw["grid"], a[0].shape[0], kw["n"], kw["k"], "cuda"))
+        traces.append(trace_buffer(kw["grid"], a[0].shape[0], kw["n"], "cuda"))
         return real(*a, trace=traces[-1], **kw)
 
     monkeypatch.setattr(mm_mod, "launch_wgmma", traced)
