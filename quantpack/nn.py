@@ -96,8 +96,12 @@ class QuantLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features={self.in_features}")
         if self._use_kernel(x):
-            return kernels.MixedMatmul.apply(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size,
-                                             self.bits, self.axis)
+            if torch.is_grad_enabled() and x.requires_grad:  # (adapters below train: backward through the kernel)
+                return kernels.MixedMatmul.apply(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size,
+                                                 self.bits, self.axis)
+            # (nothing to differentiate: the autograd Function's own bookkeeping cost 15-30 us a call on an H200 host)
+            return kernels.mixed_mm(x, self.qweight, self.scales, self.zeros, group_size=self.group_size,
+                                    bits=self.bits, axis=self.axis, bias=self.bias)
         return reference.matmul(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:

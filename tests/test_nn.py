@@ -74,6 +74,28 @@ def test_kernel_forward_and_grad_match_reference(bits, axis, gs, m_rows):
     assert layer.qweight.grad is None
 
 
+@needs_triton
+def test_inference_calls_the_kernel_without_the_autograd_function(monkeypatch):
+    """Without a gradient to compute (no_grad, or an x that does not require one) the layer calls mixed_mm directly
+    (the autograd Function's bookkeeping is host time on every decode step) and gives the same output, bit for bit,
+    as the path that records the graph."""
+    from quantpack import kernels
+
+    layer = make()
+    layer.backend = "triton"
+    x = torch.randn(3, 160, dtype=torch.float16, device=DEV)
+    applied = []
+    real = kernels.MixedMatmul.apply
+    monkeypatch.setattr(kernels.MixedMatmul, "apply", lambda *a: applied.append(1) or real(*a))
+    with torch.no_grad():
+        plain = layer(x)
+    direct = layer(x)  # grad enabled, but x needs none
+    assert applied == [] and not direct.requires_grad
+    tracked = layer(x.clone().requires_grad_(True))
+    assert applied == [1] and tracked.requires_grad
+    assert torch.equal(plain, direct) and torch.equal(plain, tracked.detach())
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_dequantize_matches_reference(bits, dtype):

@@ -26,6 +26,17 @@ def _alloc(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a constexpr function in Triton 3.6: about 10 us a call there,
+    several per launch)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), on the host (as ``cdiv``)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -265,7 +276,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     out = _alloc((n, k), out_dtype, qweight.device)
     block_r, block_n, warps = _dequant_block(bits, axis, group_size)
     n_meta = scales.shape[1]
-    grid = (triton.cdiv((k + 1) // 2, block_r), triton.cdiv(n, block_n))
+    grid = (cdiv((k + 1) // 2, block_r), cdiv(n, block_n))
     with on_device(qweight):
         _dequant_kernel[grid](qweight, scales, zeros, out, n, k, group_size, n_meta, zs, zz,
                               BITS=bits, AXIS=axis, QUANT_ZERO=quant_zero,

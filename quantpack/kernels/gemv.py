@@ -23,6 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .dequant import cdiv, next_power_of_2
+
 
 @triton.jit
 def _magic_f32(v, SHIFT: tl.constexpr, MASK: tl.constexpr, BASE: tl.constexpr):
@@ -197,12 +199,12 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr
 def gemv_grid(m: int, n: int, k: int, block_n: int, block_r: int, split: int) -> tuple[int, int, int]:
     """(steps per program, split, column tiles): the split is rounded so every program gets the same
     number of steps, then up to a power of two (the last program sums the partials in one 2-D load)."""
-    steps_total = triton.cdiv(triton.cdiv(k, 2), block_r)
-    steps = triton.cdiv(steps_total, max(1, split))
-    split = triton.cdiv(steps_total, steps)
+    steps_total = cdiv(cdiv(k, 2), block_r)
+    steps = cdiv(steps_total, max(1, split))
+    split = cdiv(steps_total, steps)
     if split > 1:
-        split = triton.next_power_of_2(split)
-    return steps, split, triton.cdiv(n, block_n)
+        split = next_power_of_2(split)
+    return steps, split, cdiv(n, block_n)
 
 
 def launch_gemv(x2, qweight, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,

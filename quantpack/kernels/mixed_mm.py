@@ -45,7 +45,7 @@ from triton.runtime.errors import OutOfResources
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
 from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
-from .dequant import (dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_bytes,
+from .dequant import (cdiv, dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_bytes,
                       meta_rowwise, on_device, split_pair_rows, triton_usable)
 from .. import reference
 from ..format import PackedWeight
@@ -486,7 +486,7 @@ def _fill_split(tiles: int, reduce_steps: int, sms: int, waves: float = 2.0) -> 
 def gemv_config(m: int, n: int, k: int, device: torch.device) -> KernelConfig:
     """The CUDA-core GEMV as tuning picked it on an H200 at M = 1: 1-warp programs, ~8 per SM."""
     return KernelConfig(path="gemv", block_m=1, block_n=128, block_r=32, num_warps=1, words=n % 4 == 0,
-                        split=_fill_split(m * triton.cdiv(n, 128), triton.cdiv((k + 1) // 2, 32), _num_sms(device),
+                        split=_fill_split(m * cdiv(n, 128), cdiv((k + 1) // 2, 32), _num_sms(device),
                                           8.0))
 
 
@@ -505,7 +505,7 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         # up to 256 rows of x, split until the tiles fill the GPU
         bm = min(256, max(32, m_bucket(m)))
         bn = 64 if bm <= 128 else 128
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        tiles = cdiv(m, bm) * cdiv(n, bn)
         return KernelConfig("wgmma", block_m=bm, block_n=bn, block_r=64 if bm <= 128 else 32, num_warps=bn // 16,
                             num_stages=4, split=min(4, _fill_split(tiles, max(1, k // 128), sms, 1.0)),
                             producer=True)
@@ -519,17 +519,17 @@ def heuristic_config(transposed: bool, m: int, n: int, k: int, device: torch.dev
         bm = 16 if m <= 16 else (64 if m <= 64 else 128)
         cfg = KernelConfig(path="dot", block_m=bm, block_n=64, block_r=64 if m > 64 else 32,
                            num_warps=8 if m > 64 else 4, num_stages=3)
-        tiles = triton.cdiv(m, bm) * triton.cdiv(kh, cfg.block_r)
-        reduce_steps = triton.cdiv(n, cfg.block_n)
+        tiles = cdiv(m, bm) * cdiv(kh, cfg.block_r)
+        reduce_steps = cdiv(n, cfg.block_n)
     elif m <= 64:
         cfg = KernelConfig(path="dot", block_m=max(16, m_bucket(m)), block_n=64, block_r=64, num_warps=4,
                            num_stages=3)
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, 64)
-        reduce_steps = triton.cdiv(kh, 64)
+        tiles = cdiv(m, cfg.block_m) * cdiv(n, 64)
+        reduce_steps = cdiv(kh, 64)
     else:
         cfg = KernelConfig(path="dot", block_m=128, block_n=128, block_r=32, num_warps=8, num_stages=3)
-        tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
-        reduce_steps = triton.cdiv(kh, 32)
+        tiles = cdiv(m, 128) * cdiv(n, 128)
+        reduce_steps = cdiv(kh, 32)
     return replace(cfg, split=_fill_split(tiles, reduce_steps, sms, 8.0 if m <= 8 else 2.0))
 
 
@@ -543,11 +543,11 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
 
     def add(cfg: KernelConfig, waves=(1.0, 2.0, 4.0)):
         if transposed:
-            tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
-            steps = triton.cdiv(n, cfg.block_n)
+            tiles = cdiv(m, cfg.block_m) * cdiv(kh, cfg.block_r)
+            steps = cdiv(n, cfg.block_n)
         else:
-            tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-            steps = triton.cdiv(kh, cfg.block_r)
+            tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+            steps = cdiv(kh, cfg.block_r)
         for w in waves:
             c = replace(cfg, split=_fill_split(tiles, steps, sms, w))
             if c not in out:
@@ -569,7 +569,7 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
             for words in (False, True):
                 gcfg = KernelConfig("gemv", 1, bn, br, num_warps=warps, num_stages=1, words=words)
                 for w in (4.0, 8.0, 16.0):
-                    c = replace(gcfg, split=_fill_split(m * triton.cdiv(n, bn), triton.cdiv(kh, br), sms, w))
+                    c = replace(gcfg, split=_fill_split(m * cdiv(n, bn), cdiv(kh, br), sms, w))
                     if c not in out:
                         out.append(c)
         for bn, br, warps in ((64, 64, 2), (128, 64, 4), (32, 64, 1)):
@@ -884,9 +884,9 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))
         split, tiles = grid.split, grid.programs * grid.row_programs(m)
     elif transposed:
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(kh, cfg.block_r)
+        tiles = cdiv(m, cfg.block_m) * cdiv(kh, cfg.block_r)
     else:
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     if split > 1 and tiles > _COUNTER_SLOTS:
         split = 1  # (a divisor of anything: valid for gemv and mma too)
         if cfg.path == "wgmma":

@@ -453,6 +453,7 @@ class MmaGrid(NamedTuple):
         return -(-m // (16 * self.row_blocks(m)))
 
 
+@functools.lru_cache(maxsize=4096)  # (per launch on the host: pure)
 def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1, bits: int = 4,
              blocks: int = 1) -> MmaGrid:
     """The launch grid nearest to the one asked for that divides the problem: warps x tiles per

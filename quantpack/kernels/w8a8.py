@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
     TensorDescriptor = None
 
 from ..quantize_w8a8 import ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, quantize_weight_w8a8  # noqa: F401
-from .dequant import on_device
+from .dequant import cdiv, next_power_of_2, on_device
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A row up to this long is quantized from registers in one read; longer rows take two passes.
@@ -120,7 +120,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
         one_tile = k <= _QUANT_ONE_TILE_MAX_K
-        block_k = triton.next_power_of_2(k) if one_tile else _QUANT_LOOP_BLOCK_K
+        block_k = next_power_of_2(k) if one_tile else _QUANT_LOOP_BLOCK_K
         with on_device(x2):
             _quantize_rows_kernel[(m,)](
                 x2, q, scale, k, x2.stride(0), q.stride(0),
@@ -337,7 +337,7 @@ def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
-    m_bucket = min(triton.next_power_of_2(m), 4096)
+    m_bucket = min(next_power_of_2(m), 4096)
     has_bias = bias is not None
     use_tma = kernel == "tma" or (kernel == "auto" and _PREFER_TMA and _tma_supported(x_q, qweight, out))
     if kernel == "tma" and not _tma_supported(x_q, qweight, out):
@@ -356,10 +356,10 @@ def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
         kernel_fn, tuned_fn = _w8a8_matmul, _w8a8_matmul_autotuned
     if _interpreting():
         cfg = _INTERPRETER_CONFIG
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
         kernel_fn[grid](*args, HAS_BIAS=has_bias, **cfg)
     else:
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
         with on_device(x_q):  # Triton launches on the current device, not necessarily x's
             tuned_fn[grid](*args, HAS_BIAS=has_bias)
     return out

@@ -29,11 +29,13 @@ against the reference.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
+
+from .dequant import cdiv, next_power_of_2
 
 try:  # Gluon ships with Triton >= 3.4; without it the path is simply unavailable
     from triton.experimental import gluon
@@ -598,7 +600,7 @@ class WgmmaGrid:
     rawq: bool = False  # 4-bit with a producer warp: MMA on q + OFFSET, scales and zeros applied per K step
 
     def tiles(self, m: int, n: int) -> int:
-        return triton.cdiv(n, self.block_n) * triton.cdiv(m, self.block_m)
+        return cdiv(n, self.block_n) * cdiv(m, self.block_m)
 
     def programs(self, m: int, n: int) -> int:
         if self.split == 1:
@@ -613,19 +615,20 @@ class WgmmaGrid:
 def _fit_split(steps: int, split: int) -> int:
     """The largest split up to ``split`` that leaves every program at least one of ``steps`` K steps."""
     split = max(1, min(split, steps))
-    while split > 1 and (split - 1) * triton.cdiv(steps, split) >= steps:
+    while split > 1 and (split - 1) * cdiv(steps, split) >= steps:
         split -= 1
     return split
 
 
+@functools.lru_cache(maxsize=4096)  # (per launch on the host: pure, and cheaper looked up than recomputed)
 def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int, split: int,
                stages: int, producer: bool = False, rawq: bool = False) -> WgmmaGrid:
     """Clamp a tuned tile to this call: BLOCK_M to x's rows (a power of two, as TMA blocks are, 16 to 256),
     BLOCK_K to a divisor of the group (64 or 128 in-features), the split so that every program has at
     least one K step. ``rawq`` (4-bit only; the caller checks) runs on the producer warp's ring."""
-    block_m = max(16, min(block_m, 256, triton.next_power_of_2(m)))
+    block_m = max(16, min(block_m, 256, next_power_of_2(m)))
     block_k = 128 if block_k >= 128 and group_size % 128 == 0 else 64
-    split = _fit_split(triton.cdiv(k, block_k), split)
+    split = _fit_split(cdiv(k, block_k), split)
     return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16, producer=producer or rawq,
                      rawq=rawq)
 
@@ -641,7 +644,7 @@ def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) ->
     last = tiles % resident
     if last == 0 or 2 * last > resident:
         return grid
-    split = _fit_split(triton.cdiv(k, grid.block_k), min(4, resident // last))
+    split = _fit_split(cdiv(k, grid.block_k), min(4, resident // last))
     return replace(grid, split=split, whole=tiles - last) if split > 1 else grid
 
 
@@ -659,6 +662,7 @@ def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
             and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())
 
 
+@functools.lru_cache(maxsize=1024)  # (Gluon layout objects cost about 30 us a launch to build)
 def _layouts(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid, bits: int):
     """Shared-memory layouts of the three TMA tiles: x (BM, BK), the packed bytes of a step ((BK/2, BN) for 4-bit,
     (BK, BN) for 8-bit) as 16-bit words (BN/2 per row), and the (2, 1, BN) scale and zero rows of a step (one
