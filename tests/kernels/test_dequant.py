@@ -78,3 +78,15 @@ def test_cpu_without_triton_uses_reference(monkeypatch):
     monkeypatch.setattr(dq_mod, "triton_usable", lambda t: False)
     out = dequantize(pw.qweight, pw.scales, pw.zeros, group_size=32, bits=8)
     assert torch.equal(out, reference.dequantize(pw))
+
+
+@pytest.mark.parametrize("a", [0, 1, 2, 15, 16, 17, 127, 128, 129, 4096, 14336, 1 << 20])
+@pytest.mark.parametrize("b", [1, 2, 16, 64, 128, 132])
+def test_host_cdiv_and_next_power_of_2_match_the_definitions(a, b):
+    """The launchers' plain host helpers (Triton's own are constexpr functions, slow on the host)."""
+    from quantpack.kernels.dequant import cdiv, next_power_of_2
+
+    assert cdiv(a, b) == (a + b - 1) // b
+    if a >= 1:
+        p = next_power_of_2(a)
+        assert p >= a and p & (p - 1) == 0 and (p == 1 or p // 2 < a)
