@@ -10,8 +10,6 @@ is also what ``torch._int_mm`` wants for its second operand (as ``qweight.t()``)
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -23,16 +21,12 @@ except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
     TensorDescriptor = None
 
 from ..quantize_w8a8 import ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, quantize_weight_w8a8  # noqa: F401
-from .dequant import cdiv, next_power_of_2, on_device
+from .dequant import cdiv, interpreting, next_power_of_2, on_device
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A row up to this long is quantized from registers in one read; longer rows take two passes.
 _QUANT_ONE_TILE_MAX_K = 8192
 _QUANT_LOOP_BLOCK_K = 4096
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +93,7 @@ def _check_activations(x: torch.Tensor, name: str = "x") -> None:
         raise ValueError(f"{name}: dtype {x.dtype} is not supported; pass float16, bfloat16 or float32 activations")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"{name}: expected shape (..., K) with K > 0, got {tuple(x.shape)}")
-    if not (x.is_cuda or _interpreting()):
+    if not (x.is_cuda or interpreting()):
         raise ValueError(f"{name}: on {x.device}; the Triton kernels need a CUDA tensor "
                          f"(on CPU use quantpack.quantize_w8a8.w8a8_linear_reference)")
 
@@ -124,7 +118,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with on_device(x2):
             _quantize_rows_kernel[(m,)](
                 x2, q, scale, k, x2.stride(0), q.stride(0),
-                AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=QMAX, BLOCK_K=block_k, ONE_TILE=one_tile, USE_RINT=not _interpreting(),
+                AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=QMAX, BLOCK_K=block_k, ONE_TILE=one_tile, USE_RINT=not interpreting(),
                 num_warps=8 if block_k >= 2048 else 4,
             )
     return q.reshape(x.shape), scale.reshape(x.shape[:-1])
@@ -281,7 +275,7 @@ def _tma_supported(*tensors: torch.Tensor) -> bool:
     """TMA needs Hopper or newer, 16-byte aligned bases and 16-byte aligned row strides."""
     if TensorDescriptor is None:
         return False
-    if not _interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not interpreting() and torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                for t in tensors)
@@ -320,7 +314,7 @@ def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}")
     if not isinstance(x_q, torch.Tensor) or x_q.dtype != torch.int8 or x_q.dim() != 2:
         raise ValueError("x_q: expected a 2-D (M, K) int8 tensor")
-    if not (x_q.is_cuda or _interpreting()):
+    if not (x_q.is_cuda or interpreting()):
         raise ValueError(f"x_q: on {x_q.device}; the Triton kernels need a CUDA tensor")
     m, k = x_q.shape
     _check_weight(qweight, weight_scale, bias, k, x_q.device)
@@ -344,7 +338,7 @@ def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
         raise ValueError("kernel='tma' needs a Hopper (or newer) GPU and 16-byte aligned rows "
                          "(K a multiple of 16, N*itemsize a multiple of 16); use kernel='auto'")
     if use_tma:
-        cfg = _INTERPRETER_CONFIG if _interpreting() else {"BLOCK_M": 1, "BLOCK_N": 1, "BLOCK_K": 1}
+        cfg = _INTERPRETER_CONFIG if interpreting() else {"BLOCK_M": 1, "BLOCK_N": 1, "BLOCK_K": 1}
         descs = (TensorDescriptor.from_tensor(x_q, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
                  TensorDescriptor.from_tensor(qweight, [cfg["BLOCK_N"], cfg["BLOCK_K"]]),
                  TensorDescriptor.from_tensor(out, [cfg["BLOCK_M"], cfg["BLOCK_N"]]))  # GPU: set per config
@@ -354,7 +348,7 @@ def w8a8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
         args = (x_q, qweight, x_scale, weight_scale, bias_arg, out, m, n, k,
                 x_q.stride(0), qweight.stride(0), out.stride(0), m_bucket)
         kernel_fn, tuned_fn = _w8a8_matmul, _w8a8_matmul_autotuned
-    if _interpreting():
+    if interpreting():
         cfg = _INTERPRETER_CONFIG
         grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
         kernel_fn[grid](*args, HAS_BIAS=has_bias, **cfg)
