@@ -666,7 +666,8 @@ def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 def _layouts(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid, bits: int):
     """Shared-memory layouts of the three TMA tiles: x (BM, BK), the packed bytes of a step ((BK/2, BN) for 4-bit,
     (BK, BN) for 8-bit) as 16-bit words (BN/2 per row), and the (2, 1, BN) scale and zero rows of a step (one
-    copy: see _scale_zero_planes)."""
+    copy: see _scale_zero_planes). Cached: the block-shape lists are shared by every launch's descriptors, so nothing
+    may modify them."""
     dt = gl.bfloat16 if x_dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = grid.block_m, grid.block_n, grid.block_k
     qk = bk // 2 if bits == 4 else bk
