@@ -9,6 +9,7 @@ from torch import nn
 from .format import PackedWeight, packed_shapes, check_layout_args
 from .quantize import quantize, resolve_group_size
 from . import kernels, reference
+from .kernels.launch_plan import PlanCache
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -54,6 +55,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device))
         else:
             self.bias = None
+        # the fused kernel's launch plans for this layer's buffers (kernels/launch_plan.py): a repeated input shape
+        # skips the host-side dispatch
+        self._plans = PlanCache()
 
     @classmethod
     def from_packed(cls, pw: PackedWeight, bias: torch.Tensor | None = None) -> "QuantLinear":
@@ -83,6 +87,10 @@ class QuantLinear(nn.Module):
                                       bits=self.bits, axis=self.axis, out_dtype=dtype)
         return reference.dequantize(self.packed, dtype)
 
+    def _apply(self, fn, *args, **kwargs):
+        self._plans.clear()  # (moved or cast: the plans hold the old tensors)
+        return super()._apply(fn, *args, **kwargs)
+
     def _use_kernel(self, x: torch.Tensor) -> bool:
         if self.backend == "reference":
             return False
@@ -98,10 +106,10 @@ class QuantLinear(nn.Module):
         if self._use_kernel(x):
             if torch.is_grad_enabled() and x.requires_grad:  # (adapters below train: backward through the kernel)
                 return kernels.MixedMatmul.apply(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size,
-                                                 self.bits, self.axis)
+                                                 self.bits, self.axis, self._plans)
             # (nothing to differentiate: the autograd Function's own bookkeeping cost 15-30 us a call on an H200 host)
             return kernels.mixed_mm(x, self.qweight, self.scales, self.zeros, group_size=self.group_size,
-                                    bits=self.bits, axis=self.axis, bias=self.bias)
+                                    bits=self.bits, axis=self.axis, bias=self.bias, plans=self._plans)
         return reference.matmul(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:

@@ -25,6 +25,7 @@ counter, which it resets) sums them and writes the output, so one launch does it
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -42,6 +43,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 from triton.runtime.errors import OutOfResources
 
+from . import launch_plan
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
 from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
@@ -56,6 +58,16 @@ PATHS = ("gemv", "mma", "wgmma", "fma", "dot", "dot_t", "dq")
 def _alloc(shape, dtype, device) -> torch.Tensor:
     """Uninitialized output/workspace allocation (tests swap this for a NaN-filled one)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _new_out(shape, dtype, device) -> torch.Tensor:
+    """A launch's output (``_alloc`` looked up per call, so a replayed plan allocates as the module does now)."""
+    return _alloc(shape, dtype, device)
+
+
+def _new_workspace(shape, device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split launch's float32 partials and its ``tiles`` counters (zero at rest)."""
+    return _alloc(shape, torch.float32, device), _counter_slice(device, tiles)
 
 
 @dataclass(frozen=True)
@@ -329,6 +341,8 @@ _counters_lock = threading.Lock()
 
 
 def _counter_slice(device: torch.device, tiles: int) -> torch.Tensor:
+    """``tiles`` counters of the device's ring, starting 16-byte aligned (as Triton specializes pointers: a launch
+    plan replays a kernel compiled for an aligned slice)."""
     with _counters_lock:
         state = _counters.get(str(device))
         if state is None:
@@ -336,7 +350,7 @@ def _counter_slice(device: torch.device, tiles: int) -> torch.Tensor:
         buf, offset = state
         if offset + tiles > _COUNTER_SLOTS:
             offset = 0
-        state[1] = offset + tiles
+        state[1] = offset + -(-tiles // 4) * 4
     return buf[offset:offset + tiles]
 
 
@@ -434,10 +448,15 @@ def _table(dev_key: str) -> dict:
     return table
 
 
+_table_changes = 0  # configs added by _remember since import (part of a launch plan's key)
+
+
 def _remember(dev_key: str, key: str, cfg: KernelConfig) -> None:
     """Add an autotuned config to the in-memory table and to this machine's cache file (merged with
     what other processes wrote, replaced atomically; a cache that cannot be written is skipped)."""
+    global _table_changes
     _table(dev_key)[key] = cfg
+    _table_changes += 1
     if dev_key == "interpreter":
         return
     path = tuned_cache_path(dev_key)
@@ -854,7 +873,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         w = dequantize(qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis, out_dtype=x2.dtype)
         out = x2 @ w if transposed else F.linear(x2, w, bias.to(x2.dtype) if bias is not None else None)
         return out.to(out_dtype)
-    out = _alloc((m, out_cols), out_dtype, x2.device)
+    out = launch_plan.allocate(_new_out, (m, out_cols), out_dtype, x2.device)
     if m == 0:
         return out
     kh = (k + 1) // 2
@@ -898,8 +917,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
             shape = (split * tiles, wg.block_n * wg.block_m)
         else:
             shape = (split, m, out_cols)
-        ws = _alloc(shape, torch.float32, x2.device)
-        cnt = _counter_slice(x2.device, tiles)
+        ws, cnt = launch_plan.allocate(_new_workspace, shape, x2.device, tiles)
     else:
         ws = cnt = out  # never touched
     if cfg.path == "mma":
@@ -920,20 +938,20 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
             launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size, bits=bits,
                          grid=replace(wg, stages=num_stages))
         elif transposed:
-            _tr_kernel[grid](x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size, n_meta,
-                             x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-                             BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd,
-                             DOT_PREC=prec,
-                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, SPLIT=split,
-                             GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
+            launch_plan.launch(_tr_kernel, grid, x2, qweight, scales, zeros, out, ws, cnt, m, n, k, group_size,
+                               n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+                               BITS=bits, AXIS=axis, META_ROW=meta_row, SWAP=cfg.path == "dot_t", DOT_DTYPE=dd,
+                               DOT_PREC=prec, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+                               SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
         else:
             path = {"fma": 0, "dot": 1, "dot_t": 2}[cfg.path]
-            _fwd_kernel[grid](x2, qweight, scales, zeros, bias if bias is not None else out, out, ws, cnt,
-                              m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
-                              BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None, PATH=path,
-                              DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset,
-                              USE_ASM=not interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
-                              SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=num_stages)
+            launch_plan.launch(_fwd_kernel, grid, x2, qweight, scales, zeros, bias if bias is not None else out, out,
+                               ws, cnt, m, n, k, group_size, n_meta, x2.stride(0), x2.stride(1), out.stride(0),
+                               out.stride(1), BITS=bits, AXIS=axis, META_ROW=meta_row, HAS_BIAS=bias is not None,
+                               PATH=path, DOT_DTYPE=dd, DOT_PREC=prec, RAWQ=rawq, MAGIC=magic, OFFSET=offset,
+                               USE_ASM=not interpreting(), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                               BLOCK_R=cfg.block_r, SPLIT=split, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                               num_stages=num_stages)
 
     # A config whose pipeline does not fit this GPU's shared memory (a forced or borrowed table entry)
     # runs with fewer stages instead of failing (wgmma's ring needs two).
@@ -948,6 +966,37 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# launch plans (launch_plan.py): what a call decides, made once per key and replayed
+
+_PLAN_ENV = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUTOTUNE", "TRITON_INTERPRET")
+
+
+def launch_plans_enabled() -> bool:
+    """Whether ``mixed_mm(plans=...)`` records and replays launch plans (``QUANTPACK_LAUNCH_PLANS=0`` turns them off:
+    every call then does its host-side work again, as without a PlanCache)."""
+    return os.environ.get("QUANTPACK_LAUNCH_PLANS", "1") != "0"
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):  # an inference-mode tensor keeps no version counter (or not a tensor)
+        return -1
+
+
+def _plan_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, out_dtype, axis, config) -> tuple:
+    """Everything a call's decisions depend on besides the identity of the weight's tensors (which the PlanCache
+    checks): x's shape, strides, dtype, device and alignment, the arguments (the bias by identity: a plan that
+    launches with it holds it), the tensors' versions (an in-place change rebuilds the mma copy), the environment
+    switches and the config table."""
+    env = os.environ
+    return (x2.shape, x2.stride(), x2.dtype, x2.device, x2.data_ptr() % 16, out_dtype, transposed, group_size, bits,
+            axis, config, _version(qweight), _version(scales), _version(zeros),
+            None if bias is None else (id(bias), _version(bias)), tuple(env.get(name) for name in _PLAN_ENV),
+            id(_tables), _table_changes)
+
+
 def _check_x(x: torch.Tensor, width: int, what: str) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError("x: expected a floating-point tensor (float16, bfloat16 or float32)")
@@ -957,12 +1006,29 @@ def _check_x(x: torch.Tensor, width: int, what: str) -> None:
 
 def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
              bits: int = 4, transposed: bool = False, out_dtype: torch.dtype | None = None, axis: int | None = None,
-             bias: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: KernelConfig | None = None,
+             plans: launch_plan.PlanCache | None = None) -> torch.Tensor:
     """``x @ W.T`` (``transposed=False``: x (..., K) -> (..., N)) or ``x @ W`` (``transposed=True``:
     x (..., N) -> (..., K)) for the packed (N, K) weight W, dequantized in registers, accumulated
     in float32. ``axis`` is read off the scales' shape when not given; ``bias`` (N,) is added in
-    the forward epilogue; ``config`` forces a launch configuration (tests, tuning).
+    the forward epilogue; ``config`` forces a launch configuration (tests, tuning); ``plans``, a
+    :class:`~quantpack.kernels.launch_plan.PlanCache` kept for this weight, makes repeated calls of one
+    x shape replay the first one's launch without its host-side work (launch_plan.py).
     Runs Triton on CUDA (and on CPU under TRITON_INTERPRET=1), the reference otherwise."""
+    if plans is not None:
+        if not (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] > 0) or not launch_plans_enabled():
+            plans = None  # (the checks below say what is wrong)
+        else:
+            x2 = x.reshape(-1, x.shape[-1])
+            plan_key = _plan_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, out_dtype, axis,
+                                 config)
+            plan = plans.get((qweight, scales, zeros), plan_key)
+            if plan is not None and plan is not launch_plan.MISSING:
+                with on_device(x2):
+                    out = plan(x2)
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+            if plan is None:
+                plans = None  # (known not to plan: run as usual)
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, axis)
     _check_x(x, k if not transposed else n, "in_features K" if not transposed else "out_features N")
     if x.device != qweight.device:
@@ -979,6 +1045,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         if bias is not None:
             out = out + bias.float()
         return out.to(out_dtype).reshape(*lead, -1)
+    tensors = (qweight, scales, zeros)  # (as the caller holds them: what its PlanCache compares)
     qweight = qweight.contiguous()
     scales = scales.contiguous()
     zeros = zeros.contiguous()
@@ -992,7 +1059,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
                                        and wgmma_usable(x2, qweight, scales, zeros, n, k, group_size, bits, axis)):
         config = _fix_config(heuristic_config(transposed, x2.shape[0], n, k, x2.device, wgmma=False), transposed,
                              x2.shape[0], axis, group_size)
-    mma_weight, pdl = None, False
+    mma_weight, pdl, built_now = None, False, False
     if config.path == "mma":
         if mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):  # (_fix_config took transposed)
             with on_device(x2):
@@ -1001,9 +1068,16 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         if mma_weight is None:  # the CUDA-core GEMV (or what _fix_config makes of it) instead
             config = _fix_config(gemv_config(x2.shape[0], n, k, x2.device), transposed, x2.shape[0], axis,
                                  group_size)
+    # a plan is recorded from a call that runs as every later one will: not one that built the mma copy (it may
+    # not use PDL) nor one under CUDA-graph capture (it cannot build the copy)
+    record = plans is not None and not built_now and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
     with on_device(x2):  # Triton launches on the current device: make it x's (device maps over GPUs)
-        out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, config,
-                      mma_weight, pdl)
+        with launch_plan.recording() if record else contextlib.nullcontext() as rec:
+            out = _launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype,
+                          config, mma_weight, pdl)
+    if record:  # (under the key of the call's arguments as given, which is how the next call looks it up)
+        plans.put(tensors, plan_key, launch_plan.Plan.from_recording(rec, x2, out, keep=(qweight, scales, zeros, bias,
+                                                                                    mma_weight)))
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -1011,17 +1085,18 @@ class MixedMatmul(torch.autograd.Function):
     """``x @ W.T + bias`` over a frozen packed weight; backward is the transposed kernel."""
 
     @staticmethod
-    def forward(ctx, x, qweight, scales, zeros, bias, group_size, bits, axis):
+    def forward(ctx, x, qweight, scales, zeros, bias, group_size, bits, axis, plans=None):
         ctx.save_for_backward(qweight, scales, zeros)
-        ctx.meta = (group_size, bits, axis)
-        return mixed_mm(x, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis, bias=bias)
+        ctx.meta = (group_size, bits, axis, plans)
+        return mixed_mm(x, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis, bias=bias,
+                        plans=plans)
 
     @staticmethod
     def backward(ctx, grad_out):
         qweight, scales, zeros = ctx.saved_tensors
-        group_size, bits, axis = ctx.meta
+        group_size, bits, axis, plans = ctx.meta
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = mixed_mm(grad_out, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis,
-                              transposed=True)
-        return grad_x, None, None, None, None, None, None, None
+                              transposed=True, plans=plans)
+        return grad_x, None, None, None, None, None, None, None, None

@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import launch_plan
+
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
 MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each)
 MAX_BLOCKS = 2  # 16-row blocks of x per program (four measured 1.4-1.8x slower: benchmarks/NOTES.md v9)
@@ -486,9 +488,9 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
         "grid must come from mma_grid"
     m = x2.shape[0]
     assert depth in (1, 2) and 1 <= m <= MAX_M and bits in (4, 8)
-    _mma_gemv_kernel[(grid.programs * grid.row_programs(m), grid.split)](
-        x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
-        m, n, k, x2.stride(0), out.stride(0),
+    launch_plan.launch(
+        _mma_gemv_kernel, (grid.programs * grid.row_programs(m), grid.split),
+        x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters, m, n, k, x2.stride(0), out.stride(0),
         **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=bits,
                             has_bias=bias is not None, use_asm=use_asm, pdl=pdl),
         num_warps=grid.warps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
