@@ -6,7 +6,9 @@ so no 16 GB files are involved. Decode tokens/s = batch * tokens / time of the d
 (prefill excluded), measured two ways:
 
 * ``eager``: transformers' ``generate`` (dynamic cache), i.e. what a user gets out of the box;
-  at batch 1 it is bound by Python and kernel-launch overhead as much as by memory.
+  at batch 1 it is bound by Python and kernel-launch overhead as much as by memory. The quantized
+  model is also timed with its launch plans off (``QUANTPACK_LAUNCH_PLANS=0``: every linear call does
+  its host-side dispatch again), the cost those plans save.
 * ``graph``: one greedy decode step with a static KV cache captured in a CUDA graph and replayed,
   which removes that overhead and shows what the weights' memory traffic costs.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -62,8 +65,9 @@ def weight_bytes(model) -> int:
 
 
 @torch.no_grad()
-def eager_decode(model, prompt, new_tokens: int) -> float:
-    """tokens/s of generate()'s decode steps: (time for N new tokens - time for 1) / (N - 1)."""
+def eager_decode(model, prompt, new_tokens: int, repeats: int = 3) -> float:
+    """tokens/s of generate()'s decode steps: (time for N new tokens - time for 1) / (N - 1), each time the best of
+    ``repeats`` (eager decode is bound by the host, whose speed varies from moment to moment)."""
     kw = dict(do_sample=False, pad_token_id=0)
 
     def timed(n):
@@ -74,9 +78,22 @@ def eager_decode(model, prompt, new_tokens: int) -> float:
         return time.perf_counter() - t
 
     timed(4)  # warm-up: kernels compiled, caches allocated
-    t1 = min(timed(1) for _ in range(2))
-    tn = timed(new_tokens)
+    t1 = min(timed(1) for _ in range(repeats))
+    tn = min(timed(new_tokens) for _ in range(repeats))
     return prompt.shape[0] * (new_tokens - 1) / (tn - t1)
+
+
+def without_launch_plans(fn, *args):
+    """``fn(*args)`` with QuantLinear's launch plans turned off (every call does its host-side dispatch again)."""
+    saved = os.environ.get("QUANTPACK_LAUNCH_PLANS")
+    os.environ["QUANTPACK_LAUNCH_PLANS"] = "0"
+    try:
+        return fn(*args)
+    finally:
+        if saved is None:
+            del os.environ["QUANTPACK_LAUNCH_PLANS"]
+        else:
+            os.environ["QUANTPACK_LAUNCH_PLANS"] = saved
 
 
 @torch.no_grad()
@@ -135,11 +152,13 @@ def kernel_vs_reference(model, prompt) -> float:
     return ((fused - ref).abs().max() / ref.abs().max()).item()
 
 
-def measure(model, args, prompts, label, results):
+def measure(model, args, prompts, label, results, quantized=False):
     for b in args.batch_sizes:
         row = {"model": label, "batch": b}
         try:
             row["eager_tok_s"] = eager_decode(model, prompts[b], args.new_tokens)
+            if quantized:
+                row["eager_no_plans_tok_s"] = without_launch_plans(eager_decode, model, prompts[b], args.new_tokens)
         except Exception as exc:  # keep going: report what failed
             row["eager_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         try:
@@ -192,12 +211,12 @@ def main(argv=None) -> int:
     results["quant_weight_bytes"] = weight_bytes(model)
     results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
-    measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results)
+    measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True)
 
-    print(f"\n{'model':<24}{'batch':>6}{'eager tok/s':>14}{'graph tok/s':>14}")
+    print(f"\n{'model':<24}{'batch':>6}{'eager tok/s':>14}{'graph tok/s':>14}{'eager, no launch plans':>24}")
     for row in results["rows"]:
         print(f"{row['model']:<24}{row['batch']:>6}{row.get('eager_tok_s', float('nan')):>14.1f}"
-              f"{row.get('graph_tok_s', float('nan')):>14.1f}")
+              f"{row.get('graph_tok_s', float('nan')):>14.1f}{row.get('eager_no_plans_tok_s', float('nan')):>24.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
