@@ -73,6 +73,23 @@ def _is_descriptor(arg) -> bool:
     return hasattr(arg, "base") and hasattr(arg, "block_shape") and isinstance(getattr(arg, "base"), torch.Tensor)
 
 
+def _source(arg, x2: torch.Tensor, where: dict, kept: set):
+    """How a replay gets a recorded launch argument: ("x",), ("buffer", allocation, position), ("x_desc",) (x's TMA
+    descriptor), ("same",) (the recorded value: not a tensor, or one of ``kept``'s storages), or None (a tensor it
+    cannot account for). (A module function: a closure recursing on itself would hold x2 in a reference cycle.)"""
+    if isinstance(arg, torch.Tensor):
+        if arg is x2:
+            return ("x",)
+        if id(arg) in where:
+            return ("buffer",) + where[id(arg)]
+        return ("same",) if arg.untyped_storage().data_ptr() in kept else None
+    if _is_descriptor(arg):
+        if arg.base is x2:
+            return ("x_desc",)
+        return ("same",) if _source(arg.base, x2, where, kept) == ("same",) else None
+    return ("same",)
+
+
 class Plan:
     """Replays a recorded call: ``plan(x2)`` allocates what the first call did and launches its kernel with x2 and
     the new buffers. Build with :meth:`from_recording`."""
@@ -102,23 +119,7 @@ class Plan:
         if id(result) not in where:
             return None
         kept = {t.untyped_storage().data_ptr() for t in keep if isinstance(t, torch.Tensor)}
-        x_storage = x2.untyped_storage().data_ptr()
-
-        def source(arg):
-            """How the replay gets this argument: ("x",), ("buffer", i, j), ("x_desc",), ("same",), or None."""
-            if isinstance(arg, torch.Tensor):
-                if arg is x2:
-                    return ("x",)
-                if id(arg) in where:
-                    return ("buffer",) + where[id(arg)]
-                storage = arg.untyped_storage().data_ptr()
-                return ("same",) if storage in kept and storage != x_storage else None
-            if _is_descriptor(arg):
-                if arg.base is x2:
-                    return ("x_desc",)
-                return ("same",) if source(arg.base) == ("same",) else None
-            return ("same",)
-
+        kept.discard(x2.untyped_storage().data_ptr())
         compiled_ok = compiled is not None and hasattr(compiled, "__getitem__") and hasattr(kernel, "params")
         if compiled_ok:  # all arguments in the kernel's order, as JITFunction.run hands them to the launcher
             names = [p.name for p in kernel.params]
@@ -131,13 +132,18 @@ class Plan:
             template, call_kwargs = list(args), dict(kwargs)
         subs = []
         for pos, arg in enumerate(template):
-            how = source(arg)
+            how = _source(arg, x2, where, kept)
             if how is None:
                 return None
             if how != ("same",):
                 subs.append((pos, how))
+                if how == ("x_desc",):  # (the template keeps its shape, strides and layout, not this call's x)
+                    template[pos] = copy.copy(arg)
+                    template[pos].base = None
+                else:
+                    template[pos] = None  # (nor this call's x and buffers: a prefill's output can be 100+ MB)
         for name, arg in call_kwargs.items():
-            if source(arg) != ("same",):
+            if _source(arg, x2, where, kept) != ("same",):
                 return None
         if compiled_ok:  # (a compiled kernel's launcher reads all three grid dimensions)
             grid = tuple(grid) + (1,) * (3 - len(grid))

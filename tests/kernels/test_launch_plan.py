@@ -116,6 +116,20 @@ def test_in_place_change_of_the_weight_is_seen(replays):
 
 
 @kernels_run
+@pytest.mark.parametrize("name", ["default", "dot_split"])
+def test_a_plan_does_not_keep_the_recorded_calls_x_or_output(name):
+    pw, w = weight()
+    plans = PlanCache()
+    call(torch.randn(2, 256, dtype=torch.float16, device=DEV), pw)  # (builds the mma copy: the next call records)
+    x = torch.randn(2, 256, dtype=torch.float16, device=DEV)
+    out = call(x, pw, plans, config=CONFIGS[name])
+    assert isinstance(next(iter(plans._plans.values())), Plan)
+    gone = weakref.ref(x), weakref.ref(out)
+    del x, out
+    assert gone[0]() is None and gone[1]() is None
+
+
+@kernels_run
 def test_other_tensors_replace_the_plans_and_release_the_old_ones():
     pw, w = weight()
     plans = PlanCache()
