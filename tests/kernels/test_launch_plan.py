@@ -19,21 +19,11 @@ from quantpack.kernels.launch_plan import Plan, PlanCache, Recording
 from quantpack.nn import QuantLinear
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
-dq_mod = importlib.import_module("quantpack.kernels.dequant")
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 DEV = "cuda" if ON_GPU else "cpu"
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py; replayed buffers included)
 kernels_run = pytest.mark.skipif(not ON_GPU and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
                                  reason="needs TRITON_INTERPRET=1 or a GPU")
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every output and workspace starts as NaN (0x7F bytes for integers), replayed ones included."""
-    def alloc(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(127)
-    monkeypatch.setattr(mm_mod, "_alloc", alloc)
-    monkeypatch.setattr(dq_mod, "_alloc", alloc)
 
 
 @pytest.fixture

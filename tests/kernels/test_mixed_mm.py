@@ -10,22 +10,12 @@ import torch
 from quantpack import reference
 from quantpack.kernels import KernelConfig, mixed_mm
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
-dq_mod = importlib.import_module("quantpack.kernels.dequant")
 from quantpack.quantize import quantize
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 or a GPU")
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
+                                 reason="needs TRITON_INTERPRET=1 or a GPU"),
+              pytest.mark.usefixtures("poisoned_outputs")]  # (tests/conftest.py)
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Every output and workspace the kernels allocate starts as NaN (or 0x7F bytes)."""
-    def alloc(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(127)
-    monkeypatch.setattr(mm_mod, "_alloc", alloc)
-    monkeypatch.setattr(dq_mod, "_alloc", alloc)
 
 
 def rel_err(out, ref):
