@@ -88,8 +88,13 @@ class QuantLinear(nn.Module):
         return reference.dequantize(self.packed, dtype)
 
     def _apply(self, fn, *args, **kwargs):
-        self._plans.clear()  # (moved or cast: the plans hold the old tensors)
+        if "_plans" in self.__dict__:  # (moved or cast: the plans hold the old tensors)
+            self._plans.clear()
         return super()._apply(fn, *args, **kwargs)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_plans", PlanCache())  # (a layer pickled before launch plans existed)
 
     def _use_kernel(self, x: torch.Tensor) -> bool:
         if self.backend == "reference":

@@ -220,6 +220,7 @@ def launch_gemv(x2, qweight, scales, zeros, bias, out, workspace, counters, *, n
     even = n % block_n == 0 and k == 2 * block_r * steps * split  # tiles cover N and K exactly: no masks
     launch_plan.launch(
         _gemv_kernel, (tiles_n, split, m),
-        x2, qweight, scales, zeros, bias if bias is not None else out, out, workspace, counters, n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
+        x2, qweight, scales, zeros, bias if bias is not None else out, out, workspace, counters,
+        n, k, x2.stride(0), x2.stride(1), out.stride(0), out.stride(1),
         BITS=bits, G=group_size, HAS_BIAS=bias is not None, WORDS=words, EVEN=even,
         BLOCK_N=block_n, BLOCK_R=block_r, STEPS=steps, SPLIT=split, num_warps=num_warps, num_stages=1)

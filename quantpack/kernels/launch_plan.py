@@ -2,9 +2,9 @@
 
 Before launching anything, ``mixed_mm`` validates the packed tensors, picks a path and config from the table,
 fits a grid and a split-K workspace, builds TMA descriptors and has Triton bind and specialize some twenty
-arguments: 95-240 us of Python a call on an H100/H200 host (BENCHMARKS.md, run AH), several times the GPU time
-of a decode GEMV, so eager ``generate`` ran slower than bf16. None of it depends on x's values, only on the
-weight tensors, x's shape, dtype, strides and alignment, and the process state (environment, config table).
+arguments: 110-160 us of Python a call on an H100 host (BENCHMARKS.md run AI), 10-20 times the GPU time of a
+decode GEMV. None of it depends on x's values, only on the weight tensors, x's shape, dtype, strides and
+alignment, and the process state (environment, config table).
 
 So the first call of such a key runs as usual while a recorder notes what it allocates (:func:`allocate`: the
 output, the workspace and counters) and the one kernel it launches (:func:`launch`). A :class:`Plan` made from

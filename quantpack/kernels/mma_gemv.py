@@ -490,7 +490,8 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     assert depth in (1, 2) and 1 <= m <= MAX_M and bits in (4, 8)
     launch_plan.launch(
         _mma_gemv_kernel, (grid.programs * grid.row_programs(m), grid.split),
-        x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters, m, n, k, x2.stride(0), out.stride(0),
+        x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
+        m, n, k, x2.stride(0), out.stride(0),
         **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=bits,
                             has_bias=bias is not None, use_asm=use_asm, pdl=pdl),
         num_warps=grid.warps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
