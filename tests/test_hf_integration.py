@@ -26,13 +26,14 @@ def test_from_pretrained_gives_the_same_logits_as_load(packed_llama, llama_src):
     assert model.model.layers[0].mlp.up_proj.scales.dtype == torch.bfloat16  # stored dtype kept
     assert isinstance(model.config.quantization_config, hf_integration.QuantpackConfig)
     ids = prompt_ids(packed_llama)
+    loaded = load(packed_llama, device="cpu", dtype=torch.float32)
     with torch.no_grad():
         got = model(**ids).logits
-        assert torch.allclose(got, load(packed_llama, dtype=torch.float32)(**ids).logits, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got, loaded(**ids).logits, rtol=1e-5, atol=1e-5)
         assert rel_err(got, dequantized_source(llama_src, packed_llama)(**ids).logits) <= RTOL
         # existing generation code runs unchanged
         kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        assert torch.equal(model.generate(**ids, **kw), load(packed_llama, dtype=torch.float32).generate(**ids, **kw))
+        assert torch.equal(model.generate(**ids, **kw), loaded.generate(**ids, **kw))
 
 
 def test_from_pretrained_tied_and_encoder(packed_tied, packed_encoder, encoder_src):
@@ -41,7 +42,7 @@ def test_from_pretrained_tied_and_encoder(packed_tied, packed_encoder, encoder_s
     tied = AutoModelForCausalLM.from_pretrained(packed_tied)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight and type(tied.lm_head) is torch.nn.Linear
     ids = prompt_ids(packed_tied)
-    assert torch.equal(tied(**ids).logits, load(packed_tied)(**ids).logits)
+    assert torch.equal(tied(**ids).logits, load(packed_tied, device="cpu")(**ids).logits)
 
     enc = AutoModel.from_pretrained(packed_encoder, dtype=torch.float32)
     ids = prompt_ids(packed_encoder)
@@ -52,10 +53,12 @@ def test_from_pretrained_tied_and_encoder(packed_tied, packed_encoder, encoder_s
 def test_from_pretrained_device_map_auto_on_cpu(packed_llama):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(packed_llama, device_map="auto", dtype=torch.float32)
+    # (on a GPU host, "auto" would fill the GPU first: the memory map offers it none)
+    model = AutoModelForCausalLM.from_pretrained(packed_llama, device_map="auto", dtype=torch.float32,
+                                                 max_memory={"cpu": "8GiB"})
     assert {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()} == {"cpu"}
     ids = prompt_ids(packed_llama)
-    want = load(packed_llama, dtype=torch.float32)(**ids).logits
+    want = load(packed_llama, device="cpu", dtype=torch.float32)(**ids).logits
     assert torch.allclose(model(**ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
@@ -95,7 +98,7 @@ def test_save_pretrained_is_refused(packed_tied, tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 def test_gradients_reach_the_inputs_like_the_dequantized_model(packed_llama, llama_src):
-    model = load(packed_llama, dtype=torch.float32)
+    model = load(packed_llama, device="cpu", dtype=torch.float32)
     oracle = dequantized_source(llama_src, packed_llama)
     ids = prompt_ids(packed_llama)["input_ids"]
     grads = []
@@ -113,7 +116,7 @@ def test_gradients_reach_the_inputs_like_the_dequantized_model(packed_llama, lla
 def test_lora_adapters_train_on_the_frozen_quantized_base(packed_llama):
     from peft import get_peft_model
 
-    model = load(packed_llama, dtype=torch.float32)
+    model = load(packed_llama, device="cpu", dtype=torch.float32)
     before = {n: b.clone() for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".zeros"))}
     config = hf_integration.lora_config(r=4, lora_alpha=8, lora_dropout=0.0,
                                         target_modules=["q_proj", "v_proj", "down_proj"])
@@ -148,7 +151,7 @@ def test_trainer_accepts_adapters_on_a_loaded_model(packed_llama):
     from peft import get_peft_model
     from transformers.trainer_utils import validate_quantization_for_training
 
-    model = load(packed_llama, dtype=torch.float32)
+    model = load(packed_llama, device="cpu", dtype=torch.float32)
     assert model.hf_quantizer.is_trainable
     with pytest.raises(ValueError, match="purely quantized"):
         validate_quantization_for_training(model)

@@ -104,7 +104,7 @@ def test_logits_match_dequantized_source(case, request, llama_src, tiny_llama_ti
     src, packed = {"llama": (llama_src, "packed_llama"), "tied": (tiny_llama_tied_dir, "packed_tied"),
                    "mixed": (tiny_llama_dir, "packed_mixed")}[case]
     packed = request.getfixturevalue(packed)
-    model = load(packed, dtype=torch.float32)
+    model = load(packed, device="cpu", dtype=torch.float32)
     oracle = dequantized_source(src, packed)
     ids = prompt_ids(packed)
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_logits_match_dequantized_source(case, request, llama_src, tiny_llama_ti
 
 
 def test_greedy_generation_of_32_tokens_is_identical(packed_llama, llama_src):
-    model = load(packed_llama, dtype=torch.float32)
+    model = load(packed_llama, device="cpu", dtype=torch.float32)
     oracle = dequantized_source(llama_src, packed_llama)
     ids = prompt_ids(packed_llama)
     kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False)
@@ -127,7 +127,7 @@ def test_greedy_generation_of_32_tokens_is_identical(packed_llama, llama_src):
 def test_encoder_with_biases_matches(packed_encoder, encoder_src):
     from transformers import AutoModel, BertModel
 
-    model = load(packed_encoder, dtype=torch.float32)
+    model = load(packed_encoder, device="cpu", dtype=torch.float32)
     assert type(model) is BertModel
     oracle = dequantized_source(encoder_src, packed_encoder, AutoModel)
     ids = prompt_ids(packed_encoder)
@@ -162,7 +162,7 @@ def test_structure_follows_the_checkpoint(packed_mixed, packed_tied):
 
 
 def test_dtype_casts_unquantized_weights_only(packed_llama):
-    model = load(packed_llama, dtype=torch.float16)
+    model = load(packed_llama, device="cpu", dtype=torch.float16)
     assert model.lm_head.weight.dtype == torch.float16
     assert model.model.norm.weight.dtype == torch.float16
     q = model.model.layers[0].self_attn.q_proj
@@ -175,7 +175,9 @@ def test_device_maps_on_cpu(packed_llama):
     ids = prompt_ids(packed_llama)
     ref = load(packed_llama, dtype=torch.float32, device="cpu")(**ids).logits
     for device_map in ("auto", {"": "cpu"}, {"model": "cpu", "lm_head": "cpu"}):
-        model = load(packed_llama, dtype=torch.float32, device_map=device_map)
+        # (on a GPU host, "auto" would fill the GPU first: the memory map offers it none)
+        model = load(packed_llama, dtype=torch.float32, device_map=device_map,
+                     max_memory={"cpu": "8GiB"} if device_map == "auto" else None)
         assert {p.device.type for p in model.parameters()} == {"cpu"}
         assert torch.equal(model(**ids).logits, ref)
     with pytest.raises(ValueError, match="device and device_map"):
@@ -197,8 +199,8 @@ def test_loads_from_a_hub_repo_id_offline(packed_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     ids = prompt_ids(packed_llama)
-    model = load("quantpack-tests/tiny-llama-qp4", dtype=torch.float32)
-    assert torch.equal(model(**ids).logits, load(packed_llama, dtype=torch.float32)(**ids).logits)
+    model = load("quantpack-tests/tiny-llama-qp4", device="cpu", dtype=torch.float32)
+    assert torch.equal(model(**ids).logits, load(packed_llama, device="cpu", dtype=torch.float32)(**ids).logits)
     with pytest.raises(ValueError, match=r"^path_or_repo_id: .*not in the Hugging Face cache"):
         load("quantpack-tests/not-there")
 
