@@ -289,3 +289,13 @@ def test_compiled_replay_at_full_size_and_under_graph_capture(n, k, gs, dtype, b
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, x.float() @ w.t() + bias.float()) < 8e-3
+
+
+def test_a_layer_pickled_before_launch_plans_gets_an_empty_cache():
+    q = QuantLinear(256, 64)
+    state = dict(q.__dict__)
+    del state["_plans"]  # (what an older quantpack pickled)
+    old = QuantLinear.__new__(QuantLinear)
+    old.__setstate__(state)
+    assert isinstance(old._plans, PlanCache) and len(old._plans) == 0
+    old.to("cpu")  # (moving clears the cache: it must exist)
