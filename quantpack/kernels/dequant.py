@@ -22,7 +22,8 @@ from ..format import SUPPORTED_BITS, PackedWeight
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
-    """Uninitialized output allocation (tests swap this for a NaN-filled one)."""
+    """Uninitialized output and workspace allocation of every kernel launcher (tests swap this for a NaN-filled
+    one)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 

@@ -43,7 +43,7 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 from triton.runtime.errors import OutOfResources
 
-from . import launch_plan
+from . import dequant, launch_plan
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
 from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
@@ -55,19 +55,15 @@ from ..format import PackedWeight
 PATHS = ("gemv", "mma", "wgmma", "fma", "dot", "dot_t", "dq")
 
 
-def _alloc(shape, dtype, device) -> torch.Tensor:
-    """Uninitialized output/workspace allocation (tests swap this for a NaN-filled one)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _new_out(shape, dtype, device) -> torch.Tensor:
-    """A launch's output (``_alloc`` looked up per call, so a replayed plan allocates as the module does now)."""
-    return _alloc(shape, dtype, device)
+    """A launch's output, from dequant's allocator (looked up per call: tests swap it for a NaN-filled one, and a
+    replayed plan allocates as the module does now)."""
+    return dequant._alloc(shape, dtype, device)
 
 
 def _new_workspace(shape, device, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A split launch's float32 partials and its ``tiles`` counters (zero at rest)."""
-    return _alloc(shape, torch.float32, device), _counter_slice(device, tiles)
+    return dequant._alloc(shape, torch.float32, device), _counter_slice(device, tiles)
 
 
 @dataclass(frozen=True)
@@ -350,7 +346,7 @@ def _counter_slice(device: torch.device, tiles: int) -> torch.Tensor:
         buf, offset = state
         if offset + tiles > _COUNTER_SLOTS:
             offset = 0
-        state[1] = offset + -(-tiles // 4) * 4
+        state[1] = offset + cdiv(tiles, 4) * 4
     return buf[offset:offset + tiles]
 
 

@@ -43,6 +43,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import launch_plan
+from .dequant import cdiv
 
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
 MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each)
@@ -448,11 +449,11 @@ class MmaGrid(NamedTuple):
 
     def row_blocks(self, m: int) -> int:
         """The 16-row blocks of x one program takes for ``m`` rows (no more than there are)."""
-        return max(1, min(self.blocks, -(-m // 16)))
+        return max(1, min(self.blocks, cdiv(m, 16)))
 
     def row_programs(self, m: int) -> int:
         """Programs along the rows of x for ``m`` rows (each program's counter slot is its own)."""
-        return -(-m // (16 * self.row_blocks(m)))
+        return cdiv(m, 16 * self.row_blocks(m))
 
 
 @functools.lru_cache(maxsize=4096)  # (per launch on the host: pure)

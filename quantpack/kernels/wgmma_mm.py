@@ -751,7 +751,7 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
             _resident[key] = 0
             return 0
         props = torch.cuda.get_device_properties(x2.device)
-        warp_regs = -(-kernel.n_regs * 32 // 256) * 256  # registers go to warps in blocks of 256
+        warp_regs = cdiv(kernel.n_regs * 32, 256) * 256  # registers go to warps in blocks of 256
         warps = kernel.metadata.num_warps  # (with a producer warp: whole warpgroups)
         per_sm = min(getattr(props, "regs_per_multiprocessor", 65536) // (warp_regs * warps),
                      getattr(props, "shared_memory_per_multiprocessor", 233472) // (kernel.metadata.shared + 1024),

@@ -11,16 +11,11 @@ from quantpack.format import PackedWeight
 from quantpack.kernels import dequantize
 from quantpack.quantize import quantize
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 or a GPU")
+pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
+                                 reason="needs TRITON_INTERPRET=1 or a GPU"),
+              pytest.mark.usefixtures("poisoned_outputs")]  # (tests/conftest.py)
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
 dq_mod = importlib.import_module("quantpack.kernels.dequant")
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    monkeypatch.setattr(dq_mod, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                                  device=device))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

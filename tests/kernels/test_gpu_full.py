@@ -9,18 +9,10 @@ from quantpack import reference
 from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, dequantize, mixed_mm
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("poisoned_outputs")]  # (tests/conftest.py)
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
-dq_mod = importlib.import_module("quantpack.kernels.dequant")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    def alloc(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    monkeypatch.setattr(mm_mod, "_alloc", alloc)
-    monkeypatch.setattr(dq_mod, "_alloc", alloc)
 
 
 _cache = {}
