@@ -41,6 +41,36 @@ def poisoned_outputs(monkeypatch):
     monkeypatch.setattr(importlib.import_module("quantpack.kernels.dequant"), "_alloc", alloc)
 
 
+def _mend_triton_interpreter_for_numpy_2_4() -> None:
+    """Triton's interpreter before 3.9 (3.6 is what the GPU image has) turns a loop bound into an int with
+    ``int(array of shape (1,))``, which numpy >= 2.4 refuses, so every kernel with a runtime loop bound fails there
+    (triton-lang/triton#9171). Apply the upstream fix (squeeze first) for this test session, where it is needed."""
+    import inspect
+
+    import numpy as np
+
+    try:
+        int(np.zeros(1))
+        return  # numpy < 2.4
+    except TypeError:
+        pass
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or "int(self.handle.data)" not in inspect.getsource(patch):
+        return  # a Triton with the fix
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _mend_triton_interpreter_for_numpy_2_4()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
