@@ -11,12 +11,17 @@ so no 16 GB files are involved. Decode tokens/s = batch * tokens / time of the d
   its host-side dispatch again), the cost those plans save.
 * ``graph``: one greedy decode step with a static KV cache captured in a CUDA graph and replayed,
   which removes that overhead and shows what the weights' memory traffic costs.
+* ``compiled``: ``generate(..., cache_implementation="static")``, for which transformers compiles the decode step
+  itself (torch.compile, inductor, ``mode="reduce-overhead"``: CUDA graphs); the fused kernels enter that graph as
+  the custom op ``torch.ops.quantpack.mixed_mm``. The one-line way to decode fast. The first call's compile time
+  is reported too.
 
 It also checks the fused kernel's logits against quantpack's reference path on the same packed
 weights. Prints a table and writes JSON (``--json``).
 
     python benchmarks/bench_decode.py                          # 8B shape, batch 1 and 16
     python benchmarks/bench_decode.py --layers 4 --new-tokens 32   # quick look
+    python benchmarks/bench_decode.py --modes compiled graph       # skip the eager timings
 """
 from __future__ import annotations
 
@@ -65,10 +70,10 @@ def weight_bytes(model) -> int:
 
 
 @torch.no_grad()
-def eager_decode(model, prompt, new_tokens: int, repeats: int = 3) -> float:
+def eager_decode(model, prompt, new_tokens: int, repeats: int = 3, **generate_kw) -> float:
     """tokens/s of generate()'s decode steps: (time for N new tokens - time for 1) / (N - 1), each time the best of
     ``repeats`` (eager decode is bound by the host, whose speed varies from moment to moment)."""
-    kw = dict(do_sample=False, pad_token_id=0)
+    kw = dict(do_sample=False, pad_token_id=0, **generate_kw)
 
     def timed(n):
         torch.cuda.synchronize()
@@ -81,6 +86,19 @@ def eager_decode(model, prompt, new_tokens: int, repeats: int = 3) -> float:
     t1 = min(timed(1) for _ in range(repeats))
     tn = min(timed(new_tokens) for _ in range(repeats))
     return prompt.shape[0] * (new_tokens - 1) / (tn - t1)
+
+
+@torch.no_grad()
+def compiled_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
+    """(tokens/s, seconds of the first call) of generate() with a static cache, whose decode step transformers
+    compiles (inductor, CUDA graphs) on the first call."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                   cache_implementation="static")
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    return eager_decode(model, prompt, new_tokens, cache_implementation="static"), first
 
 
 def without_launch_plans(fn, *args):
@@ -155,16 +173,25 @@ def kernel_vs_reference(model, prompt) -> float:
 def measure(model, args, prompts, label, results, quantized=False):
     for b in args.batch_sizes:
         row = {"model": label, "batch": b}
-        try:
-            row["eager_tok_s"] = eager_decode(model, prompts[b], args.new_tokens)
-            if quantized:
-                row["eager_no_plans_tok_s"] = without_launch_plans(eager_decode, model, prompts[b], args.new_tokens)
-        except Exception as exc:  # keep going: report what failed
-            row["eager_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        try:
-            row["graph_tok_s"] = graph_decode(model, prompts[b], args.new_tokens)
-        except Exception as exc:
-            row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if "eager" in args.modes:
+            try:
+                row["eager_tok_s"] = eager_decode(model, prompts[b], args.new_tokens)
+                if quantized:
+                    row["eager_no_plans_tok_s"] = without_launch_plans(eager_decode, model, prompts[b],
+                                                                       args.new_tokens)
+            except Exception as exc:  # keep going: report what failed
+                row["eager_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if "graph" in args.modes:
+            try:
+                row["graph_tok_s"] = graph_decode(model, prompts[b], args.new_tokens)
+            except Exception as exc:
+                row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if "compiled" in args.modes:
+            try:
+                row["compiled_tok_s"], row["compiled_first_call_s"] = compiled_decode(model, prompts[b],
+                                                                                      args.new_tokens)
+            except Exception as exc:
+                row["compiled_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
 
@@ -181,6 +208,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--method", default="rtn", choices=["rtn", "hqq"])
+    parser.add_argument("--modes", nargs="+", default=["eager", "graph", "compiled"],
+                        choices=["eager", "graph", "compiled"])
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -213,10 +242,14 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
     measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True)
 
-    print(f"\n{'model':<24}{'batch':>6}{'eager tok/s':>14}{'graph tok/s':>14}{'eager, no launch plans':>24}")
+    nan = float("nan")
+    print(f"\n{'model':<24}{'batch':>6}{'eager tok/s':>14}{'graph tok/s':>14}{'compiled tok/s':>16}"
+          f"{'(first call s)':>16}{'eager, no launch plans':>24}")
     for row in results["rows"]:
-        print(f"{row['model']:<24}{row['batch']:>6}{row.get('eager_tok_s', float('nan')):>14.1f}"
-              f"{row.get('graph_tok_s', float('nan')):>14.1f}{row.get('eager_no_plans_tok_s', float('nan')):>24.1f}")
+        print(f"{row['model']:<24}{row['batch']:>6}{row.get('eager_tok_s', nan):>14.1f}"
+              f"{row.get('graph_tok_s', nan):>14.1f}{row.get('compiled_tok_s', nan):>16.1f}"
+              f"{row.get('compiled_first_call_s', nan):>16.1f}"
+              f"{row.get('eager_no_plans_tok_s', nan):>24.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -109,6 +109,9 @@ class QuantLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features={self.in_features}")
         if self._use_kernel(x):
+            if torch.compiler.is_compiling():  # (the launcher is not traceable: torch.compile sees one opaque op)
+                return torch.ops.quantpack.mixed_mm(x, self.qweight, self.scales, self.zeros, self.bias,
+                                                    self.group_size, self.bits, self.axis, False)
             if torch.is_grad_enabled() and x.requires_grad:  # (adapters below train: backward through the kernel)
                 return kernels.MixedMatmul.apply(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size,
                                                  self.bits, self.axis, self._plans)

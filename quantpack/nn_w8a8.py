@@ -87,6 +87,10 @@ class W8A8Linear(nn.Module):
         return dequantize_w8a8(self.qweight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.compiler.is_compiling():  # (the Triton launcher is not traceable: one opaque op)
+            from .kernels.w8a8 import w8a8_linear_op  # noqa: F401  (registers torch.ops.quantpack.w8a8_linear)
+
+            return torch.ops.quantpack.w8a8_linear(x, self.qweight, self.weight_scale, self.bias)
         if torch.is_grad_enabled() and x.requires_grad:
             return _W8A8LinearFunction.apply(x, self.qweight, self.weight_scale, self.bias)
         return _w8a8_forward(x, self.qweight, self.weight_scale, self.bias)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from quantpack.loader import load
@@ -20,11 +21,13 @@ def run(*args, timeout=240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
-def test_generate_prints_the_greedy_continuation(packed_llama):
+@pytest.mark.parametrize("flags", [[], ["--static-cache"]], ids=["dynamic-cache", "static-cache"])
+def test_generate_prints_the_greedy_continuation(packed_llama, flags):
     from transformers import AutoTokenizer
 
     prompt = "The quick brown fox"
-    out = run(EXAMPLES / "generate.py", packed_llama, "--prompt", prompt, "--max-new-tokens", "12", "--device", "cpu")
+    out = run(EXAMPLES / "generate.py", packed_llama, "--prompt", prompt, "--max-new-tokens", "12", "--device", "cpu",
+              *flags)
     assert out.returncode == 0, out.stderr[-2000:]
     tok = AutoTokenizer.from_pretrained(packed_llama)
     ids = tok(prompt, return_tensors="pt")

@@ -372,3 +372,37 @@ def w8a8_linear(x: torch.Tensor, qweight_int8: torch.Tensor, weight_scale: torch
     x_q, x_scale = quantize_activations(x.reshape(-1, k))
     out = w8a8_matmul(x_q, x_scale, qweight_int8, weight_scale, bias, out_dtype)
     return out.reshape(*x.shape[:-1], qweight_int8.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: w8a8_linear as one opaque custom op (as mixed_mm_op in mixed_mm.py)
+# ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("quantpack::w8a8_linear", mutates_args=(),
+                         schema="(Tensor x, Tensor qweight, Tensor weight_scale, Tensor? bias) -> Tensor")
+def w8a8_linear_op(x, qweight, weight_scale, bias):
+    """:func:`w8a8_linear` as the torch custom op ``torch.ops.quantpack.w8a8_linear`` (fake function and input
+    gradient included), which ``W8A8Linear`` calls while torch.compile traces it; eager calls skip the dispatcher."""
+    return w8a8_linear(x, qweight, weight_scale, bias)
+
+
+@w8a8_linear_op.register_fake
+def _w8a8_linear_op_fake(x, qweight, weight_scale, bias):
+    _check_activations(x)
+    _check_weight(qweight, weight_scale, bias, x.shape[-1], x.device)
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+def _w8a8_linear_op_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _w8a8_linear_op_backward(ctx, grad_out):
+    from ..quantize_w8a8 import dequantize_w8a8
+
+    qweight, weight_scale = ctx.saved_tensors
+    grad_x = grad_out @ dequantize_w8a8(qweight, weight_scale, grad_out.dtype) if ctx.needs_input_grad[0] else None
+    return grad_x, None, None, None
+
+
+w8a8_linear_op.register_autograd(_w8a8_linear_op_backward, setup_context=_w8a8_linear_op_setup)
