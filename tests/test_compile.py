@@ -8,6 +8,8 @@ tests compile with inductor and ``mode="reduce-overhead"`` (CUDA graphs), as tra
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -72,13 +74,21 @@ def test_mixed_mm_op_passes_opcheck(bits, axis, bias, transposed):
     assert out.shape == (3, 64 if transposed else 48)
 
 
-def test_mixed_mm_op_fake_function_rejects_a_mismatched_input():
-    """Tracing (fake tensors only) already says what is wrong, as the eager call does."""
-    layer = _quant_linear(64, 48)
+@pytest.mark.parametrize("case", ["width", "transposed-bias", "bias-shape", "layout"])
+def test_mixed_mm_op_fake_function_rejects_what_the_kernel_rejects(case):
+    """Tracing (fake tensors only) already says what is wrong, with the eager call's message."""
+    layer = _quant_linear(64, 48, bias=True)
+    x = torch.randn(2, 63 if case == "width" else 48 if case == "transposed-bias" else 64, dtype=torch.float16)
+    bias = layer.bias[:47] if case == "bias-shape" else layer.bias
+    group_size = 24 if case == "layout" else layer.group_size
+    args = (layer.qweight, layer.scales, layer.zeros, bias, group_size, 4, 1, case == "transposed-bias")
+    with pytest.raises(ValueError) as eager:
+        mixed_mm_op(x, *args)
     recorder = GraphRecorder()
-    f = torch.compile(lambda x: layer(x), backend=recorder, fullgraph=True)
-    with pytest.raises(Exception, match="does not match in_features"):
-        f(torch.randn(2, 63, dtype=torch.float16))
+    f = torch.compile(lambda x: torch.ops.quantpack.mixed_mm(x, *args), backend=recorder, fullgraph=True)
+    with pytest.raises(Exception, match=re.escape(str(eager.value))):
+        f(x)
+    assert not recorder.graphs  # (raised while tracing, not by the kernel at run time)
 
 
 def test_w8a8_linear_op_passes_opcheck():

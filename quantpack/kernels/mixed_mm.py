@@ -993,11 +993,20 @@ def _plan_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, ou
             id(_tables), _table_changes)
 
 
-def _check_x(x: torch.Tensor, width: int, what: str) -> None:
+def _check_call(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed) -> tuple[int, int, int]:
+    """Check a call's arguments (shapes, dtypes and devices only: fake tensors pass through here too); return
+    (N, K, axis)."""
+    n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, axis)
+    width, what = (n, "out_features N") if transposed else (k, "in_features K")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError("x: expected a floating-point tensor (float16, bfloat16 or float32)")
     if x.dim() < 1 or x.shape[-1] != width:
         raise ValueError(f"x: last dimension {tuple(x.shape)[-1:] or '()'} does not match {what}={width}")
+    if x.device != qweight.device:
+        raise ValueError(f"x: on {x.device} but qweight on {qweight.device}; move them to one device")
+    if bias is not None and (transposed or tuple(bias.shape) != (n,)):
+        raise ValueError(f"bias: expected shape ({n},) and transposed=False")
+    return n, k, axis
 
 
 def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
@@ -1025,12 +1034,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
                 return out.reshape(*x.shape[:-1], out.shape[-1])
             if plan is None:
                 plans = None  # (known not to plan: run as usual)
-    n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, axis)
-    _check_x(x, k if not transposed else n, "in_features K" if not transposed else "out_features N")
-    if x.device != qweight.device:
-        raise ValueError(f"x: on {x.device} but qweight on {qweight.device}; move them to one device")
-    if bias is not None and (transposed or tuple(bias.shape) != (n,)):
-        raise ValueError(f"bias: expected shape ({n},) and transposed=False")
+    n, k, axis = _check_call(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed)
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -1116,8 +1120,7 @@ def mixed_mm_op(x, qweight, scales, zeros, bias, group_size, bits, axis, transpo
 
 @mixed_mm_op.register_fake
 def _mixed_mm_op_fake(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed):
-    n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, axis)
-    _check_x(x, n if transposed else k, "out_features N" if transposed else "in_features K")
+    n, k, _ = _check_call(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed)
     return x.new_empty(*x.shape[:-1], k if transposed else n)
 
 
