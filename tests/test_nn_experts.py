@@ -112,6 +112,40 @@ def test_other_moe_families(model_type, tmp_path):
         assert ((model(ids).logits - want).abs().max() / want.abs().max()).item() <= 1e-4
 
 
+def test_compiled_static_cache_generate_matches_eager(mixtral, monkeypatch):
+    """transformers compiles a static-cache decode step without fullgraph: the experts' routing (bincount, nonzero,
+    a loop over the experts hit) has data-dependent shapes and breaks the graph, so the experts run eagerly, and the
+    rest (attention projections through the kernel's custom op) compiles."""
+    from transformers import AutoTokenizer, CompileConfig
+
+    from quantpack.nn import QuantLinear
+
+    _, packed, _ = mixtral
+    monkeypatch.setattr(QuantLinear, "backend", "triton")
+    model = load(packed, device="cpu", dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(packed)("Packed weights are read by a fused kernel", return_tensors="pt")
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            want = model.generate(**ids, **kw, disable_compile=True)
+            graphs = []
+
+            def backend(gm, example_inputs, **options):  # (keeps the graphs, runs them as traced)
+                graphs.append(gm)
+                return gm.forward
+
+            config = CompileConfig(backend=backend)
+            config._compile_all_devices = True  # (transformers compiles the decode step itself only on accelerators)
+            got = model.generate(**ids, **kw, compile_config=config)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, want)
+    ops = sum(node.target in (torch.ops.quantpack.mixed_mm, torch.ops.quantpack.mixed_mm.default)
+              for gm in graphs for node in gm.graph.nodes)
+    assert len(graphs) > 1 and ops >= 4 * len(model.model.layers), (len(graphs), ops)  # (q, k, v, o per layer)
+
+
 @pytest.mark.gpu
 def test_experts_run_the_fused_kernel_on_gpu(mixtral, monkeypatch):
     src, packed, _ = mixtral
