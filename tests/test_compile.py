@@ -182,6 +182,31 @@ def test_quant_linear_under_reduce_overhead_matches_eager_on_gpu(m):
 
 
 @pytest.mark.gpu
+def test_compiled_first_call_builds_its_caches_outside_the_graph_pool(monkeypatch):
+    """A process's first kernel call, at decode size, compiled with CUDA graphs: the warm-up run builds the
+    `mma`-ordered copy of each weight and the device's split-K counter ring, which must not come from the graph's
+    private memory pool (torch refuses a live tensor there that is not an output: a static-cache `generate` whose
+    prompt did not already run those paths eagerly failed so)."""
+    import importlib
+
+    from quantpack.kernels.mixed_mm import _mma_copies
+
+    # (as in a new process: no counter ring yet; the module, not the function `quantpack.kernels.mixed_mm`)
+    monkeypatch.setattr(importlib.import_module("quantpack.kernels.mixed_mm"), "_counters", {})
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(QuantLinear.from_linear(nn.Linear(4096, 4096, device="cuda"), group_size=128,
+                                                     method="rtn", dtype=torch.bfloat16) for _ in range(2)))
+    assert not any(layer.qweight in _mma_copies for layer in layers)
+    x = torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda")
+    compiled = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        got = [compiled(x).clone() for _ in range(3)]  # warm-up (builds the copies), recording, replay
+        want = layers(x)
+    assert all(layer.qweight in _mma_copies for layer in layers)
+    assert all(torch.equal(g, want) for g in got)
+
+
+@pytest.mark.gpu
 def test_compiled_backward_and_w8a8_match_eager_on_gpu():
     torch.manual_seed(0)
     layer = QuantLinear.from_linear(nn.Linear(1024, 2048, device="cuda"), group_size=128, method="rtn",

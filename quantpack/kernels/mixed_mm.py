@@ -342,7 +342,8 @@ def _counter_slice(device: torch.device, tiles: int) -> torch.Tensor:
     with _counters_lock:
         state = _counters.get(str(device))
         if state is None:
-            state = _counters[str(device)] = [torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
+            ring = _outside_graph_pools(lambda: torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device), device)
+            state = _counters[str(device)] = [ring, 0]
         buf, offset = state
         if offset + tiles > _COUNTER_SLOTS:
             offset = 0
@@ -833,9 +834,43 @@ def _mma_weight(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> tuple[t
         return None, False
     if not _mma_self_check(qweight.device):
         return None, False
-    packed = mma_pack(qweight, n, k, bits)
+    packed = _outside_graph_pools(lambda: mma_pack(qweight, n, k, bits), qweight.device)
     _mma_copies[qweight] = (version, packed)
     return packed, True
+
+
+def _outside_graph_pools(build, device: torch.device) -> torch.Tensor:
+    """``build()`` for a tensor quantpack keeps past the call, allocated outside any CUDA-graph memory pool. The
+    warm-up run of torch.compile's CUDA graphs (``mode="reduce-overhead"``, which transformers uses for a static
+    cache) sends this thread's allocations to the graph's private pool and fails if one outlives the run ("tensor(s)
+    in the cudagraph pool not tracked as outputs"). So the tensor is built by another thread, whose allocations do
+    not go there, on its own stream, ordered after this stream's work and before its later work."""
+    if device.type != "cuda":
+        return build()
+    current = torch.cuda.current_stream(device)
+    ready = torch.cuda.Event()
+    ready.record(current)
+    result: dict = {}
+
+    def work():
+        try:
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream(device)
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    result["out"] = build()
+                result["done"] = stream.record_event()
+        except BaseException as exc:  # noqa: BLE001  (raised again in the caller's thread)
+            result["error"] = exc
+
+    worker = threading.Thread(target=work, name="quantpack-build")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    current.wait_event(result["done"])
+    result["out"].record_stream(current)  # (freed later, its memory waits for this stream's work too)
+    return result["out"]
 
 
 # ----------------------------------------------------------------------------------------------
