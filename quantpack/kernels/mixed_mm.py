@@ -847,6 +847,8 @@ def _outside_graph_pools(build, device: torch.device) -> torch.Tensor:
     not go there, on its own stream, ordered after this stream's work and before its later work."""
     if device.type != "cuda":
         return build()
+    if device.index is None:  # (the helper thread's current device is its own)
+        device = torch.device("cuda", torch.cuda.current_device())
     current = torch.cuda.current_stream(device)
     ready = torch.cuda.Event()
     ready.record(current)
