@@ -1003,12 +1003,26 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
 # launch plans (launch_plan.py): what a call decides, made once per key and replayed
 
 _PLAN_ENV = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUTOTUNE", "TRITON_INTERPRET")
+# (every planned call reads these: os.environ.get costs about 0.8 us a name, mostly the KeyError of an unset one,
+# so the names are looked up in CPython's dict behind os.environ, 0.05 us each, where there is one)
+_ENVIRON = os.environ
+_ENV_DATA = getattr(_ENVIRON, "_data", None)
+_ENV_KEYS = (tuple(_ENVIRON.encodekey(name) for name in _PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",))
+             if isinstance(_ENV_DATA, dict) and hasattr(_ENVIRON, "encodekey") else None)
 
 
-def launch_plans_enabled() -> bool:
+def _plan_env() -> tuple:
+    """The raw values of the switches in ``_PLAN_ENV`` and of QUANTPACK_LAUNCH_PLANS (``None`` when unset)."""
+    if _ENV_KEYS is not None and os.environ is _ENVIRON:
+        return tuple(map(_ENV_DATA.get, _ENV_KEYS))
+    return tuple(os.environ.get(name) for name in _PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",))
+
+
+def launch_plans_enabled(env: tuple | None = None) -> bool:
     """Whether ``mixed_mm(plans=...)`` records and replays launch plans (``QUANTPACK_LAUNCH_PLANS=0`` turns them off:
-    every call then does its host-side work again, as without a PlanCache)."""
-    return os.environ.get("QUANTPACK_LAUNCH_PLANS", "1") != "0"
+    every call then does its host-side work again, as without a PlanCache). ``env``: :func:`_plan_env`'s values."""
+    value = (env if env is not None else _plan_env())[-1]
+    return value not in ("0", b"0")
 
 
 def _version(t: torch.Tensor) -> int:
@@ -1018,16 +1032,15 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _plan_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, out_dtype, axis, config) -> tuple:
+def _plan_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, out_dtype, axis, config,
+              env: tuple) -> tuple:
     """Everything a call's decisions depend on besides the identity of the weight's tensors (which the PlanCache
     checks): x's shape, strides, dtype, device and alignment, the arguments (the bias by identity: a plan that
     launches with it holds it), the tensors' versions (an in-place change rebuilds the mma copy), the environment
     switches and the config table."""
-    env = os.environ
     return (x2.shape, x2.stride(), x2.dtype, x2.device, x2.data_ptr() % 16, out_dtype, transposed, group_size, bits,
             axis, config, _version(qweight), _version(scales), _version(zeros),
-            None if bias is None else (id(bias), _version(bias)), tuple(env.get(name) for name in _PLAN_ENV),
-            id(_tables), _table_changes)
+            None if bias is None else (id(bias), _version(bias)), env, id(_tables), _table_changes)
 
 
 def _check_call(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed) -> tuple[int, int, int]:
@@ -1058,12 +1071,13 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     x shape replay the first one's launch without its host-side work (launch_plan.py).
     Runs Triton on CUDA (and on CPU under TRITON_INTERPRET=1), the reference otherwise."""
     if plans is not None:
-        if not (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] > 0) or not launch_plans_enabled():
+        env = _plan_env()
+        if not (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] > 0) or not launch_plans_enabled(env):
             plans = None  # (the checks below say what is wrong)
         else:
             x2 = x.reshape(-1, x.shape[-1])
             plan_key = _plan_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, out_dtype, axis,
-                                 config)
+                                 config, env)
             plan = plans.get((qweight, scales, zeros), plan_key)
             if plan is not None and plan is not launch_plan.MISSING:
                 with on_device(x2):

@@ -149,6 +149,25 @@ def test_environment_switches_and_tuned_configs_make_new_plans(monkeypatch, repl
     assert len(plans) == 3
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["environ-dict", "environ-get"])
+def test_plan_env_follows_every_switch(monkeypatch, fast):
+    """The switches the plan key reads (straight from os.environ's dict where CPython has one) change with the
+    environment, and QUANTPACK_LAUNCH_PLANS=0 (only "0") turns plans off."""
+    if not fast:
+        monkeypatch.setattr(mm_mod, "_ENV_KEYS", None)
+    names = mm_mod._PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",)
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    assert mm_mod._plan_env() == (None,) * len(names) and mm_mod.launch_plans_enabled()
+    seen = {mm_mod._plan_env()}
+    for name in names:
+        monkeypatch.setenv(name, "0")
+        seen.add(mm_mod._plan_env())
+    assert len(seen) == len(names) + 1 and not mm_mod.launch_plans_enabled()
+    monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "1")
+    assert mm_mod.launch_plans_enabled()
+
+
 @kernels_run
 def test_launch_plans_can_be_turned_off(monkeypatch, replays):
     monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
