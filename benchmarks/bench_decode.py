@@ -70,8 +70,8 @@ def weight_bytes(model) -> int:
 
 
 @torch.no_grad()
-def eager_decode(model, prompt, new_tokens: int, repeats: int = 3, **generate_kw) -> float:
-    """tokens/s of generate()'s decode steps: (time for N new tokens - time for 1) / (N - 1), each time the best of
+def generate_decode(model, prompt, new_tokens: int, repeats: int = 3, **generate_kw) -> float:
+    """tokens/s of generate()'s decode steps (eager, or compiled by transformers with a static cache): (time for N new tokens - time for 1) / (N - 1), each time the best of
     ``repeats`` (eager decode is bound by the host, whose speed varies from moment to moment)."""
     kw = dict(do_sample=False, pad_token_id=0, **generate_kw)
 
@@ -98,7 +98,7 @@ def compiled_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
                    cache_implementation="static")
     torch.cuda.synchronize()
     first = time.perf_counter() - t
-    return eager_decode(model, prompt, new_tokens, cache_implementation="static"), first
+    return generate_decode(model, prompt, new_tokens, cache_implementation="static"), first
 
 
 def without_launch_plans(fn, *args):
@@ -175,9 +175,9 @@ def measure(model, args, prompts, label, results, quantized=False):
         row = {"model": label, "batch": b}
         if "eager" in args.modes:
             try:
-                row["eager_tok_s"] = eager_decode(model, prompts[b], args.new_tokens)
+                row["eager_tok_s"] = generate_decode(model, prompts[b], args.new_tokens)
                 if quantized:
-                    row["eager_no_plans_tok_s"] = without_launch_plans(eager_decode, model, prompts[b],
+                    row["eager_no_plans_tok_s"] = without_launch_plans(generate_decode, model, prompts[b],
                                                                        args.new_tokens)
             except Exception as exc:  # keep going: report what failed
                 row["eager_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -13,6 +13,7 @@ from quantpack.tiny import make_tiny_mixtral
 from quantpack.verify import verify
 
 from oracles import dequantized_source, fused_vs_dequantized
+from test_compile import MIXED_MM, GraphRecorder
 
 
 @pytest.fixture(scope="module")
@@ -129,21 +130,15 @@ def test_compiled_static_cache_generate_matches_eager(mixtral, monkeypatch):
     try:
         with torch.no_grad():
             want = model.generate(**ids, **kw, disable_compile=True)
-            graphs = []
-
-            def backend(gm, example_inputs, **options):  # (keeps the graphs, runs them as traced)
-                graphs.append(gm)
-                return gm.forward
-
-            config = CompileConfig(backend=backend)
+            recorder = GraphRecorder()
+            config = CompileConfig(backend=recorder)
             config._compile_all_devices = True  # (transformers compiles the decode step itself only on accelerators)
             got = model.generate(**ids, **kw, compile_config=config)
     finally:
         torch._dynamo.reset()
     assert torch.equal(got, want)
-    ops = sum(node.target in (torch.ops.quantpack.mixed_mm, torch.ops.quantpack.mixed_mm.default)
-              for gm in graphs for node in gm.graph.nodes)
-    assert len(graphs) > 1 and ops >= 4 * len(model.model.layers), (len(graphs), ops)  # (q, k, v, o per layer)
+    ops = recorder.count(MIXED_MM)
+    assert len(recorder.graphs) > 1 and ops >= 4 * len(model.model.layers), ops  # (q, k, v, o per layer)
 
 
 @pytest.mark.gpu

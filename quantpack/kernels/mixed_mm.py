@@ -1005,17 +1005,19 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
 _PLAN_ENV = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUTOTUNE", "TRITON_INTERPRET")
 # (every planned call reads these: os.environ.get costs about 0.8 us a name, mostly the KeyError of an unset one,
 # so the names are looked up in CPython's dict behind os.environ, 0.05 us each, where there is one)
+_ENV_NAMES = _PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",)
 _ENVIRON = os.environ
 _ENV_DATA = getattr(_ENVIRON, "_data", None)
-_ENV_KEYS = (tuple(_ENVIRON.encodekey(name) for name in _PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",))
+_ENV_KEYS = (tuple(map(_ENVIRON.encodekey, _ENV_NAMES))
              if isinstance(_ENV_DATA, dict) and hasattr(_ENVIRON, "encodekey") else None)
 
 
 def _plan_env() -> tuple:
-    """The raw values of the switches in ``_PLAN_ENV`` and of QUANTPACK_LAUNCH_PLANS (``None`` when unset)."""
+    """The raw values of ``_ENV_NAMES``: the switches in ``_PLAN_ENV``, then QUANTPACK_LAUNCH_PLANS (``None`` when
+    unset)."""
     if _ENV_KEYS is not None and os.environ is _ENVIRON:
         return tuple(map(_ENV_DATA.get, _ENV_KEYS))
-    return tuple(os.environ.get(name) for name in _PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",))
+    return tuple(map(os.environ.get, _ENV_NAMES))
 
 
 def launch_plans_enabled(env: tuple | None = None) -> bool:

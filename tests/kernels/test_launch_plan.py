@@ -155,7 +155,7 @@ def test_plan_env_follows_every_switch(monkeypatch, fast):
     environment, and QUANTPACK_LAUNCH_PLANS=0 (only "0") turns plans off."""
     if not fast:
         monkeypatch.setattr(mm_mod, "_ENV_KEYS", None)
-    names = mm_mod._PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",)
+    names = mm_mod._ENV_NAMES
     for name in names:
         monkeypatch.delenv(name, raising=False)
     assert mm_mod._plan_env() == (None,) * len(names) and mm_mod.launch_plans_enabled()
