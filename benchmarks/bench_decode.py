@@ -71,8 +71,9 @@ def weight_bytes(model) -> int:
 
 @torch.no_grad()
 def generate_decode(model, prompt, new_tokens: int, repeats: int = 3, **generate_kw) -> float:
-    """tokens/s of generate()'s decode steps (eager, or compiled by transformers with a static cache): (time for N new tokens - time for 1) / (N - 1), each time the best of
-    ``repeats`` (eager decode is bound by the host, whose speed varies from moment to moment)."""
+    """tokens/s of generate()'s decode steps (eager, or compiled by transformers with a static cache):
+    (time for N new tokens - time for 1) / (N - 1), each time the best of ``repeats`` (eager decode is bound by the
+    host, whose speed varies from moment to moment)."""
     kw = dict(do_sample=False, pad_token_id=0, **generate_kw)
 
     def timed(n):

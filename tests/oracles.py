@@ -75,3 +75,24 @@ def rel_err(out, ref) -> float:
     """Relative Frobenius error of a kernel's output; NaN (an unwritten element of a poisoned output) fails."""
     assert not torch.isnan(out).any(), "unwritten (NaN) output elements"
     return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+# torch.compile (tests/test_compile.py, tests/test_nn_experts.py)
+MIXED_MM = (torch.ops.quantpack.mixed_mm, torch.ops.quantpack.mixed_mm.default)  # (dynamo's graph, aot's)
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps every FX graph it is given and runs it as traced (no inductor)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs, **options):  # (torch.compile passes a mode to a custom backend)
+        self.graphs.append(gm)
+        return gm.forward
+
+    def __deepcopy__(self, memo):  # (transformers deep-copies its CompileConfig, backend included)
+        return self
+
+    def count(self, targets) -> int:
+        return sum(node.target in targets for gm in self.graphs for node in gm.graph.nodes)

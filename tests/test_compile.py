@@ -19,26 +19,8 @@ from quantpack.loader import load
 from quantpack.nn import QuantLinear
 from quantpack.nn_w8a8 import W8A8Linear
 from quantpack.quantize import quantize
+from oracles import MIXED_MM, GraphRecorder
 from test_loader import llama_src, packed_llama, prompt_ids, rel_err  # noqa: F401
-
-MIXED_MM = (torch.ops.quantpack.mixed_mm, torch.ops.quantpack.mixed_mm.default)  # (dynamo's graph, aot's)
-
-
-class GraphRecorder:
-    """A torch.compile backend that keeps every FX graph it is given and runs it as traced (no inductor)."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs, **options):  # (torch.compile passes a mode to a custom backend)
-        self.graphs.append(gm)
-        return gm.forward
-
-    def __deepcopy__(self, memo):  # (transformers deep-copies its CompileConfig, backend included)
-        return self
-
-    def count(self, targets) -> int:
-        return sum(node.target in targets for gm in self.graphs for node in gm.graph.nodes)
 
 
 def _quant_linear(k, n, *, bits=4, group_size=32, axis=1, bias=False, dtype=torch.float16, seed=0):

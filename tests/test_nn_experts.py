@@ -12,8 +12,7 @@ from quantpack.nn_experts import QuantExperts, fused_experts_dims
 from quantpack.tiny import make_tiny_mixtral
 from quantpack.verify import verify
 
-from oracles import dequantized_source, fused_vs_dequantized
-from test_compile import MIXED_MM, GraphRecorder
+from oracles import MIXED_MM, GraphRecorder, dequantized_source, fused_vs_dequantized
 
 
 @pytest.fixture(scope="module")
