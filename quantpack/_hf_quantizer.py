@@ -20,6 +20,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import checkpoint
 from .loader import QUANT_METHOD, linear_modules_to_convert, read_quantization_config, replace_linear_layers
+from .nn_merged import merge_projections
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class QuantpackHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:

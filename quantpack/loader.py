@@ -25,6 +25,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError, TensorInfo
 from .format import LAYOUT_VERSION
 from .nn import QuantLinear, linear_dims
+from .nn_merged import merge_projections
 
 QUANT_METHOD = checkpoint.QUANT_METHOD
 
@@ -340,7 +341,7 @@ def _check_device(device, what: str = "device") -> torch.device:
 
 def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, device_map=None,
          revision: str | None = None, token: str | None = None, max_memory: dict | None = None,
-         verify: bool = True) -> nn.Module:
+         verify: bool = True, merge: bool = True) -> nn.Module:
     """Load a quantpack checkpoint (a directory or a hub repository id) as a transformers model.
 
     * ``device``: where the model goes (default: the current CUDA device if there is one, else the
@@ -355,6 +356,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     * ``revision``, ``token``: for hub repositories.
     * ``verify``: check every tensor's bytes against the manifest's sha256 as it is read (whole files
       for manifests without per-tensor digests); shapes and dtypes are always checked.
+    * ``merge``: link each block's sibling projections (q/k/v, gate/up) so that at decode they run as one
+      GEMV (:func:`~quantpack.nn_merged.merge_projections`); ``False`` keeps every layer separate.
 
     Returns the model of the class ``config.json``'s ``architectures`` names, in eval mode, with
     ``model.config.quantization_config`` and ``model.hf_quantizer`` set as ``from_pretrained`` sets
@@ -467,6 +470,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(root)
+    if merge:
+        merge_projections(model)
     return model.eval()
 
 

@@ -38,6 +38,7 @@ class QuantLinear(nn.Module):
     """
 
     backend = "auto"
+    _merged = None  # (MergedProjections, index) when linked to siblings reading the same input (nn_merged.py)
 
     def __init__(self, in_features: int, out_features: int, *, bits: int = 4, group_size: int | None = 128,
                  axis: int = 1, bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None):
@@ -109,6 +110,10 @@ class QuantLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features={self.in_features}")
         if self._use_kernel(x):
+            if self._merged is not None:
+                out = self._merged[0].forward(self._merged[1], x)
+                if out is not None:
+                    return out
             if torch.compiler.is_compiling():  # (the launcher is not traceable: torch.compile sees one opaque op)
                 return torch.ops.quantpack.mixed_mm(x, self.qweight, self.scales, self.zeros, self.bias,
                                                     self.group_size, self.bits, self.axis, False)

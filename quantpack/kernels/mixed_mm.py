@@ -45,7 +45,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import dequant, launch_plan
 from .gemv import gemv_grid, launch_gemv
-from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
+from .mma_gemv import CHUNK, MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
 from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
 from .dequant import (cdiv, dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_bytes,
                       meta_rowwise, on_device, split_pair_rows, triton_usable)
@@ -1132,6 +1132,62 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         plans.put(tensors, plan_key, launch_plan.Plan.from_recording(rec, x2, out, keep=(qweight, scales, zeros, bias,
                                                                                     mma_weight)))
     return out.reshape(*lead, out.shape[-1])
+
+
+_NOT_MMA = object()  # mma_mm's decision for a plan key whose call runs another path
+
+
+def mma_config(m: int, n: int, k: int, group_size: int, bits: int, device: torch.device) -> KernelConfig | None:
+    """The ``mma`` config :func:`mixed_mm` would run a forward call of ``m`` rows of x (16-bit, laid out as the mma
+    path needs) with on ``device``, or ``None`` where it would run another path."""
+    if not (1 <= m <= MMA_MAX_M and mma_enabled() and (device.type == "cuda" or interpreting())):
+        return None
+    config = _fix_config(pick_config(False, bits, m, n, k, device), False, m, 1, group_size)
+    if config.path == "wgmma" and not wgmma_device(device):  # (as mixed_mm decides)
+        config = _fix_config(heuristic_config(False, m, n, k, device, wgmma=False), False, m, 1, group_size)
+    return config if config.path == "mma" else None
+
+
+def mma_mm(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
+           bits: int = 4, bias: torch.Tensor | None = None, plans: launch_plan.PlanCache | None = None,
+           built_now: bool = False) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` from W's :func:`~quantpack.kernels.mma_gemv.mma_pack` copy alone, with no checkpoint-layout
+    weight (merged_mm.py: projections merged along N exist only in that layout), or ``None`` where :func:`mixed_mm`
+    would run another path than ``mma`` for this call (the caller then computes it another way). N is read off the
+    scales, K off the copy. ``plans`` as in :func:`mixed_mm`, kept for these tensors (a declined key is remembered
+    too); ``built_now``: the caller built ``mma_weight`` in this call (its kernels may still run: no PDL, no plan)."""
+    n, k = scales.shape[1], mma_weight.shape[1] * CHUNK
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features K={k}")
+    x2 = x.reshape(-1, k)
+    tensors = (mma_weight, scales, zeros)
+    env = _plan_env()
+    plan_key = None
+    if plans is not None and launch_plans_enabled(env):
+        plan_key = _plan_key(x2, mma_weight, scales, zeros, bias, group_size, bits, False, None, 1, None, env)
+        plan = plans.get(tensors, plan_key)
+        if plan is _NOT_MMA:
+            return None
+        if isinstance(plan, launch_plan.Plan):
+            with on_device(x2):
+                return plan(x2).reshape(*x.shape[:-1], n)
+    m = x2.shape[0]
+    config = (mma_config(m, n, k, group_size, bits, x2.device)
+              if triton_usable(x2) and mma_usable(x2, n, k, group_size, bits, 1) else None)
+    if config is None:
+        if plan_key is not None:
+            plans.put(tensors, plan_key, _NOT_MMA)
+        return None
+    pdl = not built_now and m <= PDL_MAX_M and pdl_enabled(x2.device)
+    record = plan_key is not None and not built_now and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+    with on_device(x2):
+        with launch_plan.recording() if record else contextlib.nullcontext() as rec:
+            out = _launch(x2, None, scales, zeros, bias, n, k, 1, group_size, bits, False, x2.dtype, config,
+                          mma_weight, pdl)
+    if record:
+        plans.put(tensors, plan_key, launch_plan.Plan.from_recording(rec, x2, out,
+                                                                     keep=(mma_weight, scales, zeros, bias)))
+    return out.reshape(*x.shape[:-1], n)
 
 
 class MixedMatmul(torch.autograd.Function):
