@@ -16,6 +16,9 @@ so no 16 GB files are involved. Decode tokens/s = batch * tokens / time of the d
   the custom op ``torch.ops.quantpack.mixed_mm``. The one-line way to decode fast. The first call's compile time
   is reported too.
 
+The quantized model is measured twice: each layer alone, then with each block's q/k/v and gate/up merged into one
+decode GEMV (``merge_projections``, which ``quantpack.load`` applies; ``--no-merged`` skips it).
+
 It also checks the fused kernel's logits against quantpack's reference path on the same packed
 weights. Prints a table and writes JSON (``--json``).
 
@@ -211,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--method", default="rtn", choices=["rtn", "hqq"])
     parser.add_argument("--modes", nargs="+", default=["eager", "graph", "compiled"],
                         choices=["eager", "graph", "compiled"])
+    parser.add_argument("--no-merged", dest="merged", action="store_false",
+                        help="skip the quantized model with merged projections (q/k/v, gate/up)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -242,6 +247,14 @@ def main(argv=None) -> int:
     results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
     measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True)
+    if args.merged:  # each layer's q/k/v and gate/up as one GEMV at decode, as quantpack.load links them
+        from quantpack.nn_merged import merge_projections
+
+        results["merged_groups"] = merge_projections(model)
+        one_token = prompts[min(args.batch_sizes)][:1, :1]  # (one row of x: the merged decode path)
+        results["merged_kernel_vs_reference_rel_err"] = kernel_vs_reference(model, one_token)
+        print(json.dumps({k: v for k, v in results.items() if k.startswith("merged")}), flush=True)
+        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged", results)
 
     nan = float("nan")
     print(f"\n{'model':<24}{'batch':>6}{'eager tok/s':>14}{'graph tok/s':>14}{'compiled tok/s':>16}"

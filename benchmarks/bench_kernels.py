@@ -113,9 +113,9 @@ def _warm(job):
         return f"{cfg}: {repr(e)[:160]}"
 
 
-def tune_jobs(ms, tr_ms, w8_ms=(1,)):
+def tune_jobs(ms, tr_ms, w8_ms=(1,), shapes=SHAPES):
     jobs = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         for m in ms:
             jobs.append((False, 4, m, n, k))
         for m in tr_ms:
@@ -131,9 +131,9 @@ def candidates(transposed, bits, m, n, k, paths):
             if not paths or c.path in paths]
 
 
-def tune(ms, tr_ms, dtype_name, l2, out_dir, w8_ms=(1,), paths=()):
+def tune(ms, tr_ms, dtype_name, l2, out_dir, w8_ms=(1,), paths=(), shapes=SHAPES):
     dtype = DT[dtype_name]
-    jobs = tune_jobs(ms, tr_ms, w8_ms)
+    jobs = tune_jobs(ms, tr_ms, w8_ms, shapes)
     warm = []
     for transposed, bits, m, n, k in jobs:
         for cfg in candidates(transposed, bits, m, n, k, paths):
@@ -463,6 +463,8 @@ def main():
     ap.add_argument("--tune-w8", default=1, type=int, help="also tune 8-bit weights (0: skip)")
     ap.add_argument("--tune-w8-ms", default="1", help="rows of x the 8-bit weights are tuned at")
     ap.add_argument("--tune-paths", default="", help="tune only these paths (comma-separated; default all)")
+    ap.add_argument("--tune-shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                    help="(N, K) shapes to tune, as NxK,...: e.g. 6144x4096,28672x4096 for merged q/k/v and gate/up")
     ap.add_argument("--sections", default="transposed,dequant,w8,stream,main")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
@@ -479,7 +481,8 @@ def main():
         log(f"[{time.strftime('%H:%M:%S')}] tune")
         tune([int(v) for v in args.tune_ms.split(",") if v], [int(v) for v in args.tune_tr_ms.split(",") if v], "bf16",
              L2, args.out, [int(v) for v in args.tune_w8_ms.split(",") if v] if args.tune_w8 else [],
-             tuple(p for p in args.tune_paths.split(",") if p))
+             tuple(p for p in args.tune_paths.split(",") if p),
+             [tuple(int(v) for v in shape.split("x")) for shape in args.tune_shapes.split(",")])
     if args.bench:
         for name, fn in (("transposed", lambda: bench_transposed([int(v) for v in args.tr_ms.split(",")],
                                                                  torch.bfloat16, peak, bw)),
