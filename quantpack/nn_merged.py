@@ -122,6 +122,7 @@ def merge_projections(model: nn.Module, names=MERGED_NAMES) -> int:
                 link = MergedProjections(members)
                 for i, m in enumerate(members):
                     m._merged = (link, i)
+                    m._plans.clear()  # (a plan recorded alone holds the member's own mma copy, which becomes a view)
                 count += 1
     return count
 

@@ -115,12 +115,18 @@ def test_merged_block_is_one_launch_and_matches_each_layer_alone(kind, bits, bia
 
 def test_members_mma_copies_become_views_of_the_merged_copy():
     """No weight memory is added: each member's own mma copy (what its separate calls use) is a view of the merged
-    copy's rows, equal to the member's own repacking."""
+    copy's rows, equal to the member's own repacking; the launch plans the layers recorded alone, which hold their
+    former copies, are dropped."""
     block = _block("qkv")
-    merge_projections(block)
-    with torch.no_grad():
-        block(torch.randn(1, 128, dtype=torch.float16))
     layers = block.layers()
+    x = torch.randn(1, 128, dtype=torch.float16)
+    with torch.no_grad():
+        block(x)
+        block(x)  # (the call that built a copy records no plan: the next one does)
+        assert all(len(layer._plans) for layer in layers)
+        merge_projections(block)
+        assert not any(len(layer._plans) for layer in layers)
+        block(x)
     merged = _merged[layers[0].qweight].mma
     start = 0
     for layer in layers:
