@@ -137,6 +137,22 @@ def test_members_mma_copies_become_views_of_the_merged_copy():
         start += layer.out_features // 16
 
 
+def test_merged_weights_are_freed_with_the_layers():
+    """The stacked copy is keyed by the first member's weight and must not keep it (or the block) alive."""
+    import gc
+    import weakref
+
+    block = _block("qkv")
+    merge_projections(block)
+    with torch.no_grad():
+        block(torch.randn(1, 128, dtype=torch.float16))
+    qweight = weakref.ref(block.q_proj.qweight)
+    merged = weakref.ref(_merged[block.q_proj.qweight].mma)
+    del block
+    gc.collect()
+    assert qweight() is None and merged() is None
+
+
 @pytest.mark.parametrize("case", ["rows", "float32", "grad", "mma-off"])
 def test_calls_the_mma_path_does_not_take_run_each_layer_alone(case, mma_launches, monkeypatch):
     """More than MERGE_MAX_M rows, float32 activations, a backward to come, or the mma path switched off: each layer

@@ -13,6 +13,7 @@ is tuned) are declined: ``None`` from :func:`merged_mm`, and the caller runs its
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -26,7 +27,8 @@ from .mma_gemv import CHUNK, mma_pack
 
 class MergedWeights(NamedTuple):
     """The members' weights stacked along N, built from (and valid for) ``sources`` at ``versions``."""
-    sources: tuple  # every member tensor as given (qweights, scales, zeros, biases), compared by identity
+    sources: tuple  # weak references to every member tensor (qweights, scales, zeros, biases; None for no bias):
+    # the entry is keyed by the first qweight, so a strong reference here would keep the members alive forever
     versions: tuple
     mma: torch.Tensor  # the members' mma copies concatenated along their first dimension
     scales: torch.Tensor  # (K/G, sum N)
@@ -47,7 +49,7 @@ def merged_weights(qweights, scales, zeros, biases, *, group_size: int, bits: in
     versions = tuple(_version(t) if t is not None else 0 for t in sources)
     hit = _merged.get(qweights[0])
     if (hit is not None and hit.versions == versions and len(hit.sources) == len(sources)
-            and all(a is b for a, b in zip(hit.sources, sources))):
+            and all((a is None and b is None) or (a is not None and a() is b) for a, b in zip(hit.sources, sources))):
         return hit, False
     device = qweights[0].device
     if any(t is not None and t.device != device for t in sources):
@@ -85,7 +87,8 @@ def merged_weights(qweights, scales, zeros, biases, *, group_size: int, bits: in
     for q, (n, _, _) in zip(qweights, dims):  # each member's own copy becomes a view: no memory added
         _mma_copies[q] = (_version(q), mma[start:start + n // 16 * planes])
         start += n // 16 * planes
-    state = MergedWeights(sources, versions, mma, scales_cat, zeros_cat, bias, launch_plan.PlanCache())
+    refs = tuple(weakref.ref(t) if t is not None else None for t in sources)
+    state = MergedWeights(refs, versions, mma, scales_cat, zeros_cat, bias, launch_plan.PlanCache())
     _merged[qweights[0]] = state
     return state, True
 
