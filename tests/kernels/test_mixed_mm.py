@@ -249,8 +249,10 @@ def test_shipped_tables_load_and_same_arch_fallback(monkeypatch):
     monkeypatch.setattr(mm_mod, "_capability", lambda key: [8, 0])
     assert mm_mod._table("nvidia_a100_sxm4_80gb") == {}
     # nearest tuned entry for an untuned shape/M: same direction and bits, closest M bucket first
-    near = mm_mod._nearest(h200, False, 4, 5120, 4096, 2)
+    # (N = 4608: nearer to the table's 4096 than to its 6144, the merged q/k/v shape)
+    near = mm_mod._nearest(h200, False, 4, 4608, 4096, 2)
     assert near is not None and near == h200[mm_mod.config_key(False, 4, 4096, 4096, 1)]
+    assert mm_mod._nearest(h200, False, 4, 5632, 4096, 2) == h200[mm_mod.config_key(False, 4, 6144, 4096, 1)]
     # but not across regimes: a decode entry (M = 1) says nothing about a batch of 64, which gets the heuristic, and
     # neither does any entry more than 4x away in M
     decode = {mm_mod.config_key(False, 8, 4096, 4096, 1): KernelConfig("mma")}
