@@ -25,6 +25,9 @@ def test_from_pretrained_gives_the_same_logits_as_load(packed_llama, llama_src):
         assert replaced == set(pc.quantized_modules)
     assert model.model.layers[0].mlp.up_proj.scales.dtype == torch.bfloat16  # stored dtype kept
     assert isinstance(model.config.quantization_config, hf_integration.QuantpackConfig)
+    # each block's q/k/v and gate/up linked for merged decode, as quantpack.load links them
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert [m._merged[1] for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)] == [0, 1, 2, 0, 1]
     ids = prompt_ids(packed_llama)
     loaded = load(packed_llama, device="cpu", dtype=torch.float32)
     with torch.no_grad():
