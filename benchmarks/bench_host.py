@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +21,7 @@ from bench_kernels import random_packed  # noqa: E402  (benchmarks/bench_kernels
 from quantpack.kernels import MixedMatmul, mixed_mm  # noqa: E402
 from quantpack.kernels.launch_plan import PlanCache  # noqa: E402
 from quantpack.kernels.mixed_mm import pick_config  # noqa: E402
-
-
-def per_call_us(fn, reps: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e6
+from timing import host_us  # noqa: E402
 
 
 def graph_us(fn, calls: int = 20) -> float:
@@ -68,10 +57,10 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, dtype=dt, device="cuda")
             cfg = pick_config(False, 4, m, n, k, x.device)
             with torch.no_grad():
-                ref = per_call_us(lambda: F.linear(x, w))
-                bare = per_call_us(lambda: mixed_mm(x, qw, s, z, group_size=gs))
-                planned = per_call_us(lambda: mixed_mm(x, qw, s, z, group_size=gs, plans=plans))
-                autograd = per_call_us(lambda: MixedMatmul.apply(x, qw, s, z, None, gs, 4, 1, plans))
+                ref = host_us(lambda: F.linear(x, w))
+                bare = host_us(lambda: mixed_mm(x, qw, s, z, group_size=gs))
+                planned = host_us(lambda: mixed_mm(x, qw, s, z, group_size=gs, plans=plans))
+                autograd = host_us(lambda: MixedMatmul.apply(x, qw, s, z, None, gs, 4, 1, plans))
                 kernel = graph_us(lambda: mixed_mm(x, qw, s, z, group_size=gs, plans=plans))
             path = cfg.path + ("/rawq" if cfg.rawq else "")
             print(f"{n:>6}x{k:<5} {m:>5} {path:>12} {ref:>9.1f} {bare:>9.1f} {planned:>9.1f} {autograd:>9.1f} "

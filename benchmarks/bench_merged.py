@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from quantpack import reference  # noqa: E402
 from quantpack.nn import QuantLinear  # noqa: E402
 from quantpack.nn_merged import merge_projections, unmerge_projections  # noqa: E402
-from timing import graph_time  # noqa: E402
+from timing import graph_time, host_us  # noqa: E402
 
 BLOCKS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
@@ -43,19 +42,6 @@ def make_block(kind: str, outs, k: int, bits: int, seed: int) -> nn.Module:
 
 def run_block(block, kind, x):
     return [getattr(block, name)(x) for name in BLOCKS[kind]]
-
-
-def host_us(fn, n: int = 2000) -> float:
-    """Median over 5 rounds of the wall time per call of ``n`` eager calls (host-bound at decode sizes)."""
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - t) / n * 1e6)
-    return sorted(rounds)[2]
 
 
 @torch.no_grad()
@@ -92,10 +78,11 @@ def main(argv=None) -> int:
                 for label, merge in (("alone", False), ("merged", True)):
                     for b in blocks:
                         (merge_projections if merge else unmerge_projections)(b)
-                    got = torch.cat(run_block(blocks[0], kind, x), dim=-1).float()
+                    first = blocks[0]
+                    got = torch.cat(run_block(first, kind, x), dim=-1).float()
                     row[f"{label}_err"] = ((got - want).norm() / want.norm()).item()
                     row[f"{label}_us"] = graph_time([lambda b=b: run_block(b, kind, x) for b in blocks])[0] * 1e3
-                    row[f"{label}_host_us"] = host_us(lambda: run_block(blocks[0], kind, x))
+                    row[f"{label}_host_us"] = host_us(lambda: run_block(first, kind, x), reps=2000, rounds=5)
                 row["speedup"] = row["alone_us"] / row["merged_us"]
                 row["x_cublas_merged"] = row["cublas_us"] / row["merged_us"]
                 rows.append(row)

@@ -1,5 +1,7 @@
 """Timing helpers shared by the benchmark scripts (see DEVELOPERS' method: medians of
 ``triton.testing.do_bench`` over CUDA-graph replays, one call per weight replica)."""
+import time
+
 import torch
 
 
@@ -35,3 +37,19 @@ def graph_time(calls, warmup: int = 25, rep: int = 100, eager_fallback: bool = T
             raise
         torch.cuda.synchronize()
         return median_ms(lambda: [c() for c in calls], warmup, rep) / len(calls), "eager"
+
+
+def host_us(fn, reps: int = 300, rounds: int = 1, warmup: int = 20) -> float:
+    """Microseconds per call of ``fn`` issued back to back with one synchronize at the end (its host time, unless the
+    GPU is the slower of the two), the median of ``rounds`` rounds of ``reps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / reps * 1e6)
+    return sorted(times)[len(times) // 2]

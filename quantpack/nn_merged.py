@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .kernels.merged_mm import merged_mm, merged_path
-from .kernels.mixed_mm import _plan_env, _version
+from .kernels.mixed_mm import _plan_env, _table_state, _version
 from .nn import QuantLinear
 
 MERGED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -70,7 +70,7 @@ class MergedProjections:
             if not _merged_path_traced(rows, n, k, first.group_size, first.bits, x.device):
                 return None
         else:
-            key = (rows, x.device, _plan_env())
+            key = (rows, x.device, _plan_env(), _table_state())  # (what a launch plan's key holds of them)
             known = self._paths.get(key)
             if known is None:
                 known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device)

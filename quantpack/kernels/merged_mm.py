@@ -74,9 +74,8 @@ def merged_weights(qweights, scales, zeros, biases, *, group_size: int, bits: in
 
     with on_device(qweights[0]):
         mma = _outside_graph_pools(build, device)
-        cat = (lambda ts: torch.cat([t.contiguous() for t in ts], dim=1))
-        scales_cat = _outside_graph_pools(lambda: cat(scales), device)
-        zeros_cat = _outside_graph_pools(lambda: cat(zeros), device)
+        scales_cat = _outside_graph_pools(lambda: torch.cat(scales, dim=1), device)
+        zeros_cat = _outside_graph_pools(lambda: torch.cat(zeros, dim=1), device)
         bias = None
         if any(b is not None for b in biases):
             dtype = next(b for b in biases if b is not None).dtype

@@ -897,6 +897,12 @@ def _fix_config(cfg: KernelConfig, transposed: bool, m: int, axis: int, group_si
     return cfg
 
 
+def _without_wgmma(transposed: bool, m: int, n: int, k: int, device: torch.device, axis: int, group_size: int
+                   ) -> KernelConfig:
+    """The config a call runs where the table's pick is ``wgmma`` but ``wgmma`` cannot run it."""
+    return _fix_config(heuristic_config(transposed, m, n, k, device, wgmma=False), transposed, m, axis, group_size)
+
+
 def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis: int, group_size: int, bits: int,
             transposed: bool, out_dtype: torch.dtype, cfg: KernelConfig, mma_weight=None,
             pdl: bool = False) -> torch.Tensor:
@@ -1027,6 +1033,12 @@ def launch_plans_enabled(env: tuple | None = None) -> bool:
     return value not in ("0", b"0")
 
 
+def _table_state() -> tuple:
+    """Which config tables are loaded and how many configs were autotuned into them since: a key that holds it
+    is not reused after a table changes."""
+    return id(_tables), _table_changes
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -1042,7 +1054,7 @@ def _plan_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, ou
     switches and the config table."""
     return (x2.shape, x2.stride(), x2.dtype, x2.device, x2.data_ptr() % 16, out_dtype, transposed, group_size, bits,
             axis, config, _version(qweight), _version(scales), _version(zeros),
-            None if bias is None else (id(bias), _version(bias)), env, id(_tables), _table_changes)
+            None if bias is None else (id(bias), _version(bias)), env, _table_state())
 
 
 def _check_call(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed) -> tuple[int, int, int]:
@@ -1110,8 +1122,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
     if config.path == "wgmma" and not (wgmma_device(x2.device)
                                        and wgmma_usable(x2, qweight, scales, zeros, n, k, group_size, bits, axis)):
-        config = _fix_config(heuristic_config(transposed, x2.shape[0], n, k, x2.device, wgmma=False), transposed,
-                             x2.shape[0], axis, group_size)
+        config = _without_wgmma(transposed, x2.shape[0], n, k, x2.device, axis, group_size)
     mma_weight, pdl, built_now = None, False, False
     if config.path == "mma":
         if mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):  # (_fix_config took transposed)
@@ -1143,8 +1154,8 @@ def mma_config(m: int, n: int, k: int, group_size: int, bits: int, device: torch
     if not (1 <= m <= MMA_MAX_M and mma_enabled() and (device.type == "cuda" or interpreting())):
         return None
     config = _fix_config(pick_config(False, bits, m, n, k, device), False, m, 1, group_size)
-    if config.path == "wgmma" and not wgmma_device(device):  # (as mixed_mm decides)
-        config = _fix_config(heuristic_config(False, m, n, k, device, wgmma=False), False, m, 1, group_size)
+    if config.path == "wgmma" and not wgmma_device(device):
+        config = _without_wgmma(False, m, n, k, device, 1, group_size)
     return config if config.path == "mma" else None
 
 
