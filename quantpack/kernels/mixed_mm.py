@@ -45,7 +45,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import dequant, launch_plan
 from .gemv import gemv_grid, launch_gemv
-from .mma_gemv import CHUNK, MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack, mma_usable
+from .mma_gemv import CHUNK, MAX_M as MMA_MAX_M, launch_mma_gemv, mma_depth, mma_grid, mma_pack, mma_usable
 from .wgmma_mm import HAVE_GLUON, balance_last_wave, launch_wgmma, resident_programs, wgmma_grid, wgmma_usable
 from .dequant import (cdiv, dequant_pair_tile, dequantize, infer_layout, int_to_f32, interpreting, load_pair_bytes,
                       meta_rowwise, on_device, split_pair_rows, triton_usable)
@@ -83,7 +83,7 @@ class KernelConfig:
     split: int = 1
     group_m: int = 8
     num_warps: int = 4
-    num_stages: int = 2  # pipeline stages (dot paths); chunks of loads in flight per warp (mma: 1-2)
+    num_stages: int = 2  # pipeline stages (dot paths); chunks of loads in flight per warp (mma: 1-2, 0: all)
     rawq: bool = False  # dot/wgmma paths, groups along K: MMA on raw q, rescale per tile (wgmma: 4-bit, per K step)
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
     producer: bool = False  # wgmma path: a producer warp issues the TMA copies (warp-specialized)
@@ -608,7 +608,11 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                     # (beyond 16 rows there are 2-4x the programs along M, and split-K's float32 partials,
                     # split x M x N x 4 bytes written and read again, rival the weight: fewer splits)
                     for split in (4, 8, 16) if mb <= 16 else (1, 2, 4, 8):
-                        for depth in (1, 2):
+                        # (depth 0: every load of a program issued up front, for programs of at most
+                        # PRELOAD_CHUNKS chunks; benchmarks/NOTES.md v25)
+                        # (the tables are tuned at group size 128)
+                        preload = mb <= 8 and mma_depth(k, 128, split, 0) == 0
+                        for depth in (0, 1, 2) if preload else (1, 2):
                             for rawq in (False, True) if bits == 4 and x_rows <= 16 else (bits == 8,):
                                 c = KernelConfig("mma", x_rows, rows, num_warps=warps, split=split,
                                                  num_stages=depth, rawq=rawq)
@@ -963,7 +967,8 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         if grid.split != split:  # (too many programs for the counters: one program per column tile)
             grid = mma_grid(n, k, group_size, grid.warps, split, grid.tiles_per_warp, bits, grid.blocks)
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                        grid=grid, depth=min(2, max(1, cfg.num_stages)), rawq=cfg.rawq, use_asm=not interpreting(),
+                        grid=grid, depth=mma_depth(k, group_size, grid.split, cfg.num_stages), rawq=cfg.rawq,
+                        use_asm=not interpreting(),
                         bits=bits, pdl=pdl)
         return out
     if cfg.path == "gemv":

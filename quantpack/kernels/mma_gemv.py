@@ -48,6 +48,7 @@ from .dequant import cdiv
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
 MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each)
 MAX_BLOCKS = 2  # 16-row blocks of x per program (four measured 1.4-1.8x slower: benchmarks/NOTES.md v9)
+PRELOAD_CHUNKS = 8  # the most chunks a depth-0 program loads before its first MMA (registers)
 
 
 def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
@@ -74,6 +75,21 @@ def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tens
     words = lo.to(torch.int64) | (hi.to(torch.int64) << 16)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words.reshape(n // 16, k // CHUNK, 32, 4).contiguous()
+
+
+def _hold_asm(outputs: int, inputs: int) -> tuple[str, str]:
+    """PTX for :func:`_hold` (``pack=4``): output tensor i is input tensor i xor'ed with (all inputs xor'ed
+    together) and the last input (zero): the result is the first inputs, after every input has arrived."""
+    ins = [f"${4 * outputs + i}" for i in range(4 * inputs)]
+    s = "{ .reg .b32 t; " + f"mov.b32 t, {ins[0]};"
+    rest = ins[1:-4]
+    for i in range(0, len(rest) - 1, 2):
+        s += f" lop3.b32 t, t, {rest[i]}, {rest[i + 1]}, 0x96;"
+    if len(rest) % 2:
+        s += f" xor.b32 t, t, {rest[-1]};"
+    s += f" and.b32 t, t, {ins[-4]};"
+    s += "".join(f" xor.b32 ${i}, {ins[i]}, t;" for i in range(4 * outputs))
+    return s + " }", ",".join(["=r"] * (4 * outputs) + ["r"] * (4 * inputs))
 
 
 MODES = ("zero", "raw_sum", "raw")
@@ -273,6 +289,73 @@ def _rescale(acc, ds, sxs, s, zs, FRAGS: tl.constexpr, SUMS: tl.constexpr):
 
 
 @triton.jit
+def _chunk_products(d, sx, a, bs, nzs, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, USE_ASM: tl.constexpr,
+                    ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
+                    MODE1: tl.constexpr, MODE2: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
+                    TILES: tl.constexpr, FRAGS: tl.constexpr, WARPS: tl.constexpr, FP16: tl.constexpr):
+    """One chunk (A words ``a`` of the warp's NT packed tiles, x's B registers ``bs``) into the group's products
+    ``d`` (packed tile i at i * FRAGS + f) and x's sums ``sx`` (rawq: taken with the first tile); ``nzs``: the
+    group's negated zeros per 16-row tile (:func:`_neg_zeros`)."""
+    dn = ()
+    for ti in tl.static_range(NT):
+        di = d[ti * FRAGS:(ti + 1) * FRAGS]
+        if USE_ASM:
+            di, sx = _mma_chunk(a[ti], bs, nzs[ti // PLANES], di, sx, FRAGS, MODE1 if ti == 0 else MODE2,
+                                ASM if ti == 0 else ASM2, CONS if ti == 0 else CONS2)
+        else:
+            di, sx = _emulate_tile(a[ti], x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w + 16 * (ti // PLANES), di, sx,
+                                   WARPS, FRAGS, FP16, MODE1 if ti == 0 else MODE2)
+        dn = dn + di
+    return dn, sx
+
+
+@triton.jit
+def _neg_zeros(zs, TILES: tl.constexpr, FP16: tl.constexpr):
+    """``-z`` of each 16-row tile in x's dtype (the ``zero`` mode's A offsets)."""
+    nzs = ()
+    for ti in tl.static_range(TILES):
+        nzs = nzs + ((-zs[ti].to(tl.float32)).to(tl.float16 if FP16 else tl.bfloat16),)
+    return nzs
+
+
+@triton.jit
+def _group_rescale(acc, d, sx, ss, zs, RAWQ: tl.constexpr, PLANES: tl.constexpr, TILES: tl.constexpr,
+                   FRAGS: tl.constexpr, OFFSET: tl.constexpr):
+    """One group's products ``d`` (and x's sums ``sx``), scaled, into the accumulators."""
+    if PLANES == 2:  # q = 16 h + l: s (16 d_h + d_l - (z + 17 offset) sum(x))
+        s0 = ss[0].to(tl.float32)
+        zs0 = s0 * (zs[0].to(tl.float32) + 17.0 * OFFSET)
+        dhl = _rescale(d[FRAGS:], d[:FRAGS], d[:FRAGS], 16.0, 0.0, FRAGS, False)  # d_l + 16 d_h
+        acc = _rescale(acc, dhl, sx, s0, zs0, FRAGS, True)
+    else:  # rawq: s (d - (z + offset) sum(x)), the zeros in float32
+        accn = ()
+        for ti in tl.static_range(TILES):
+            s_t = ss[ti].to(tl.float32)
+            accn = accn + _rescale(acc[ti * FRAGS:(ti + 1) * FRAGS], d[ti * FRAGS:(ti + 1) * FRAGS], sx, s_t,
+                                   s_t * (zs[ti].to(tl.float32) + OFFSET), FRAGS, RAWQ)
+        acc = accn
+    return acc
+
+
+@triton.jit
+def _hold(aa, bb, metas, zero, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, NT: tl.constexpr):
+    """The first chunk's A words, made to depend on every value loaded before the loop (``zero`` is 0, which
+    ptxas cannot know): ptxas otherwise sinks each load next to its first use, one round trip per chunk
+    (benchmarks/NOTES.md v25)."""
+    args = ()
+    for t in tl.static_range(len(aa)):
+        args = args + aa[t]
+    for t in tl.static_range(len(bb)):
+        args = args + bb[t]
+    for t in tl.static_range(len(metas)):
+        for u in tl.static_range(len(metas[t][0])):
+            args = args + (metas[t][0][u].to(tl.float32, bitcast=False).to(tl.int32, bitcast=True),
+                           metas[t][1][u].to(tl.float32, bitcast=False).to(tl.int32, bitcast=True))
+    first = tl.inline_asm_elementwise(HOLD, HOLD_CONS, args + (zero,), dtype=(tl.int32,) * NT, is_pure=True, pack=4)
+    return (first,) + aa[1:]
+
+
+@triton.jit
 def _finish(acc, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS: tl.constexpr,
             SPLIT: tl.constexpr):
     """Write one accumulator fragment: to out (plus bias) without split-K, else as this program's partial."""
@@ -305,7 +388,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
                      RAWQ: tl.constexpr, FRAGS: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
-                     PDL: tl.constexpr):
+                     PDL: tl.constexpr, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr):
     # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
     # A program takes ROWS rows of x as FRAGS 8-row B fragments, all multiplied with each A fragment it
     # unpacks; with more rows than that, the programs of a column tile are adjacent, so the weight tile
@@ -322,7 +405,6 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     M = tl.minimum(M - pid_m * ROWS, ROWS)  # rows of this program
     CPG: tl.constexpr = G // 64  # chunks per group
     STEPS: tl.constexpr = GROUPS * CPG
-    XT: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
     OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
     # chunk modes (see _chunk_asm): zeros subtracted in A, or raw q with x's sums taken by the first tile
     MODE1: tl.constexpr = 1 if RAWQ else 0
@@ -353,67 +435,75 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
 
     zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
     acc = (zero,) * (TILES * FRAGS)  # tile i, fragment f of x at i * FRAGS + f
-    # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk).
-    # Programmatic dependent launch (PDL): this grid may start while the previous kernel in the stream
-    # is still running; only the mma-ordered weight copy, which no other kernel writes (it is built
-    # before a launch without PDL), is read before waiting for that kernel; x, scales, zeros, the
-    # workspace and the output after.
-    a0 = _load_a(a_ptrs, a_tile, 0, NT)
-    a1 = a0
-    if DEPTH == 2:
-        a1 = _load_a(a_ptrs, a_tile, tl.minimum(1, STEPS - 1), NT)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()  # (the next grid may start once every program of this one is past its wait)
-    p0 = (a0, _load_b(b_ptrs, b_masks, fstride, 0, FRAGS))
-    p1 = p0
-    if DEPTH == 2:
-        p1 = (a1, _load_b(b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS))
     grp0 = pid_s * GROUPS
-    s_nxt, z_nxt = _load_group_meta(s_ptr, z_ptr, grp0, N, n_c, TILES)
-    for gi in range(GROUPS):
-        ss = s_nxt
-        zs = z_nxt
-        nzs = ()
-        for ti in tl.static_range(TILES):
-            nzs = nzs + ((-zs[ti].to(tl.float32)).to(XT),)
-        # the next group's scales and zeros, early
-        s_nxt, z_nxt = _load_group_meta(s_ptr, z_ptr, grp0 + tl.minimum(gi + 1, GROUPS - 1), N, n_c, TILES)
-        d = (zero,) * (NT * FRAGS)  # this group's products, packed tile i (8-bit: plane) at i * FRAGS + f
-        sx = (zero,) * FRAGS  # x's sums (rawq), taken with the first tile
-        for ci in range(CPG):
-            i = gi * CPG + ci
-            a, bs = p0
-            nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(i + DEPTH, STEPS - 1), FRAGS, NT)
-            if DEPTH == 1:
-                p0 = nxt
-            else:
-                p0 = p1
-                p1 = nxt
-            dn = ()
-            for ti in tl.static_range(NT):  # (the first tile also takes x's sums in rawq)
-                di = d[ti * FRAGS:(ti + 1) * FRAGS]
-                if USE_ASM:
-                    di, sx = _mma_chunk(a[ti], bs, nzs[ti // PLANES], di, sx, FRAGS, MODE1 if ti == 0 else MODE2,
-                                        ASM if ti == 0 else ASM2, CONS if ti == 0 else CONS2)
+    if DEPTH == 0:
+        # every chunk of the program and every group's scales and zeros issued before the first MMA (short
+        # programs: a warp then waits for one round trip instead of one per chunk); the weight words first
+        # (PDL as below)
+        aa = ()
+        for i in tl.static_range(STEPS):
+            aa = aa + (_load_a(a_ptrs, a_tile, i, NT),)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        bb = ()
+        for i in tl.static_range(STEPS):
+            bb = bb + (_load_b(b_ptrs, b_masks, fstride, i, FRAGS),)
+        metas = ()
+        for gi in tl.static_range(GROUPS):
+            metas = metas + (_load_group_meta(s_ptr, z_ptr, grp0 + gi, N, n_c, TILES),)
+        if USE_ASM:
+            aa = _hold(aa, bb, metas, (N >> 31) + tl.zeros((32 * WARPS, 4), dtype=tl.int32), HOLD, HOLD_CONS, NT)
+        for gi in tl.static_range(GROUPS):
+            ss, zs = metas[gi]
+            nzs = _neg_zeros(zs, TILES, FP16)
+            d = (zero,) * (NT * FRAGS)
+            sx = (zero,) * FRAGS
+            for ci in tl.static_range(CPG):
+                d, sx = _chunk_products(d, sx, aa[gi * CPG + ci], bb[gi * CPG + ci], nzs, x_ptr, stride_xm, M,
+                                        kc0 + gi * CPG + ci, z_ptr, grp0 + gi, N, n_w, USE_ASM, ASM, CONS, ASM2,
+                                        CONS2, MODE1, MODE2, NT, PLANES, TILES, FRAGS, WARPS, FP16)
+            acc = _group_rescale(acc, d, sx, ss, zs, RAWQ, PLANES, TILES, FRAGS, OFFSET)
+    else:
+        # DEPTH chunks of loads in flight ahead of the MMAs (the last ones re-read the final chunk).
+        # Programmatic dependent launch (PDL): this grid may start while the previous kernel in the stream
+        # is still running; only the mma-ordered weight copy, which no other kernel writes (it is built
+        # before a launch without PDL), is read before waiting for that kernel; x, scales, zeros, the
+        # workspace and the output after.
+        a0 = _load_a(a_ptrs, a_tile, 0, NT)
+        a1 = a0
+        if DEPTH == 2:
+            a1 = _load_a(a_ptrs, a_tile, tl.minimum(1, STEPS - 1), NT)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()  # (the next grid may start once every program of this one is past its wait)
+        p0 = (a0, _load_b(b_ptrs, b_masks, fstride, 0, FRAGS))
+        p1 = p0
+        if DEPTH == 2:
+            p1 = (a1, _load_b(b_ptrs, b_masks, fstride, tl.minimum(1, STEPS - 1), FRAGS))
+        s_nxt, z_nxt = _load_group_meta(s_ptr, z_ptr, grp0, N, n_c, TILES)
+        for gi in range(GROUPS):
+            ss = s_nxt
+            zs = z_nxt
+            nzs = _neg_zeros(zs, TILES, FP16)
+            # the next group's scales and zeros, early
+            s_nxt, z_nxt = _load_group_meta(s_ptr, z_ptr, grp0 + tl.minimum(gi + 1, GROUPS - 1), N, n_c, TILES)
+            d = (zero,) * (NT * FRAGS)  # this group's products, packed tile i (8-bit: plane) at i * FRAGS + f
+            sx = (zero,) * FRAGS  # x's sums (rawq), taken with the first tile
+            for ci in range(CPG):
+                i = gi * CPG + ci
+                a, bs = p0
+                nxt = _load_chunk(a_ptrs, a_tile, b_ptrs, b_masks, fstride, tl.minimum(i + DEPTH, STEPS - 1), FRAGS,
+                                  NT)
+                if DEPTH == 1:
+                    p0 = nxt
                 else:
-                    di, sx = _emulate_tile(a[ti], x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N,
-                                           n_w + 16 * (ti // PLANES), di, sx, WARPS, FRAGS, FP16,
-                                           MODE1 if ti == 0 else MODE2)
-                dn = dn + di
-            d = dn
-        if PLANES == 2:  # q = 16 h + l: s (16 d_h + d_l - (z + 17 offset) sum(x))
-            s0 = ss[0].to(tl.float32)
-            zs0 = s0 * (zs[0].to(tl.float32) + 17.0 * OFFSET)
-            dhl = _rescale(d[FRAGS:], d[:FRAGS], d[:FRAGS], 16.0, 0.0, FRAGS, False)  # d_l + 16 d_h
-            acc = _rescale(acc, dhl, sx, s0, zs0, FRAGS, True)
-        else:  # rawq: s (d - (z + offset) sum(x)), the zeros in float32
-            accn = ()
-            for ti in tl.static_range(TILES):
-                s_t = ss[ti].to(tl.float32)
-                accn = accn + _rescale(acc[ti * FRAGS:(ti + 1) * FRAGS], d[ti * FRAGS:(ti + 1) * FRAGS], sx, s_t,
-                                       s_t * (zs[ti].to(tl.float32) + OFFSET), FRAGS, RAWQ)
-            acc = accn
+                    p0 = p1
+                    p1 = nxt
+                d, sx = _chunk_products(d, sx, a, bs, nzs, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w,
+                                        USE_ASM, ASM, CONS, ASM2, CONS2, MODE1, MODE2, NT, PLANES, TILES, FRAGS, WARPS,
+                                        FP16)
+            acc = _group_rescale(acc, d, sx, ss, zs, RAWQ, PLANES, TILES, FRAGS, OFFSET)
 
     for ti in tl.static_range(TILES):
         for f in tl.static_range(FRAGS):
@@ -468,15 +558,30 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_
     blocks = 1 if bits == 8 else max(1, min(MAX_BLOCKS, blocks))
     nt = max(t for t in (1, 2, 4) if t <= max(1, tiles_per_warp) and tiles % t == 0) if bits == 4 else 1
     warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
-    split = max(s for s in range(1, groups + 1) if groups % s == 0 and s <= max(1, split))
+    split = split_divisor(groups, split)
     return MmaGrid(warps, nt, groups // split, split, tiles // (warps * nt), blocks)
+
+
+def split_divisor(groups: int, split: int) -> int:
+    """The split-K a launch runs for ``split`` asked: the largest divisor of the group count not above it."""
+    return max(s for s in range(1, max(1, groups) + 1) if max(1, groups) % s == 0 and s <= max(1, split))
+
+
+def mma_depth(k: int, group_size: int, split: int, depth: int) -> int:
+    """The depth a launch runs for ``depth`` asked: 0 (every load of a program issued before its first MMA)
+    only where a program holds at most PRELOAD_CHUNKS chunks (registers), else 2; 1 and 2 as asked."""
+    if depth > 0:
+        return min(depth, 2)
+    groups = k // group_size
+    return 0 if groups // split_divisor(groups, split) * group_size // CHUNK <= PRELOAD_CHUNKS else 2
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
                     grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, bits: int = 4, pdl: bool = False) -> None:
     """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout (of ``bits``), M <= 64. ``grid``
     must come from :func:`mma_grid` (for these bits); ``depth`` (1 or 2; 3 measured slower) chunks of
-    loads are kept in flight per warp; ``rawq`` runs the MMA on ``q + offset`` and applies the
+    loads are kept in flight per warp, or 0: all of a program's loads are issued before its first MMA
+    (programs of at most PRELOAD_CHUNKS chunks, :func:`mma_depth`); ``rawq`` runs the MMA on ``q + offset`` and applies the
     zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
     the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq; a program of
     two 16-row blocks always subtracts them: one unpack then serves four MMAs, and the sums would
@@ -488,7 +593,7 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits, grid.blocks), \
         "grid must come from mma_grid"
     m = x2.shape[0]
-    assert depth in (1, 2) and 1 <= m <= MAX_M and bits in (4, 8)
+    assert (depth in (1, 2) or mma_depth(k, group_size, grid.split, depth) == 0) and 1 <= m <= MAX_M and bits in (4, 8)
     launch_plan.launch(
         _mma_gemv_kernel, (grid.programs * grid.row_programs(m), grid.split),
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
@@ -509,4 +614,15 @@ def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: 
     asm2, cons2 = chunk_asm(dtype, frags, "raw" if rawq else "zero")
     return dict(G=group_size, HAS_BIAS=has_bias, FP16=dtype == torch.float16, USE_ASM=use_asm, ASM=asm, CONS=cons,
                 ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags, NT=grid.tiles_per_warp * planes, PLANES=planes,
-                DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups, SPLIT=grid.split, PDL=pdl and use_asm)
+                DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups, SPLIT=grid.split, PDL=pdl and use_asm,
+                **_hold_constexprs(grid, group_size, frags, planes, depth))
+
+
+def _hold_constexprs(grid: MmaGrid, group_size: int, frags: int, planes: int, depth: int) -> dict:
+    """:func:`_hold`'s PTX for a program that loads everything up front (depth 0), else nothing."""
+    if depth:
+        return dict(HOLD="", HOLD_CONS="")
+    nt = grid.tiles_per_warp * planes
+    steps = grid.groups * group_size // CHUNK
+    asm, cons = _hold_asm(nt, steps * (nt + 2 * frags) + 2 * grid.groups * grid.tiles_per_warp + 1)
+    return dict(HOLD=asm, HOLD_CONS=cons)

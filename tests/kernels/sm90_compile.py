@@ -24,12 +24,15 @@ ARGS = {"x_ptr": "*{x}", "qm_ptr": "*i32", "s_ptr": "*{x}", "z_ptr": "*{x}", "bi
         "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
         "stride_om": "i32"}
 # (x dtype, rows of x, bits, rawq asked, tiles per warp, 16-row blocks per program, depth, warps, PDL): each
-# zero mode, 1 / 2 / 4 fragments of x, two and four tiles per warp, 8-bit planes, fp16, launched with PDL
+# zero mode, 1 / 2 / 4 fragments of x, two and four tiles per warp, 8-bit planes, fp16, launched with PDL,
+# depth 0 (every load up front, through _hold's PTX)
 VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2, False), ("bf16", 16, 4, True, 2, 1, 2, 1, False),
             ("bf16", 16, 4, False, 1, 1, 2, 4, False), ("bf16", 32, 4, False, 2, 2, 1, 1, False),
             ("bf16", 16, 8, True, 1, 1, 2, 2, False), ("fp16", 16, 4, False, 2, 1, 2, 2, False),
             ("bf16", 16, 4, True, 4, 1, 2, 2, False), ("bf16", 16, 4, False, 4, 1, 2, 1, False),
-            ("bf16", 1, 4, True, 1, 1, 2, 2, True), ("bf16", 64, 4, False, 2, 2, 1, 1, True)]
+            ("bf16", 1, 4, True, 1, 1, 2, 2, True), ("bf16", 64, 4, False, 2, 2, 1, 1, True),
+            ("bf16", 1, 4, True, 1, 1, 0, 4, False), ("fp16", 8, 4, False, 2, 1, 0, 2, True),
+            ("bf16", 1, 8, True, 1, 1, 0, 4, False)]
 N, K, GROUP = 4096, 4096, 128
 
 
@@ -49,7 +52,7 @@ def run_script(name: str, variants: list) -> list[dict]:
 def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl):
     """Compile one variant; return (its constexprs, mma.sync count in the PTX, cubin bytes)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[xname]
-    grid = mma_gemv.mma_grid(N, K, GROUP, warps, 4, tiles, bits, blocks)
+    grid = mma_gemv.mma_grid(N, K, GROUP, warps, 16 if depth == 0 else 4, tiles, bits, blocks)  # (depth 0: short programs)
     const = mma_gemv.kernel_constexprs(dtype, m, grid, group_size=GROUP, depth=depth, rawq=rawq, bits=bits,
                                        has_bias=True, use_asm=True, pdl=pdl)
     sig = {name: ty.format(x=xname) for name, ty in ARGS.items()} | {name: "constexpr" for name in const}

@@ -9,7 +9,7 @@ import torch
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels import mixed_mm
 from quantpack.kernels.mixed_mm import KernelConfig
-from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_grid, mma_pack
+from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_depth, mma_grid, mma_pack
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,7 +74,7 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1,
     ws = torch.empty(grid.split, x.shape[0], n, dtype=torch.float32, device=DEV)
     cnt = torch.zeros(grid.programs * grid.row_programs(x.shape[0]), dtype=torch.int32, device=DEV)
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k, pw.bits), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
-                    group_size=pw.group_size, grid=grid, depth=depth, rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
+                    group_size=pw.group_size, grid=grid, depth=mma_depth(k, pw.group_size, grid.split, depth), rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
     return out
 
@@ -82,7 +82,9 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(16, 128, 64, 1, 1, 1, 1), (48, 192, 64, 4, 3, 2, 1),
                                                             (80, 256, 128, 2, 2, 1, 1), (32, 512, 256, 2, 2, 2, 2),
-                                                            (128, 192, 64, 2, 3, 1, 2), (128, 256, 128, 2, 2, 2, 4)])
+                                                            (128, 192, 64, 2, 3, 1, 2), (128, 256, 128, 2, 2, 2, 4),
+                                                            (48, 192, 64, 4, 3, 0, 1), (80, 512, 128, 1, 1, 0, 2),
+                                                            (64, 384, 128, 2, 3, 0, 4)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
 def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype, rawq):
@@ -98,7 +100,7 @@ def test_kernel_matches_reference(m, n, k, gs, warps, split, depth, tiles, dtype
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles", [(48, 192, 64, 4, 3, 2, 1), (80, 256, 128, 2, 2, 1, 1),
                                                             (32, 512, 256, 2, 2, 2, 2), (128, 192, 64, 2, 1, 1, 2),
-                                                            (64, 192, 64, 1, 3, 2, 4)])
+                                                            (64, 192, 64, 1, 3, 2, 4), (32, 256, 64, 2, 1, 0, 1)])
 @pytest.mark.parametrize("m", [9, 17, 33, 40, 50, 64])
 def test_row_blocks_match_reference(m, n, k, gs, warps, split, depth, tiles, dtype):
     """Two 16-row blocks of x per program (four 8-row fragments on each unpacked A): fewer rows than
@@ -116,7 +118,8 @@ def test_row_blocks_match_reference(m, n, k, gs, warps, split, depth, tiles, dty
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k,gs,warps,split,depth", [(16, 128, 64, 1, 1, 1), (48, 192, 64, 4, 3, 2),
-                                                      (64, 256, 128, 2, 2, 1), (96, 512, 256, 2, 2, 2)])
+                                                      (64, 256, 128, 2, 2, 1), (96, 512, 256, 2, 2, 2),
+                                                      (64, 512, 128, 2, 2, 0)])
 @pytest.mark.parametrize("m", [1, 3, 9, 16, 33])
 def test_8bit_kernel_matches_reference(m, n, k, gs, warps, split, depth, dtype):
     """8-bit weights as two nibble planes (always combined per group in float32)."""
@@ -191,13 +194,34 @@ def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
     pw, w = packed(64, 256, 128)
     for m, x_rows, rows, rawq, depth in ((1, 8, 16, True, 1), (5, 8, 32, False, 2), (16, 16, 32, True, 2),
                                          (64, 16, 16, True, 2), (64, 64, 16, False, 2), (40, 32, 32, False, 1),
-                                         (17, 16, 64, True, 2)):
+                                         (17, 16, 64, True, 2), (3, 8, 16, True, 0)):
         x = torch.randn(m, 256, dtype=torch.float16).to(DEV)
         cfg = KernelConfig("mma", x_rows, rows, num_warps=2, split=2, num_stages=depth, rawq=rawq)
         out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
         assert rel_err(out, x.float() @ w.t()) <= 1e-3
     assert calls == [(2, 1, True, 1, 4, 1), (2, 2, False, 2, 4, 1), (2, 2, True, 2, 4, 1), (2, 1, True, 2, 4, 1),
-                     (2, 1, False, 2, 4, 2), (2, 2, False, 1, 4, 2), (2, 4, True, 2, 4, 1)]
+                     (2, 1, False, 2, 4, 2), (2, 2, False, 1, 4, 2), (2, 4, True, 2, 4, 1), (2, 1, True, 0, 4, 1)]
+
+
+def test_depth_0_only_for_short_programs(monkeypatch):
+    """Depth 0 loads a whole program's chunks before its first MMA, so only programs of at most
+    PRELOAD_CHUNKS chunks run it; a longer one asked for it runs depth 2; the tuner offers it only where it runs."""
+    assert mma_depth(4096, 128, 16, 0) == 0  # 2 groups of 2 chunks
+    assert mma_depth(4096, 128, 8, 0) == 0 and mma_depth(4096, 128, 4, 0) == 2  # 8 / 16 chunks
+    assert mma_depth(1024, 64, 3, 0) == 0  # split 3 rounds down to 2: 8 groups of one chunk
+    assert mma_depth(1024, 64, 1, 0) == 2 and mma_depth(1024, 64, 1, 1) == 1 and mma_depth(1024, 64, 1, 5) == 2
+    calls = _spy(monkeypatch)
+    pw, w = packed(32, 1536, 128)  # 12 groups: split 1 is 24 chunks
+    x = torch.randn(2, 1536, dtype=torch.float16).to(DEV)
+    for split in (1, 2, 3):
+        cfg = KernelConfig("mma", 8, 16, num_warps=2, split=split, num_stages=0, rawq=True)
+        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
+        assert rel_err(out, x.float() @ w.t()) <= 1e-3
+    assert [c[3] for c in calls] == [2, 2, 0]
+    for m, n, k in ((1, 4096, 4096), (8, 14336, 4096), (16, 4096, 4096)):
+        mma = [c for c in mm_mod.candidate_configs(False, m, n, k, torch.device(DEV), 4) if c.path == "mma"]
+        assert all(mma_depth(k, 128, c.split, 0) == 0 for c in mma if c.num_stages == 0)
+        assert any(c.num_stages == 0 for c in mma) == (m <= 8), (m, n, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -296,9 +320,9 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
     pw, w = packed(n, k, gs, dtype, bits=bits)
     for m in (1, 2, 8, 11, 16, 33, 64):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
-        for warps, split, depth, tiles, rawq in ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False),
-                                                 (4, 8, 2, 2, True), (1, 16, 1, 1, True), (2, 4, 2, 4, True),
-                                                 (1, 8, 1, 4, False))[:7 if bits == 4 else 3]:
+        cases = ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False), (4, 8, 2, 2, True),
+                 (1, 16, 1, 1, True), (2, 4, 2, 4, True), (1, 8, 1, 4, False), (4, 16, 0, 1, True), (2, 32, 0, 2, False))
+        for warps, split, depth, tiles, rawq in cases if bits == 4 else cases[:3] + cases[7:8]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
         for warps, split, depth, tiles, blocks in ((2, 8, 2, 1, 2), (1, 4, 1, 1, 2), (4, 16, 2, 2, 2),
