@@ -412,12 +412,14 @@ DQ = mm.KernelConfig("dq")
 
 def config_label(cfg) -> str:
     """The dispatched config as the tables print it.
-    (mma: x = rows of x per program, r = rows of N per warp, d = chunks of loads in flight)
+    (mma: x = rows of x per program, r = rows of N per warp, d = chunks of loads in flight (0: all), /kN = N warps
+    splitting each program's K range)
     (wgmma: rows of x x weight rows x in-features per K step, d = TMA ring depth, /P = producer warp)"""
     tile = (f"x{max(16, cfg.block_m)} r{cfg.block_n} d{cfg.num_stages} " if cfg.path == "mma"
             else f"{cfg.block_m}x{cfg.block_n}xk{2 * cfg.block_r} d{cfg.num_stages} " if cfg.path == "wgmma"
             else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_r} ")
-    flags = f"{'/P' if cfg.producer else ''}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''}"
+    flags = (f"{'/P' if cfg.producer else ''}{'/rawq' if cfg.rawq else ''}{'/words' if cfg.words else ''}"
+             f"{f'/k{cfg.k_warps}' if cfg.k_warps > 1 else ''}")
     return f"{cfg.path}{flags} {tile}s{cfg.split} w{cfg.num_warps}"
 
 

@@ -87,6 +87,7 @@ class KernelConfig:
     rawq: bool = False  # dot/wgmma paths, groups along K: MMA on raw q, rescale per tile (wgmma: 4-bit, per K step)
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
     producer: bool = False  # wgmma path: a producer warp issues the TMA copies (warp-specialized)
+    k_warps: int = 1  # mma path: warps of a program splitting its K range (summed in shared memory), x num_warps
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -611,13 +612,26 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                         # (depth 0: every load of a program issued up front, for programs of at most
                         # PRELOAD_CHUNKS chunks; benchmarks/NOTES.md v25)
                         # (the tables are tuned at group size 128)
-                        preload = mb <= 8 and mma_depth(k, 128, split, 0) == 0
+                        preload = mb <= 8 and _mma_preloads(n, k, warps, split, rows, bits)
                         for depth in (0, 1, 2) if preload else (1, 2):
                             for rawq in (False, True) if bits == 4 and x_rows <= 16 else (bits == 8,):
                                 c = KernelConfig("mma", x_rows, rows, num_warps=warps, split=split,
                                                  num_stages=depth, rawq=rawq)
                                 if c not in out:
                                     out.append(c)
+        if mb <= 8 and bits == 4 and n % 16 == 0 and k % 128 == 0:
+            # warps of one program splitting K, summed in shared memory instead of a second pass through L2
+            # (small weights, whose time is latency; benchmarks/NOTES.md v26): one 16-row tile per warp slot; 4-bit
+            # (the kernel runs 8-bit planes this way too, not yet measured on a GPU)
+            for kwarps, warps, split in itertools.product((2, 4, 8), (1, 2), (1, 2, 4)):
+                if kwarps * warps > 8:
+                    continue
+                for depth in (0, 2) if _mma_preloads(n, k, warps, split, 16, bits, kwarps) else (2,):
+                    for rawq in (False, True):
+                        c = KernelConfig("mma", min(16, max(8, mb)), 16, num_warps=warps, split=split, num_stages=depth,
+                                         rawq=rawq, k_warps=kwarps)
+                        if c not in out:
+                            out.append(c)
     if 8 < mb <= 64 or mb == 8:
         for bn, br, warps, stages in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
                                       (128, 32, 4, 4)):
@@ -660,6 +674,14 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                 add(KernelConfig(path, bm, bn, 64, num_warps=8 if bm == 128 else 4, num_stages=3, rawq=True),
                     waves=(1.0, 2.0))
     return out
+
+
+def _mma_preloads(n: int, k: int, warps: int, split: int, rows: int, bits: int, kwarps: int = 1) -> bool:
+    """Whether an ``mma`` grid at group size 128 (the tables') runs depth 0 (its warps' K ranges short enough)."""
+    if n % 16 or n < 16 or k % 128:
+        return False
+    grid = mma_grid(n, k, 128, warps, split, max(1, rows // 16), bits, 1, kwarps)
+    return mma_depth(grid, 128, 0) == 0
 
 
 def pick_config(transposed: bool, bits: int, m: int, n: int, k: int, device: torch.device) -> KernelConfig:
@@ -943,7 +965,7 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
                                                                   group_size=group_size, bits=bits, grid=wg))
         split, tiles = wg.split, wg.split_tiles(m, n)
     elif cfg.path == "mma":
-        grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg))
+        grid = mma_grid(n, k, group_size, warps, split, mma_tiles_per_warp(cfg), bits, mma_blocks(cfg), cfg.k_warps)
         split, tiles = grid.split, grid.programs * grid.row_programs(m)
     elif transposed:
         tiles = cdiv(m, cfg.block_m) * cdiv(kh, cfg.block_r)
@@ -965,9 +987,9 @@ def _launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis
         ws = cnt = out  # never touched
     if cfg.path == "mma":
         if grid.split != split:  # (too many programs for the counters: one program per column tile)
-            grid = mma_grid(n, k, group_size, grid.warps, split, grid.tiles_per_warp, bits, grid.blocks)
+            grid = mma_grid(n, k, group_size, grid.warps, split, grid.tiles_per_warp, bits, grid.blocks, grid.kwarps)
         launch_mma_gemv(x2, mma_weight, scales, zeros, bias, out, ws, cnt, n=n, k=k, group_size=group_size,
-                        grid=grid, depth=mma_depth(k, group_size, grid.split, cfg.num_stages), rawq=cfg.rawq,
+                        grid=grid, depth=mma_depth(grid, group_size, cfg.num_stages), rawq=cfg.rawq,
                         use_asm=not interpreting(),
                         bits=bits, pdl=pdl)
         return out

@@ -222,19 +222,21 @@ def _emulate_weight(a, z, WARPS: tl.constexpr, FP16: tl.constexpr, MODE: tl.cons
 def _emulate_tile(a, x_ptr, stride_xm, M, kc, z_ptr, grp, N, n_w, ds, sxs,
                   WARPS: tl.constexpr, FRAGS: tl.constexpr, FP16: tl.constexpr, MODE: tl.constexpr):
     """The interpreter's stand-in for one :func:`_mma_chunk` call on the tiles starting at rows
-    ``n_w`` (WARPS,): x's chunk and the tiles' zeros loaded plainly, one product per 8-row fragment."""
+    ``n_w`` (WARPS,), each warp's chunk ``kc`` and group ``grp`` (WARPS,): x's chunk and the tiles' zeros loaded
+    plainly, one product per 8-row fragment."""
     xt: tl.constexpr = tl.float16 if FP16 else tl.bfloat16
-    z = tl.load(z_ptr + grp * N + n_w[:, None] + tl.arange(0, 16)[None, :]).to(xt).to(tl.float32)
+    z = tl.load(z_ptr + grp[:, None] * N + n_w[:, None] + tl.arange(0, 16)[None, :]).to(xt).to(tl.float32)
     w = _emulate_weight(a, z, WARPS, FP16, MODE)
-    kk = kc * 64 + tl.arange(0, 64)
+    kk = kc[:, None] * 64 + tl.arange(0, 64)[None, :]  # (WARPS, 64): each warp's chunk
     new_ds = ()
     new_sxs = ()
     for f in tl.static_range(FRAGS):
         mk = 8 * f + tl.arange(0, 8)
-        xk = tl.load(x_ptr + mk[:, None] * stride_xm + kk[None, :], mask=(mk < M)[:, None], other=0.0).to(tl.float32)
-        new_ds = new_ds + (ds[f] + _acc_layout(tl.sum(w[:, :, None, :] * xk[None, None, :, :], axis=3), WARPS),)
+        xk = tl.load(x_ptr + mk[None, :, None] * stride_xm + kk[:, None, :], mask=(mk < M)[None, :, None],
+                     other=0.0).to(tl.float32)  # (WARPS, 8, 64)
+        new_ds = new_ds + (ds[f] + _acc_layout(tl.sum(w[:, :, None, :] * xk[:, None, :, :], axis=3), WARPS),)
         if MODE == 1:
-            ones = tl.zeros((WARPS, 16, 8), dtype=tl.float32) + tl.sum(xk, axis=1)[None, None, :]
+            ones = tl.zeros((WARPS, 16, 8), dtype=tl.float32) + tl.sum(xk, axis=2)[:, None, :]
             new_sxs = new_sxs + (sxs[f] + _acc_layout(ones, WARPS),)
     if MODE != 1:
         new_sxs = sxs
@@ -388,7 +390,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
                      RAWQ: tl.constexpr, FRAGS: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
-                     PDL: tl.constexpr, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr):
+                     PDL: tl.constexpr, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, KW: tl.constexpr):
     # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
     # A program takes ROWS rows of x as FRAGS 8-row B fragments, all multiplied with each A fragment it
     # unpacks; with more rows than that, the programs of a column tile are adjacent, so the weight tile
@@ -414,8 +416,11 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     lane = row % 32
     g = lane // 4
     c = lane % 4
-    t = (pid_n * WARPS + row // 32) * NT  # each warp owns NT adjacent packed tiles
-    kc0 = pid_s * STEPS  # first chunk of this program's K range
+    # KW warps split the program's K range (summed in shared memory at the end), WN = WARPS / KW along N
+    WN: tl.constexpr = WARPS // KW
+    t = (pid_n * WN + (row // 32) % WN) * NT  # each warp owns NT adjacent packed tiles
+    part = pid_s * KW + (row // 32) // WN  # this warp's K range, of SPLIT * KW
+    kc0 = part * STEPS  # first chunk of this warp's K range
     a_ptrs = qm_ptr + ((t * (K // 64) + kc0) * 32 + lane)[:, None] * 4 + j[None, :]
     a_tile = (K // 64) * 128  # words from one tile to the next
     # B fragments: x[g, 16c .. 16c + 7] of each chunk (4 words of bf16/fp16 pairs, one per k-step)
@@ -430,12 +435,16 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     # accumulator element j of lane (g, c): out[m_c + 8f, n_c + 16i] of fragment f and tile i
     n_c = ((t // PLANES) * 16 + g)[:, None] + 8 * (j // 2)[None, :]
     m_c = (2 * c)[:, None] + (j % 2)[None, :]
-    n_w = (pid_n * WARPS + tl.arange(0, WARPS)) * (NT // PLANES) * 16  # (emulation: each warp's first row)
+    # (emulation: each warp's first row, first chunk and first group)
+    n_w = (pid_n * WN + tl.arange(0, WARPS) % WN) * (NT // PLANES) * 16
+    part_w = pid_s * KW + tl.arange(0, WARPS) // WN
+    kc0_w = part_w * STEPS
+    grp0_w = part_w * GROUPS
     TILES: tl.constexpr = NT // PLANES  # 16-row tiles of N per warp (each with its own scales and zeros)
 
     zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
     acc = (zero,) * (TILES * FRAGS)  # tile i, fragment f of x at i * FRAGS + f
-    grp0 = pid_s * GROUPS
+    grp0 = (part * GROUPS)[:, None]
     if DEPTH == 0:
         # every chunk of the program and every group's scales and zeros issued before the first MMA (short
         # programs: a warp then waits for one round trip instead of one per chunk); the weight words first
@@ -461,7 +470,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             sx = (zero,) * FRAGS
             for ci in tl.static_range(CPG):
                 d, sx = _chunk_products(d, sx, aa[gi * CPG + ci], bb[gi * CPG + ci], nzs, x_ptr, stride_xm, M,
-                                        kc0 + gi * CPG + ci, z_ptr, grp0 + gi, N, n_w, USE_ASM, ASM, CONS, ASM2,
+                                        kc0_w + gi * CPG + ci, z_ptr, grp0_w + gi, N, n_w, USE_ASM, ASM, CONS, ASM2,
                                         CONS2, MODE1, MODE2, NT, PLANES, TILES, FRAGS, WARPS, FP16)
             acc = _group_rescale(acc, d, sx, ss, zs, RAWQ, PLANES, TILES, FRAGS, OFFSET)
     else:
@@ -500,11 +509,21 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                 else:
                     p0 = p1
                     p1 = nxt
-                d, sx = _chunk_products(d, sx, a, bs, nzs, x_ptr, stride_xm, M, kc0 + i, z_ptr, grp0 + gi, N, n_w,
+                d, sx = _chunk_products(d, sx, a, bs, nzs, x_ptr, stride_xm, M, kc0_w + i, z_ptr, grp0_w + gi, N, n_w,
                                         USE_ASM, ASM, CONS, ASM2, CONS2, MODE1, MODE2, NT, PLANES, TILES, FRAGS, WARPS,
                                         FP16)
             acc = _group_rescale(acc, d, sx, ss, zs, RAWQ, PLANES, TILES, FRAGS, OFFSET)
 
+    if KW > 1:  # the K parts of each tile summed across warps (through shared memory)
+        accr = ()
+        for i in tl.static_range(TILES * FRAGS):
+            accr = accr + (tl.sum(tl.reshape(acc[i], (KW, 32 * WN, 4)), axis=0),)
+        acc = accr
+        row = tl.arange(0, 32 * WN)
+        lane = row % 32
+        t = (pid_n * WN + row // 32) * NT
+        n_c = ((t // PLANES) * 16 + lane // 4)[:, None] + 8 * (j // 2)[None, :]
+        m_c = (2 * (lane % 4))[:, None] + (j % 2)[None, :]
     for ti in tl.static_range(TILES):
         for f in tl.static_range(FRAGS):
             _finish(acc[ti * FRAGS + f], m_c + 8 * f, n_c + 16 * ti, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr,
@@ -536,6 +555,7 @@ class MmaGrid(NamedTuple):
     split: int  # programs splitting K (partials summed by the last to finish)
     programs: int  # along N
     blocks: int = 1  # 16-row blocks of x per program, sharing each unpacked weight fragment (4-bit, 1 or 2)
+    kwarps: int = 1  # warps of a program splitting its K range (x warps along N), summed in shared memory
 
     def row_blocks(self, m: int) -> int:
         """The 16-row blocks of x one program takes for ``m`` rows (no more than there are)."""
@@ -548,18 +568,20 @@ class MmaGrid(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)  # (per launch on the host: pure)
 def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_warp: int = 1, bits: int = 4,
-             blocks: int = 1) -> MmaGrid:
+             blocks: int = 1, kwarps: int = 1) -> MmaGrid:
     """The launch grid nearest to the one asked for that divides the problem: warps x tiles per
-    warp (1, 2 or 4, 4-bit; the most up to the one asked) divide the tile count, split is the largest
-    divisor of the group count not above the one asked.
+    warp (1, 2 or 4, 4-bit; the most up to the one asked) divide the tile count; ``kwarps`` more warps per
+    program split its K range (1, 2, 4 or 8, dividing the group count, at most 8 warps in all; their sums meet in
+    shared memory); split is the largest divisor of the remaining group count not above the one asked.
     ``blocks`` of 16 rows of x per program: 1 or 2, 4-bit only (8-bit planes run rawq, whose sums would
     need a register set per block)."""
     tiles, groups = n // 16, k // group_size
     blocks = 1 if bits == 8 else max(1, min(MAX_BLOCKS, blocks))
     nt = max(t for t in (1, 2, 4) if t <= max(1, tiles_per_warp) and tiles % t == 0) if bits == 4 else 1
     warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
-    split = split_divisor(groups, split)
-    return MmaGrid(warps, nt, groups // split, split, tiles // (warps * nt), blocks)
+    kwarps = max(w for w in (1, 2, 4, 8) if w <= max(1, kwarps) and groups % w == 0 and warps * w <= 8)
+    split = split_divisor(groups // kwarps, split)
+    return MmaGrid(warps, nt, groups // (kwarps * split), split, tiles // (warps * nt), blocks, kwarps)
 
 
 def split_divisor(groups: int, split: int) -> int:
@@ -567,13 +589,12 @@ def split_divisor(groups: int, split: int) -> int:
     return max(s for s in range(1, max(1, groups) + 1) if max(1, groups) % s == 0 and s <= max(1, split))
 
 
-def mma_depth(k: int, group_size: int, split: int, depth: int) -> int:
-    """The depth a launch runs for ``depth`` asked: 0 (every load of a program issued before its first MMA)
-    only where a program holds at most PRELOAD_CHUNKS chunks (registers), else 2; 1 and 2 as asked."""
+def mma_depth(grid: MmaGrid, group_size: int, depth: int) -> int:
+    """The depth a launch on ``grid`` runs for ``depth`` asked: 0 (every load of a warp's K range issued before
+    its first MMA) only where a warp holds at most PRELOAD_CHUNKS chunks (registers), else 2; 1 and 2 as asked."""
     if depth > 0:
         return min(depth, 2)
-    groups = k // group_size
-    return 0 if groups // split_divisor(groups, split) * group_size // CHUNK <= PRELOAD_CHUNKS else 2
+    return 0 if grid.groups * group_size // CHUNK <= PRELOAD_CHUNKS else 2
 
 
 def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *, n: int, k: int, group_size: int,
@@ -590,17 +611,18 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     ``use_asm``) launches with programmatic dependent launch: the grid starts while the previous kernel in
     the stream finishes and reads ``packed`` before waiting for it, so no kernel may be writing ``packed``
     then (see :func:`_mma_gemv_kernel`)."""
-    assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits, grid.blocks), \
+    assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, bits, grid.blocks,
+                            grid.kwarps), \
         "grid must come from mma_grid"
     m = x2.shape[0]
-    assert (depth in (1, 2) or mma_depth(k, group_size, grid.split, depth) == 0) and 1 <= m <= MAX_M and bits in (4, 8)
+    assert (depth in (1, 2) or mma_depth(grid, group_size, depth) == 0) and 1 <= m <= MAX_M and bits in (4, 8)
     launch_plan.launch(
         _mma_gemv_kernel, (grid.programs * grid.row_programs(m), grid.split),
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
         m, n, k, x2.stride(0), out.stride(0),
         **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=bits,
                             has_bias=bias is not None, use_asm=use_asm, pdl=pdl),
-        num_warps=grid.warps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
+        num_warps=grid.warps * grid.kwarps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
 
 
 def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: int, depth: int, rawq: bool,
@@ -614,7 +636,7 @@ def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: 
     asm2, cons2 = chunk_asm(dtype, frags, "raw" if rawq else "zero")
     return dict(G=group_size, HAS_BIAS=has_bias, FP16=dtype == torch.float16, USE_ASM=use_asm, ASM=asm, CONS=cons,
                 ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags, NT=grid.tiles_per_warp * planes, PLANES=planes,
-                DEPTH=depth, WARPS=grid.warps, GROUPS=grid.groups, SPLIT=grid.split, PDL=pdl and use_asm,
+                DEPTH=depth, WARPS=grid.warps * grid.kwarps, KW=grid.kwarps, GROUPS=grid.groups, SPLIT=grid.split, PDL=pdl and use_asm,
                 **_hold_constexprs(grid, group_size, frags, planes, depth))
 
 

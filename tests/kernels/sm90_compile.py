@@ -25,14 +25,15 @@ ARGS = {"x_ptr": "*{x}", "qm_ptr": "*i32", "s_ptr": "*{x}", "z_ptr": "*{x}", "bi
         "stride_om": "i32"}
 # (x dtype, rows of x, bits, rawq asked, tiles per warp, 16-row blocks per program, depth, warps, PDL): each
 # zero mode, 1 / 2 / 4 fragments of x, two and four tiles per warp, 8-bit planes, fp16, launched with PDL,
-# depth 0 (every load up front, through _hold's PTX)
+# depth 0 (every load up front, through _hold's PTX), warps splitting K (a tenth field: kwarps)
 VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2, False), ("bf16", 16, 4, True, 2, 1, 2, 1, False),
             ("bf16", 16, 4, False, 1, 1, 2, 4, False), ("bf16", 32, 4, False, 2, 2, 1, 1, False),
             ("bf16", 16, 8, True, 1, 1, 2, 2, False), ("fp16", 16, 4, False, 2, 1, 2, 2, False),
             ("bf16", 16, 4, True, 4, 1, 2, 2, False), ("bf16", 16, 4, False, 4, 1, 2, 1, False),
             ("bf16", 1, 4, True, 1, 1, 2, 2, True), ("bf16", 64, 4, False, 2, 2, 1, 1, True),
             ("bf16", 1, 4, True, 1, 1, 0, 4, False), ("fp16", 8, 4, False, 2, 1, 0, 2, True),
-            ("bf16", 1, 8, True, 1, 1, 0, 4, False)]
+            ("bf16", 1, 8, True, 1, 1, 0, 4, False), ("bf16", 1, 4, True, 1, 1, 0, 1, False, 4),
+            ("fp16", 9, 4, False, 1, 1, 2, 2, False, 2)]
 N, K, GROUP = 4096, 4096, 128
 
 
@@ -49,16 +50,17 @@ def run_script(name: str, variants: list) -> list[dict]:
     return lines
 
 
-def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl):
+def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl, kwarps=1):
     """Compile one variant; return (its constexprs, mma.sync count in the PTX, cubin bytes)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[xname]
-    grid = mma_gemv.mma_grid(N, K, GROUP, warps, 16 if depth == 0 else 4, tiles, bits, blocks)  # (depth 0: short programs)
+    grid = mma_gemv.mma_grid(N, K, GROUP, warps, 16 // kwarps if depth == 0 else 4, tiles, bits, blocks,
+                             kwarps)  # (depth 0: short programs)
     const = mma_gemv.kernel_constexprs(dtype, m, grid, group_size=GROUP, depth=depth, rawq=rawq, bits=bits,
                                        has_bias=True, use_asm=True, pdl=pdl)
     sig = {name: ty.format(x=xname) for name, ty in ARGS.items()} | {name: "constexpr" for name in const}
     kernel = triton.compile(ASTSource(fn=mma_gemv._mma_gemv_kernel, signature=sig, constexprs=const),
                             target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": grid.warps, "num_stages": 1, "launch_pdl": pdl})
+                            options={"num_warps": grid.warps * grid.kwarps, "num_stages": 1, "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL: the kernel waits for the previous grid exactly when asked"
     return const, ptx.count("mma.sync.aligned.m16n8k16"), len(kernel.asm["cubin"])

@@ -67,14 +67,14 @@ def test_mma_pack_refuses_shapes_it_cannot_hold():
         mma_pack(torch.zeros(64, 40, dtype=torch.uint8), 40, 128)
 
 
-def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1, rawq=False, blocks=1):
+def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1, rawq=False, blocks=1, kwarps=1):
     n, k = pw.shape
-    grid = mma_grid(n, k, pw.group_size, warps, split, tiles, pw.bits, blocks)
+    grid = mma_grid(n, k, pw.group_size, warps, split, tiles, pw.bits, blocks, kwarps)
     out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype or x.dtype, device=DEV)
     ws = torch.empty(grid.split, x.shape[0], n, dtype=torch.float32, device=DEV)
     cnt = torch.zeros(grid.programs * grid.row_programs(x.shape[0]), dtype=torch.int32, device=DEV)
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k, pw.bits), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
-                    group_size=pw.group_size, grid=grid, depth=mma_depth(k, pw.group_size, grid.split, depth), rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
+                    group_size=pw.group_size, grid=grid, depth=mma_depth(grid, pw.group_size, depth), rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
     return out
 
@@ -148,20 +148,24 @@ def test_fractional_zeros_lose_no_more_than_dequantizing(m, blocks, dtype, rawq)
 
 
 def test_grid_rounds_to_divisors():
-    # (warps, tiles per warp, groups per program, split, programs, 16-row blocks of x per program)
-    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 1, 2, 16, 32, 1)
-    assert mma_grid(4096, 14336, 128, 4, 32, 2) == (4, 2, 4, 28, 32, 1)  # 112 groups: the largest divisor <= 32
-    assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3, 3, 1)  # 3 tiles of 16 rows: one warp, one tile each
-    assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3, 1, 1)  # 8 tiles: 4 warps of two
-    assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3, 3, 1)  # 3 pairs of tiles: one warp per program
-    assert mma_grid(128, 192, 64, 4, 3, 4) == (2, 4, 1, 3, 1, 1)  # 8 tiles: 2 warps of four
-    assert mma_grid(96, 192, 64, 4, 3, 4) == (1, 2, 1, 3, 3, 1)  # 6 tiles: four per warp does not divide, two does
+    # (warps, tiles per warp, groups per warp, split, programs, 16-row blocks of x per program, warps splitting K)
+    assert mma_grid(4096, 4096, 128, 8, 16) == (8, 1, 2, 16, 32, 1, 1)
+    assert mma_grid(4096, 14336, 128, 4, 32, 2) == (4, 2, 4, 28, 32, 1, 1)  # 112 groups: the largest divisor <= 32
+    assert mma_grid(48, 192, 64, 4, 3, 2) == (1, 1, 1, 3, 3, 1, 1)  # 3 tiles of 16 rows: one warp, one tile each
+    assert mma_grid(128, 192, 64, 4, 3, 2) == (4, 2, 1, 3, 1, 1, 1)  # 8 tiles: 4 warps of two
+    assert mma_grid(96, 192, 64, 4, 3, 2) == (1, 2, 1, 3, 3, 1, 1)  # 3 pairs of tiles: one warp per program
+    assert mma_grid(128, 192, 64, 4, 3, 4) == (2, 4, 1, 3, 1, 1, 1)  # 8 tiles: 2 warps of four
+    assert mma_grid(96, 192, 64, 4, 3, 4) == (1, 2, 1, 3, 3, 1, 1)  # 6 tiles: four per warp does not divide, two does
     assert mma_grid(64, 192, 64, 4, 3, 3).tiles_per_warp == 2  # 3 asked: the most of 1, 2, 4 not above it
-    assert mma_grid(128, 192, 64, 4, 3, 2, bits=8) == (4, 1, 1, 3, 2, 1)  # 8-bit: one tile per warp (two planes)
+    assert mma_grid(128, 192, 64, 4, 3, 2, bits=8) == (4, 1, 1, 3, 2, 1, 1)  # 8-bit: one tile per warp (two planes)
     assert mma_grid(128, 192, 64, 4, 3, 4, bits=8).tiles_per_warp == 1
-    assert mma_grid(128, 192, 64, 4, 3, 2, blocks=2) == (4, 2, 1, 3, 1, 2)  # two blocks, two tiles per warp
+    assert mma_grid(128, 192, 64, 4, 3, 2, blocks=2) == (4, 2, 1, 3, 1, 2, 1)  # two blocks, two tiles per warp
     assert mma_grid(128, 192, 64, 4, 3, 2, blocks=4).blocks == 2  # at most two blocks per program
     assert mma_grid(128, 192, 64, 4, 3, 1, bits=8, blocks=2).blocks == 1  # 8-bit planes: one block
+    # warps splitting K: a divisor of the groups, at most 8 warps in all, split over what is left
+    assert mma_grid(2048, 2048, 128, 1, 1, kwarps=4) == (1, 1, 4, 1, 128, 1, 4)
+    assert mma_grid(2048, 2048, 128, 2, 4, kwarps=8) == (2, 1, 1, 4, 64, 1, 4)
+    assert mma_grid(64, 384, 128, 1, 8, kwarps=2) == (1, 1, 1, 3, 4, 1, 1)  # 3 groups: no 2 warps, split 3
 
 
 @pytest.mark.parametrize("blocks,m,row_blocks,row_programs", [(1, 1, 1, 1), (1, 64, 1, 4), (2, 9, 1, 1), (2, 17, 2, 1),
@@ -181,7 +185,7 @@ def _spy(monkeypatch):
 
     def spy(*a, **kw):
         calls.append((kw["grid"].split, kw["grid"].tiles_per_warp, kw["rawq"], kw["depth"], kw["bits"],
-                      kw["grid"].blocks))
+                      kw["grid"].blocks) + ((kw["grid"].kwarps,) if kw["grid"].kwarps > 1 else ()))
         return real(*a, **kw)
     monkeypatch.setattr(mm_mod, "launch_mma_gemv", spy)
     return calls
@@ -206,10 +210,13 @@ def test_mixed_mm_takes_the_mma_path_for_decode(monkeypatch):
 def test_depth_0_only_for_short_programs(monkeypatch):
     """Depth 0 loads a whole program's chunks before its first MMA, so only programs of at most
     PRELOAD_CHUNKS chunks run it; a longer one asked for it runs depth 2; the tuner offers it only where it runs."""
-    assert mma_depth(4096, 128, 16, 0) == 0  # 2 groups of 2 chunks
-    assert mma_depth(4096, 128, 8, 0) == 0 and mma_depth(4096, 128, 4, 0) == 2  # 8 / 16 chunks
-    assert mma_depth(1024, 64, 3, 0) == 0  # split 3 rounds down to 2: 8 groups of one chunk
-    assert mma_depth(1024, 64, 1, 0) == 2 and mma_depth(1024, 64, 1, 1) == 1 and mma_depth(1024, 64, 1, 5) == 2
+    def depth(k, gs, split, asked, kwarps=1):
+        return mma_depth(mma_grid(64, k, gs, 1, split, 1, 4, 1, kwarps), gs, asked)
+    assert depth(4096, 128, 16, 0) == 0  # 2 groups of 2 chunks
+    assert depth(4096, 128, 8, 0) == 0 and depth(4096, 128, 4, 0) == 2  # 8 / 16 chunks
+    assert depth(4096, 128, 1, 0, kwarps=4) == 2 and depth(4096, 128, 1, 0, kwarps=8) == 0  # per warp: 8 / 4 groups
+    assert depth(1024, 64, 3, 0) == 0  # split 3 rounds down to 2: 8 groups of one chunk
+    assert depth(1024, 64, 1, 0) == 2 and depth(1024, 64, 1, 1) == 1 and depth(1024, 64, 1, 5) == 2
     calls = _spy(monkeypatch)
     pw, w = packed(32, 1536, 128)  # 12 groups: split 1 is 24 chunks
     x = torch.randn(2, 1536, dtype=torch.float16).to(DEV)
@@ -220,8 +227,40 @@ def test_depth_0_only_for_short_programs(monkeypatch):
     assert [c[3] for c in calls] == [2, 2, 0]
     for m, n, k in ((1, 4096, 4096), (8, 14336, 4096), (16, 4096, 4096)):
         mma = [c for c in mm_mod.candidate_configs(False, m, n, k, torch.device(DEV), 4) if c.path == "mma"]
-        assert all(mma_depth(k, 128, c.split, 0) == 0 for c in mma if c.num_stages == 0)
-        assert any(c.num_stages == 0 for c in mma) == (m <= 8), (m, n, k)
+        grids = [(c, mma_grid(n, k, 128, c.num_warps, c.split, c.block_n // 16, 4, 1, c.k_warps)) for c in mma]
+        assert all(mma_depth(g, 128, 0) == 0 for c, g in grids if c.num_stages == 0)
+        assert all(g.kwarps == c.k_warps and g.warps * g.kwarps <= 8 for c, g in grids)
+        assert any(c.num_stages == 0 for c in mma) == (m <= 8) == any(c.k_warps > 1 for c in mma), (m, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("n,k,gs,warps,split,depth,tiles,bits,kwarps", [
+    (32, 256, 64, 1, 1, 1, 1, 4, 4), (64, 512, 128, 2, 1, 2, 1, 4, 2), (128, 512, 64, 1, 2, 1, 2, 4, 4),
+    (64, 512, 128, 1, 1, 2, 1, 8, 4), (64, 256, 64, 2, 2, 0, 1, 4, 2), (48, 1024, 128, 1, 1, 0, 1, 4, 8)])
+@pytest.mark.parametrize("m", [1, 3, 9, 17])
+@pytest.mark.parametrize("rawq", [False, True], ids=["zeros_in_a", "rawq"])
+def test_warps_splitting_k_match_reference(m, n, k, gs, warps, split, depth, tiles, bits, kwarps, dtype, rawq):
+    """``kwarps`` warps of a program split its K range and sum in shared memory, alone or with split-K over
+    programs, one or two tiles per warp, 8-bit planes, each depth."""
+    pw, w = packed(n, k, gs, dtype, bits=bits, seed=n + m)
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEV)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEV) if m == 3 else None
+    assert mma_grid(n, k, gs, warps, split, tiles, bits, 1, kwarps).kwarps == kwarps
+    out = run_kernel(x, pw, warps, split, bias, depth, tiles=tiles, rawq=rawq, kwarps=kwarps)
+    ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+    assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+
+
+def test_k_warps_reach_the_kernel(monkeypatch):
+    calls = _spy(monkeypatch)
+    pw, w = packed(64, 1024, 128)
+    x = torch.randn(2, 1024, dtype=torch.float16).to(DEV)
+    for kwarps, warps in ((4, 1), (2, 2), (8, 2)):  # (8 x 2 warps: the grid allows 4 x 2)
+        cfg = KernelConfig("mma", 8, 16, num_warps=warps, split=1, num_stages=0, rawq=True, k_warps=kwarps)
+        out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
+        assert rel_err(out, x.float() @ w.t()) <= 1e-3
+    assert [c[3] for c in calls] == [0, 0, 0] and [c[6] for c in calls] == [4, 2, 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -324,6 +363,10 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
                  (1, 16, 1, 1, True), (2, 4, 2, 4, True), (1, 8, 1, 4, False), (4, 16, 0, 1, True), (2, 32, 0, 2, False))
         for warps, split, depth, tiles, rawq in cases if bits == 4 else cases[:3] + cases[7:8]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
+            assert rel_err(out, x.float() @ w.t()) <= 1e-2
+        for warps, split, depth, kwarps, rawq in ((1, 1, 0, 4, True), (2, 4, 0, 2, False), (1, 1, 2, 8, False),
+                                                  (1, 2, 2, 4, True))[:4 if m <= 16 else 1]:
+            out = run_kernel(x, pw, warps, split, depth=depth, rawq=rawq, kwarps=kwarps)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
         for warps, split, depth, tiles, blocks in ((2, 8, 2, 1, 2), (1, 4, 1, 1, 2), (4, 16, 2, 2, 2),
                                                    (2, 4, 1, 2, 2))[:4 if bits == 4 and m > 8 else 0]:
