@@ -358,6 +358,19 @@ def _hold(aa, bb, metas, zero, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, NT: 
 
 
 @triton.jit
+def _acc_coords(pid_n, ROWS: tl.constexpr, WN: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr):
+    """Where element j of each row (warp, lane (g, c)) of a (ROWS, 4) accumulator goes: out[m_c + 8f, n_c + 16i]
+    for fragment f and tile i; warp w holds the tiles of slot w % WN (its K part is w // WN)."""
+    row = tl.arange(0, ROWS)
+    j = tl.arange(0, 4)
+    lane = row % 32
+    t = (pid_n * WN + (row // 32) % WN) * NT
+    n_c = ((t // PLANES) * 16 + lane // 4)[:, None] + 8 * (j // 2)[None, :]
+    m_c = (2 * (lane % 4))[:, None] + (j % 2)[None, :]
+    return n_c, m_c
+
+
+@triton.jit
 def _finish(acc, m_c, n_c, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS: tl.constexpr,
             SPLIT: tl.constexpr):
     """Write one accumulator fragment: to out (plus bias) without split-K, else as this program's partial."""
@@ -433,8 +446,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     for f in tl.static_range(FRAGS):
         b_masks = b_masks + ((g + 8 * f < M)[:, None] & (j < 4)[None, :],)
     # accumulator element j of lane (g, c): out[m_c + 8f, n_c + 16i] of fragment f and tile i
-    n_c = ((t // PLANES) * 16 + g)[:, None] + 8 * (j // 2)[None, :]
-    m_c = (2 * c)[:, None] + (j % 2)[None, :]
+    n_c, m_c = _acc_coords(pid_n, 32 * WARPS, WN, NT, PLANES)
     # (emulation: each warp's first row, first chunk and first group)
     n_w = (pid_n * WN + tl.arange(0, WARPS) % WN) * (NT // PLANES) * 16
     part_w = pid_s * KW + tl.arange(0, WARPS) // WN
@@ -519,11 +531,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         for i in tl.static_range(TILES * FRAGS):
             accr = accr + (tl.sum(tl.reshape(acc[i], (KW, 32 * WN, 4)), axis=0),)
         acc = accr
-        row = tl.arange(0, 32 * WN)
-        lane = row % 32
-        t = (pid_n * WN + row // 32) * NT
-        n_c = ((t // PLANES) * 16 + lane // 4)[:, None] + 8 * (j // 2)[None, :]
-        m_c = (2 * (lane % 4))[:, None] + (j % 2)[None, :]
+        n_c, m_c = _acc_coords(pid_n, 32 * WN, WN, NT, PLANES)
     for ti in tl.static_range(TILES):
         for f in tl.static_range(FRAGS):
             _finish(acc[ti * FRAGS + f], m_c + 8 * f, n_c + 16 * ti, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr,
@@ -580,13 +588,8 @@ def mma_grid(n: int, k: int, group_size: int, warps: int, split: int, tiles_per_
     nt = max(t for t in (1, 2, 4) if t <= max(1, tiles_per_warp) and tiles % t == 0) if bits == 4 else 1
     warps = max(w for w in (1, 2, 4, 8) if w <= max(1, warps) and tiles % (w * nt) == 0)
     kwarps = max(w for w in (1, 2, 4, 8) if w <= max(1, kwarps) and groups % w == 0 and warps * w <= 8)
-    split = split_divisor(groups // kwarps, split)
+    split = max(s for s in range(1, groups // kwarps + 1) if groups // kwarps % s == 0 and s <= max(1, split))
     return MmaGrid(warps, nt, groups // (kwarps * split), split, tiles // (warps * nt), blocks, kwarps)
-
-
-def split_divisor(groups: int, split: int) -> int:
-    """The split-K a launch runs for ``split`` asked: the largest divisor of the group count not above it."""
-    return max(s for s in range(1, max(1, groups) + 1) if max(1, groups) % s == 0 and s <= max(1, split))
 
 
 def mma_depth(grid: MmaGrid, group_size: int, depth: int) -> int:
@@ -601,9 +604,9 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
                     grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, bits: int = 4, pdl: bool = False) -> None:
     """``out = x2 @ W.T (+ bias)`` from the :func:`mma_pack` layout (of ``bits``), M <= 64. ``grid``
     must come from :func:`mma_grid` (for these bits); ``depth`` (1 or 2; 3 measured slower) chunks of
-    loads are kept in flight per warp, or 0: all of a program's loads are issued before its first MMA
-    (programs of at most PRELOAD_CHUNKS chunks, :func:`mma_depth`); ``rawq`` runs the MMA on ``q + offset`` and applies the
-    zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
+    loads are kept in flight per warp, or 0: all of a warp's loads are issued before its first MMA
+    (at most PRELOAD_CHUNKS chunks per warp, :func:`mma_depth`); ``rawq`` runs the MMA on ``q + offset`` and applies
+    the zeros per group through x's sums (fewer instructions), else the zeros are subtracted from
     the A fragments before the MMA (fewer MMAs; 4-bit only: 8-bit planes always run rawq; a program of
     two 16-row blocks always subtracts them: one unpack then serves four MMAs, and the sums would
     double those); ``workspace`` (split, M, N) float32 and ``counters`` (grid.programs x
@@ -636,7 +639,8 @@ def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: 
     asm2, cons2 = chunk_asm(dtype, frags, "raw" if rawq else "zero")
     return dict(G=group_size, HAS_BIAS=has_bias, FP16=dtype == torch.float16, USE_ASM=use_asm, ASM=asm, CONS=cons,
                 ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags, NT=grid.tiles_per_warp * planes, PLANES=planes,
-                DEPTH=depth, WARPS=grid.warps * grid.kwarps, KW=grid.kwarps, GROUPS=grid.groups, SPLIT=grid.split, PDL=pdl and use_asm,
+                DEPTH=depth, WARPS=grid.warps * grid.kwarps, KW=grid.kwarps, GROUPS=grid.groups, SPLIT=grid.split,
+                PDL=pdl and use_asm,
                 **_hold_constexprs(grid, group_size, frags, planes, depth))
 
 

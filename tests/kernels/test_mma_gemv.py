@@ -74,7 +74,8 @@ def run_kernel(x, pw, warps, split, bias=None, depth=2, out_dtype=None, tiles=1,
     ws = torch.empty(grid.split, x.shape[0], n, dtype=torch.float32, device=DEV)
     cnt = torch.zeros(grid.programs * grid.row_programs(x.shape[0]), dtype=torch.int32, device=DEV)
     launch_mma_gemv(x, mma_pack(pw.qweight, n, k, pw.bits), pw.scales, pw.zeros, bias, out, ws, cnt, n=n, k=k,
-                    group_size=pw.group_size, grid=grid, depth=mma_depth(grid, pw.group_size, depth), rawq=rawq, use_asm=DEV == "cuda", bits=pw.bits)
+                    group_size=pw.group_size, grid=grid, depth=mma_depth(grid, pw.group_size, depth), rawq=rawq,
+                    use_asm=DEV == "cuda", bits=pw.bits)
     assert int(cnt.abs().sum()) == 0  # counters reset for the next launch
     return out
 
@@ -360,7 +361,8 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
     for m in (1, 2, 8, 11, 16, 33, 64):
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         cases = ((1, 4, 2, 2, True), (2, 16, 2, 1, False), (8, 32, 1, 2, False), (4, 8, 2, 2, True),
-                 (1, 16, 1, 1, True), (2, 4, 2, 4, True), (1, 8, 1, 4, False), (4, 16, 0, 1, True), (2, 32, 0, 2, False))
+                 (1, 16, 1, 1, True), (2, 4, 2, 4, True), (1, 8, 1, 4, False), (4, 16, 0, 1, True),
+                 (2, 32, 0, 2, False))
         for warps, split, depth, tiles, rawq in cases if bits == 4 else cases[:3] + cases[7:8]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, rawq=rawq)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
