@@ -619,15 +619,15 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                                                  num_stages=depth, rawq=rawq)
                                 if c not in out:
                                     out.append(c)
-        if mb <= 8 and bits == 4 and n % 16 == 0 and k % 128 == 0:
+        if mb <= 8 and n % 16 == 0 and k % 128 == 0:
             # warps of one program splitting K, summed in shared memory instead of a second pass through L2
-            # (small weights, whose time is latency; benchmarks/NOTES.md v26): one 16-row tile per warp slot; 4-bit
-            # (the kernel runs 8-bit planes this way too, not yet measured on a GPU)
+            # (small weights, whose time is latency; benchmarks/NOTES.md v26): one 16-row tile per warp slot
+            # (8-bit: its two nibble planes, rawq)
             for kwarps, warps, split in itertools.product((2, 4, 8), (1, 2), (1, 2, 4)):
                 if kwarps * warps > 8:
                     continue
                 for depth in (0, 2) if _mma_preloads(n, k, warps, split, 16, bits, kwarps) else (2,):
-                    for rawq in (False, True):
+                    for rawq in (False, True) if bits == 4 else (True,):
                         c = KernelConfig("mma", min(16, max(8, mb)), 16, num_warps=warps, split=split, num_stages=depth,
                                          rawq=rawq, k_warps=kwarps)
                         if c not in out:

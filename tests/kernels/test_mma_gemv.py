@@ -232,6 +232,10 @@ def test_depth_0_only_for_short_programs(monkeypatch):
         assert all(mma_depth(g, 128, 0) == 0 for c, g in grids if c.num_stages == 0)
         assert all(g.kwarps == c.k_warps and g.warps * g.kwarps <= 8 for c, g in grids)
         assert any(c.num_stages == 0 for c in mma) == (m <= 8) == any(c.k_warps > 1 for c in mma), (m, n, k)
+    for m, n, k in ((1, 4096, 4096), (8, 2048, 2048), (16, 4096, 4096)):  # 8-bit: planes run rawq
+        mma = [c for c in mm_mod.candidate_configs(False, m, n, k, torch.device(DEV), 8) if c.path == "mma"]
+        assert mma and all(c.rawq for c in mma), (m, n, k)
+        assert any(c.k_warps > 1 for c in mma) == (m <= 8), (m, n, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
