@@ -92,6 +92,28 @@ def _hold_asm(outputs: int, inputs: int) -> tuple[str, str]:
     return s + " }", ",".join(["=r"] * (4 * outputs) + ["r"] * (4 * inputs))
 
 
+def _ksum_asm(count: int, kwarps: int, rows: int) -> tuple[str, str]:
+    """PTX for :func:`_ksum` (``pack=4``): each thread stores its row of ``count`` (32 x warps, 4) accumulators to shared
+    memory, one barrier, then sums the rows of its tile slot over the ``kwarps`` K parts (``rows`` = 32 x warps along N
+    apart), in the same order in every warp. Operands: outputs (4 f32 per accumulator), the accumulators, the row index."""
+    outs = [f"${i}" for i in range(4 * count)]
+    ins = [f"${4 * count + i}" for i in range(4 * count)]
+    row = f"${8 * count}"
+    pitch = 16 * count  # bytes of one row's accumulators
+    s = ("{ .reg .b32 a, b, r; .reg .f32 t0, t1, t2, t3, u0, u1, u2, u3; "
+         f".shared .align 16 .b8 ksum[{pitch * rows * kwarps}]; mov.u32 a, ksum; mad.lo.u32 b, {row}, {pitch}, a;")
+    for i in range(count):
+        s += f" st.shared.v4.f32 [b+{16 * i}], {{{', '.join(ins[4 * i:4 * i + 4])}}};"
+    s += f" bar.sync 0; and.b32 r, {row}, {rows - 1}; mad.lo.u32 b, r, {pitch}, a;"
+    for i in range(count):
+        s += f" ld.shared.v4.f32 {{t0, t1, t2, t3}}, [b+{16 * i}];"
+        for p in range(1, kwarps):
+            s += f" ld.shared.v4.f32 {{u0, u1, u2, u3}}, [b+{p * rows * pitch + 16 * i}];"
+            s += "".join(f" add.f32 t{e}, t{e}, u{e};" for e in range(4))
+        s += "".join(f" mov.f32 {outs[4 * i + e]}, t{e};" for e in range(4))
+    return s + " }", ",".join(["=f"] * (4 * count) + ["f"] * (4 * count) + ["r"] * 4)
+
+
 MODES = ("zero", "raw_sum", "raw")
 
 
@@ -340,6 +362,16 @@ def _group_rescale(acc, d, sx, ss, zs, RAWQ: tl.constexpr, PLANES: tl.constexpr,
 
 
 @triton.jit
+def _ksum(acc, row, KSUM: tl.constexpr, KSUM_CONS: tl.constexpr):
+    """The accumulators summed over the warps that split the program's K range, through shared memory with one
+    barrier (Triton's ``tl.sum`` of the reshape converts layouts there and back: four barriers, benchmarks/NOTES.md
+    v28); every warp gets its tile slot's sums."""
+    rows = tl.broadcast_to(row[:, None], acc[0].shape)
+    return tl.inline_asm_elementwise(KSUM, KSUM_CONS, acc + (rows,), dtype=(tl.float32,) * len(acc), is_pure=False,
+                                     pack=4)
+
+
+@triton.jit
 def _hold(aa, bb, metas, zero, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, NT: tl.constexpr):
     """The first chunk's A words, made to depend on every value loaded before the loop (``zero`` is 0, which
     ptxas cannot know): ptxas otherwise sinks each load next to its first use, one round trip per chunk
@@ -403,7 +435,8 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
                      RAWQ: tl.constexpr, FRAGS: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
-                     PDL: tl.constexpr, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, KW: tl.constexpr):
+                     PDL: tl.constexpr, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, KW: tl.constexpr,
+                     KSUM: tl.constexpr, KSUM_CONS: tl.constexpr):
     # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
     # A program takes ROWS rows of x as FRAGS 8-row B fragments, all multiplied with each A fragment it
     # unpacks; with more rows than that, the programs of a column tile are adjacent, so the weight tile
@@ -527,11 +560,15 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             acc = _group_rescale(acc, d, sx, ss, zs, RAWQ, PLANES, TILES, FRAGS, OFFSET)
 
     if KW > 1:  # the K parts of each tile summed across warps (through shared memory)
-        accr = ()
-        for i in tl.static_range(TILES * FRAGS):
-            accr = accr + (tl.sum(tl.reshape(acc[i], (KW, 32 * WN, 4)), axis=0),)
-        acc = accr
-        n_c, m_c = _acc_coords(pid_n, 32 * WN, WN, NT, PLANES)
+        if USE_ASM:
+            acc = _ksum(acc, row, KSUM, KSUM_CONS)
+            m_c = tl.where((row < 32 * WN)[:, None], m_c, M)  # (the first K part's warps store; the rest hold copies)
+        else:
+            accr = ()
+            for i in tl.static_range(TILES * FRAGS):
+                accr = accr + (tl.sum(tl.reshape(acc[i], (KW, 32 * WN, 4)), axis=0),)
+            acc = accr
+            n_c, m_c = _acc_coords(pid_n, 32 * WN, WN, NT, PLANES)
     for ti in tl.static_range(TILES):
         for f in tl.static_range(FRAGS):
             _finish(acc[ti * FRAGS + f], m_c + 8 * f, n_c + 16 * ti, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr,
@@ -641,7 +678,15 @@ def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: 
                 ASM2=asm2, CONS2=cons2, RAWQ=rawq, FRAGS=frags, NT=grid.tiles_per_warp * planes, PLANES=planes,
                 DEPTH=depth, WARPS=grid.warps * grid.kwarps, KW=grid.kwarps, GROUPS=grid.groups, SPLIT=grid.split,
                 PDL=pdl and use_asm,
-                **_hold_constexprs(grid, group_size, frags, planes, depth))
+                **_hold_constexprs(grid, group_size, frags, planes, depth), **_ksum_constexprs(grid, frags))
+
+
+def _ksum_constexprs(grid: MmaGrid, frags: int) -> dict:
+    """:func:`_ksum`'s PTX for a program whose warps split its K range, else nothing."""
+    if grid.kwarps == 1:
+        return dict(KSUM="", KSUM_CONS="")
+    asm, cons = _ksum_asm(grid.tiles_per_warp * frags, grid.kwarps, 32 * grid.warps)
+    return dict(KSUM=asm, KSUM_CONS=cons)
 
 
 def _hold_constexprs(grid: MmaGrid, group_size: int, frags: int, planes: int, depth: int) -> dict:

@@ -33,7 +33,7 @@ VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2, False), ("bf16", 16, 4, True, 2, 1,
             ("bf16", 1, 4, True, 1, 1, 2, 2, True), ("bf16", 64, 4, False, 2, 2, 1, 1, True),
             ("bf16", 1, 4, True, 1, 1, 0, 4, False), ("fp16", 8, 4, False, 2, 1, 0, 2, True),
             ("bf16", 1, 8, True, 1, 1, 0, 4, False), ("bf16", 1, 4, True, 1, 1, 0, 1, False, 4),
-            ("fp16", 9, 4, False, 1, 1, 2, 2, False, 2)]
+            ("fp16", 9, 4, False, 1, 1, 2, 2, False, 2), ("bf16", 1, 8, True, 1, 1, 2, 1, False, 8)]
 N, K, GROUP = 4096, 4096, 128
 
 
@@ -63,7 +63,7 @@ def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl, kwar
                             options={"num_warps": grid.warps * grid.kwarps, "num_stages": 1, "launch_pdl": pdl})
     ptx = kernel.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == pdl, "PDL: the kernel waits for the previous grid exactly when asked"
-    return const, ptx.count("mma.sync.aligned.m16n8k16"), len(kernel.asm["cubin"])
+    return const, ptx.count("mma.sync.aligned.m16n8k16"), len(kernel.asm["cubin"]), ptx.count(".b8 ksum[")
 
 
 def mma_per_chunk(const):
@@ -74,8 +74,9 @@ def mma_per_chunk(const):
 if __name__ == "__main__":
     for v in VARIANTS:
         try:
-            const, mma, cubin = compile_variant(*v)
-            print(json.dumps({"variant": v, "mma": mma, "per_chunk": mma_per_chunk(const), "cubin": cubin}),
+            const, mma, cubin, ksum = compile_variant(*v)
+            print(json.dumps({"variant": v, "mma": mma, "per_chunk": mma_per_chunk(const), "cubin": cubin,
+                              "ksum": ksum}),
                   flush=True)
         except Exception as exc:  # noqa: BLE001  (reported per variant; the test names it)
             print(json.dumps({"variant": v, "error": repr(exc)[-2000:]}), flush=True)

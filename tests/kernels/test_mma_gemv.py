@@ -349,6 +349,8 @@ def test_kernel_compiles_for_hopper():
         assert line["cubin"] > 0 and line["mma"] > 0 and line["mma"] % line["per_chunk"] == 0, line
     # the 8-bit variant runs its two planes with x's sums: 4 k-steps x 2 fragments x (2 planes + 1)
     assert lines[4]["per_chunk"] == 24
+    # warps splitting K sum through one shared-memory exchange of their own (_ksum's PTX), only then
+    assert [line["ksum"] for line in lines] == [int(len(v) > 9 and v[9] > 1) for v in VARIANTS]
 
 
 @pytest.mark.gpu
