@@ -621,7 +621,7 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                                     out.append(c)
         if mb <= 8 and n % 16 == 0 and k % 128 == 0:
             # warps of one program splitting K, summed in shared memory instead of a second pass through L2
-            # (small weights, whose time is latency; benchmarks/NOTES.md v26): one 16-row tile per warp slot
+            # (latency-bound weights up to 4096^2; benchmarks/NOTES.md v26, v28): one 16-row tile per warp slot
             # (8-bit: its two nibble planes, rawq)
             for kwarps, warps, split in itertools.product((2, 4, 8), (1, 2), (1, 2, 4)):
                 if kwarps * warps > 8:

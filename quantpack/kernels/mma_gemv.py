@@ -491,8 +491,8 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     acc = (zero,) * (TILES * FRAGS)  # tile i, fragment f of x at i * FRAGS + f
     grp0 = (part * GROUPS)[:, None]
     if DEPTH == 0:
-        # every chunk of the program and every group's scales and zeros issued before the first MMA (short
-        # programs: a warp then waits for one round trip instead of one per chunk); the weight words first
+        # every chunk of the warp's K range and every group's scales and zeros issued before the first MMA (short
+        # ranges: a warp then waits for one round trip instead of one per chunk); the weight words first
         # (PDL as below)
         aa = ()
         for i in tl.static_range(STEPS):
