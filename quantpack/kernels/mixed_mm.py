@@ -619,17 +619,19 @@ def candidate_configs(transposed: bool, m: int, n: int, k: int, device: torch.de
                                                  num_stages=depth, rawq=rawq)
                                 if c not in out:
                                     out.append(c)
-        if mb <= 8 and n % 16 == 0 and k % 128 == 0:
+        if mb <= 16 and n % 16 == 0 and k % 128 == 0:
             # warps of one program splitting K, summed in shared memory instead of a second pass through L2
             # (latency-bound weights up to 4096^2; benchmarks/NOTES.md v26, v28): one 16-row tile per warp slot
-            # (8-bit: its two nibble planes, rawq)
+            # (8-bit: its two nibble planes, rawq); (two or four tiles per warp, and 32-row programs for
+            # M = 32..64, measured slower on an H200: v29)
             for kwarps, warps, split in itertools.product((2, 4, 8), (1, 2), (1, 2, 4)):
                 if kwarps * warps > 8:
                     continue
-                for depth in (0, 2) if _mma_preloads(n, k, warps, split, 16, bits, kwarps) else (2,):
+                preload = mb <= 8 and _mma_preloads(n, k, warps, split, 16, bits, kwarps)
+                for depth in (0, 2) if preload else (2,):
                     for rawq in (False, True) if bits == 4 else (True,):
-                        c = KernelConfig("mma", min(16, max(8, mb)), 16, num_warps=warps, split=split, num_stages=depth,
-                                         rawq=rawq, k_warps=kwarps)
+                        c = KernelConfig("mma", min(16, max(8, mb)), 16, num_warps=warps, split=split,
+                                         num_stages=depth, rawq=rawq, k_warps=kwarps)
                         if c not in out:
                             out.append(c)
     if 8 < mb <= 64 or mb == 8:

@@ -33,7 +33,8 @@ VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2, False), ("bf16", 16, 4, True, 2, 1,
             ("bf16", 1, 4, True, 1, 1, 2, 2, True), ("bf16", 64, 4, False, 2, 2, 1, 1, True),
             ("bf16", 1, 4, True, 1, 1, 0, 4, False), ("fp16", 8, 4, False, 2, 1, 0, 2, True),
             ("bf16", 1, 8, True, 1, 1, 0, 4, False), ("bf16", 1, 4, True, 1, 1, 0, 1, False, 4),
-            ("fp16", 9, 4, False, 1, 1, 2, 2, False, 2), ("bf16", 1, 8, True, 1, 1, 2, 1, False, 8)]
+            ("fp16", 9, 4, False, 1, 1, 2, 2, False, 2), ("bf16", 1, 8, True, 1, 1, 2, 1, False, 8),
+            ("bf16", 33, 4, False, 1, 2, 2, 1, False, 4)]
 N, K, GROUP = 4096, 4096, 128
 
 

@@ -231,11 +231,15 @@ def test_depth_0_only_for_short_programs(monkeypatch):
         grids = [(c, mma_grid(n, k, 128, c.num_warps, c.split, c.block_n // 16, 4, 1, c.k_warps)) for c in mma]
         assert all(mma_depth(g, 128, 0) == 0 for c, g in grids if c.num_stages == 0)
         assert all(g.kwarps == c.k_warps and g.warps * g.kwarps <= 8 for c, g in grids)
-        assert any(c.num_stages == 0 for c in mma) == (m <= 8) == any(c.k_warps > 1 for c in mma), (m, n, k)
+        assert any(c.num_stages == 0 for c in mma) == (m <= 8), (m, n, k)
+        assert {c.block_m for c in mma if c.k_warps > 1} == {min(16, max(8, m))}, (m, n, k)
     for m, n, k in ((1, 4096, 4096), (8, 2048, 2048), (16, 4096, 4096)):  # 8-bit: planes run rawq
         mma = [c for c in mm_mod.candidate_configs(False, m, n, k, torch.device(DEV), 8) if c.path == "mma"]
         assert mma and all(c.rawq for c in mma), (m, n, k)
-        assert any(c.k_warps > 1 for c in mma) == (m <= 8), (m, n, k)
+        assert any(c.k_warps > 1 for c in mma), (m, n, k)
+    for bits in (4, 8):  # (32-row programs splitting K measured slower at M = 32..64)
+        mma = [c for c in mm_mod.candidate_configs(False, 64, 4096, 4096, torch.device(DEV), bits) if c.path == "mma"]
+        assert mma and not any(c.k_warps > 1 for c in mma)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -255,6 +259,17 @@ def test_warps_splitting_k_match_reference(m, n, k, gs, warps, split, depth, til
     out = run_kernel(x, pw, warps, split, bias, depth, tiles=tiles, rawq=rawq, kwarps=kwarps)
     ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
     assert rel_err(out, ref) <= (1e-3 if dtype == torch.float16 else 8e-3)
+
+
+@pytest.mark.parametrize("m", [17, 33, 64])
+def test_warps_splitting_k_with_two_row_blocks(m):
+    """Warps splitting K in a program of two 16-row blocks of x (four 8-row fragments summed per tile)."""
+    pw, w = packed(64, 512, 128, torch.float16, seed=m)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).half().to(DEV)
+    for warps, split, kwarps in ((1, 1, 4), (2, 2, 2)):
+        assert mma_grid(64, 512, 128, warps, split, 1, 4, 2, kwarps).kwarps == kwarps
+        out = run_kernel(x, pw, warps, split, depth=2, blocks=2, kwarps=kwarps)
+        assert rel_err(out, x.float() @ w.t()) <= 1e-3
 
 
 def test_k_warps_reach_the_kernel(monkeypatch):
@@ -379,6 +394,9 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
         for warps, split, depth, tiles, blocks in ((2, 8, 2, 1, 2), (1, 4, 1, 1, 2), (4, 16, 2, 2, 2),
                                                    (2, 4, 1, 2, 2))[:4 if bits == 4 and m > 8 else 0]:
             out = run_kernel(x, pw, warps, split, depth=depth, tiles=tiles, blocks=blocks)
+            assert rel_err(out, x.float() @ w.t()) <= 1e-2
+        for warps, split, kwarps in ((1, 2, 4), (2, 1, 4))[:2 if bits == 4 and m > 16 else 0]:
+            out = run_kernel(x, pw, warps, split, depth=2, blocks=2, kwarps=kwarps)
             assert rel_err(out, x.float() @ w.t()) <= 1e-2
 
 
