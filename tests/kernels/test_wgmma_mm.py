@@ -276,15 +276,15 @@ def test_kernel_runs_when_dispatched(monkeypatch):
 @pytest.mark.gpu
 @needs_hopper
 def test_16_rows_run_the_raw_weights_when_dispatched(monkeypatch):
-    """The shipped tables send 16 rows of x at the three benchmark shapes to wgmma with RAWQ: the launches are the
-    kernel's with raw weights, and the products match."""
+    """The shipped tables send 16 rows of x at the two large benchmark shapes to wgmma with RAWQ: the launches are
+    the kernel's with raw weights, and the products match (4096^2 runs `mma` with 8 warps over K, which ties it)."""
     calls = spy_grids(monkeypatch)
-    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)):
+    for n, k in ((14336, 4096), (4096, 14336)):
         pw, w = packed(n, k, 128, torch.bfloat16)
         x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
         out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
         assert rel_err(out, x.float() @ w.t()) < 8e-3, (n, k)
-    assert [g.rawq for g in calls] == [True] * 3
+    assert [g.rawq for g in calls] == [True] * 2
 
 
 @pytest.mark.gpu
