@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from quantpack import reference
-from quantpack.kernels.merged_mm import _merged, merged_mm_op
-from quantpack.kernels.mixed_mm import _mma_copies
+from quantpack.kernels.merged_mm import _merged, merged_mm_op, merged_path
+from quantpack.kernels.mixed_mm import _mma_copies, mma_config
 from quantpack.kernels.mma_gemv import mma_pack
 from quantpack.loader import load
 from quantpack.nn import QuantLinear
@@ -95,7 +95,7 @@ def mma_launches(monkeypatch):
 
 @pytest.mark.parametrize("kind,bits,bias", [("qkv", 4, True), ("qkv", 4, False), ("qkv", 8, True), ("mlp", 4, False),
                                             ("mlp", 8, False)])
-@pytest.mark.parametrize("lead", [(1,), (3,), (2, 4)])
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 4), (3, 5), (16,)])
 def test_merged_block_is_one_launch_and_matches_each_layer_alone(kind, bits, bias, lead, mma_launches):
     block = _block(kind, bits=bits, bias=bias)
     x = torch.randn(*lead, 128, dtype=torch.float16)
@@ -169,8 +169,22 @@ def test_calls_the_mma_path_does_not_take_run_each_layer_alone(case, mma_launche
         want_grad = sum(reference.dequantize(layer.packed, torch.float64).sum(0) for layer in block.layers())
         assert rel_err(x.grad, want_grad.expand_as(x)) <= 2e-3
     assert block.q_proj.qweight not in _merged  # never built
-    assert len(mma_launches) == (0 if case in ("float32", "mma-off") else 3)
+    alone_on_mma = [mma_config(x.shape[0], layer.out_features, layer.in_features, layer.group_size, layer.bits,
+                               x.device) is not None for layer in block.layers()]
+    assert len(mma_launches) == (0 if case in ("float32", "mma-off") else sum(alone_on_mma))
     assert all(rel_err(g.detach(), w) <= 2e-3 for g, w in zip(got, _expected(block, x.detach())))
+
+
+def test_shipped_hopper_tables_merge_qkv_up_to_16_rows(monkeypatch):
+    """The shipped Hopper tables give the 8B model's stacked q/k/v (6144 x 4096) the mma path up to 16 rows, so they
+    merge, and give gate/up (28672 x 4096) wgmma beyond 8 rows, so those run alone; 8-bit siblings merge at decode."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(MIXED_MM_MODULE, "wgmma_device", lambda device: True)
+    for key in ("nvidia_h200", "nvidia_h100_80gb_hbm3"):
+        monkeypatch.setattr(MIXED_MM_MODULE, "device_key", lambda device, key=key: key)
+        assert all(merged_path(rows, 6144, 4096, 128, 4, cpu) for rows in (1, 4, 8, 9, 12, 16)), key
+        assert merged_path(8, 28672, 4096, 128, 4, cpu) and not merged_path(9, 28672, 4096, 128, 4, cpu), key
+        assert merged_path(1, 6144, 4096, 128, 8, cpu) and not merged_path(16, 6144, 4096, 128, 8, cpu), key
 
 
 def test_siblings_called_in_another_order_stop_merging(mma_launches):
@@ -339,7 +353,7 @@ def test_merged_8b_shapes_match_each_layer_alone_on_gpu(bits, dtype):
     blocks = [Attention(4096, (4096, 1024, 1024), bits=bits, bias=False, dtype=dtype, device="cuda"),
               MLP(4096, 14336, bits=bits, dtype=dtype, device="cuda")]
     for block in blocks:
-        for m in (1, 3, 8):
+        for m in (1, 3, 8, 16):
             x = torch.randn(m, 4096, dtype=dtype, device="cuda")
             unmerge_projections(block)
             with torch.no_grad():
