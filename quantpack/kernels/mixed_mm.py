@@ -697,6 +697,7 @@ def pick_config(transposed: bool, bits: int, m: int, n: int, k: int, device: tor
 
 
 RETIME_TOP = 4  # the sweep's fastest, which the autotuner times again
+TUNE_MAX_ERR = 1e-2  # relative error above which the autotuner drops a candidate (the kernels measure 1.6-2.5e-3)
 
 
 def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
@@ -705,12 +706,18 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     """Time the candidate configs on this input (CUDA graph replay over ``weight_copies`` copies of
     the weight so repeated runs do not read it from L2), store the fastest under its M-bucketed
     key for this process and in this machine's cache (:func:`tuned_cache_path`, so later runs do
-    not tune again), and return it with all timings (microseconds). The fastest ``RETIME_TOP`` of the
+    not tune again), and return it with all timings (microseconds). Each candidate's output is first
+    checked against the float32 reference product: one off by more than ``TUNE_MAX_ERR`` (a compiler
+    that miscompiles a variant) is never timed (``inf``). The fastest ``RETIME_TOP`` of the
     sweep are timed again twice, in order and in reverse; their mean times decide."""
     from triton.testing import do_bench
 
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
     m = x.reshape(-1, x.shape[-1]).shape[0]
+    w = reference.dequantize(PackedWeight(qweight, scales, zeros, bits, group_size, axis, (n, k)), torch.float32)
+    want = x.reshape(m, -1).float() @ (w if transposed else w.t())
+    del w
+    checked = set()
     candidates = candidates or candidate_configs(transposed, m, n, k, x.device, bits)
     if not (mma_enabled() and mma_usable(x.reshape(-1, x.shape[-1]), n, k, group_size, bits, axis)):
         candidates = [c for c in candidates if c.path != "mma"]  # (it would time the fallback under its name)
@@ -718,6 +725,16 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
                                            for _ in range(weight_copies - 1)]
     def time_config(cfg) -> float:
         try:
+            if cfg not in checked:
+                out = mixed_mm(x, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed,
+                               config=cfg).reshape(want.shape).float()
+                err = ((out - want).norm() / want.norm().clamp_min(1e-30)).item()
+                if not err <= TUNE_MAX_ERR:  # (NaN too)
+                    if os.environ.get("QUANTPACK_TUNE_VERBOSE"):
+                        print("config dropped", cfg, f"relative error {err:.2e}")
+                    return math.inf
+                checked.add(cfg)
+
             def calls():
                 for qw, sc, ze in copies:
                     mixed_mm(x, qw, sc, ze, group_size=group_size, bits=bits, transposed=transposed, config=cfg)
@@ -738,11 +755,15 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     # are timed again back to back, in order and then in reverse (a linear drift then weighs them alike),
     # and the best of them by their mean time wins
     top = [cfg for cfg in sorted(times, key=times.get)[:RETIME_TOP] if times[cfg] < math.inf]
+    if not top:
+        warnings.warn(f"quantpack autotune: none of {len(times)} configs for {config_key(transposed, bits, n, k, m)} "
+                      "ran and matched the reference; nothing stored, the table's or the heuristic pick stays")
+        return pick_config(transposed, bits, m, n, k, x.device), times
     again = {cfg: [] for cfg in top}
     for cfg in top + top[::-1]:
         again[cfg].append(time_config(cfg))
     times.update({cfg: sum(t) / len(t) for cfg, t in again.items()})
-    best = min(top or times, key=times.get)
+    best = min(top, key=times.get)
     _remember(device_key(x.device), config_key(transposed, bits, n, k, m), best)
     return best, times
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quantpack import reference
+from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, mixed_mm
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
 from quantpack.quantize import quantize
@@ -285,24 +286,21 @@ def test_autotuned_configs_are_cached_for_later_processes(tmp_path, monkeypatch)
     assert mm_mod.config_key(False, 4, 4096, 4096, 1) in h200
 
 
-def test_autotune_decides_among_the_fastest_by_timing_them_again(tmp_path, monkeypatch):
-    """The sweep's fastest RETIME_TOP candidates are timed again back to back, in order and in reverse, and
-    their mean times decide: a candidate that only looked fast because it ran first (the clock drifts over
-    a sweep) loses; the others keep their sweep times. The timer is scripted; the GPU calls are stand-ins."""
+def _scripted_autotune(monkeypatch, cands, script, timed, wrong=()):
+    """``mm_mod.autotune`` over ``cands`` with a scripted timer (``script[config]``: its successive times, ms) and
+    stand-ins for the GPU calls; each call of a config returns the reference product, or a wrong one for ``wrong``.
+    The configs timed are appended to ``timed``."""
     import contextlib
 
     import triton.testing
 
-    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mm_mod, "_tables", {})
-    cands = [KernelConfig("dq")] + [KernelConfig("wgmma", 64, 64, 64, split=s) for s in (1, 2, 4)] + \
-        [KernelConfig("dot", 16, 64, 32, split=s) for s in (1, 2)]
-    script = dict(zip(cands, ([1.00, 1.30, 1.34], [1.10, 1.06, 1.04], [1.20, 1.25, 1.25], [1.30, 1.35, 1.35],
-                              [1.40], [2.00])))  # dq looks fastest in the sweep only
-    timed, last = [], []
+    x, qweight, meta = torch.randn(64, 256), torch.randint(0, 256, (128, 128), dtype=torch.uint8), torch.ones(2, 128)
+    want = reference.matmul(x, PackedWeight(qweight, meta, meta, 4, 128, 1, (128, 256)))
+    last = []
 
     def fake_mixed_mm(*args, config, **kwargs):
         last.append(config)
+        return want * 1.05 if config in wrong else want.clone()
 
     def fake_do_bench(fn, **kwargs):
         timed.append(last[-1])
@@ -317,9 +315,43 @@ def test_autotune_decides_among_the_fastest_by_timing_them_again(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
-    meta = torch.ones(2, 128)
-    best, times = mm_mod.autotune(torch.randn(64, 256), torch.zeros(128, 128, dtype=torch.uint8), meta, meta,
-                                  group_size=128, candidates=cands)
+    return mm_mod.autotune(x, qweight, meta, meta, group_size=128, candidates=cands)
+
+
+def test_autotune_never_picks_a_config_whose_output_is_wrong(tmp_path, monkeypatch):
+    """Each candidate's output is checked against the float32 reference before it is timed: a config that
+    would be the fastest but computes the wrong product is never timed or picked; with no correct config,
+    nothing is stored and the table's (or heuristic) pick stays, with a warning."""
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    cands = [KernelConfig("dot", 16, 64, 32, split=s) for s in (1, 2, 4)]
+    script = {cands[0]: [1.0] * 3, cands[1]: [2.0] * 3, cands[2]: [3.0] * 3}
+    timed = []
+    best, times = _scripted_autotune(monkeypatch, cands, script, timed, wrong={cands[0]})
+    assert best == cands[1] and times[cands[0]] == float("inf") and cands[0] not in timed
+    key = mm_mod.config_key(False, 4, 128, 256, 64)
+    assert mm_mod._table(mm_mod.device_key(torch.device("cpu")))[key] == cands[1]
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    with pytest.warns(UserWarning, match="none of 3 configs"):
+        best, times = _scripted_autotune(monkeypatch, cands, script, [], wrong=set(cands))
+    assert all(t == float("inf") for t in times.values())
+    assert key not in mm_mod._table(mm_mod.device_key(torch.device("cpu")))
+    assert best == mm_mod.pick_config(False, 4, 64, 128, 256, torch.device("cpu"))
+
+
+def test_autotune_decides_among_the_fastest_by_timing_them_again(tmp_path, monkeypatch):
+    """The sweep's fastest RETIME_TOP candidates are timed again back to back, in order and in reverse, and
+    their mean times decide: a candidate that only looked fast because it ran first (the clock drifts over
+    a sweep) loses; the others keep their sweep times. The timer is scripted; the GPU calls are stand-ins."""
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    cands = [KernelConfig("dq")] + [KernelConfig("wgmma", 64, 64, 64, split=s) for s in (1, 2, 4)] + \
+        [KernelConfig("dot", 16, 64, 32, split=s) for s in (1, 2)]
+    script = dict(zip(cands, ([1.00, 1.30, 1.34], [1.10, 1.06, 1.04], [1.20, 1.25, 1.25], [1.30, 1.35, 1.35],
+                              [1.40], [2.00])))  # dq looks fastest in the sweep only
+    timed = []
+
+    best, times = _scripted_autotune(monkeypatch, cands, script, timed)
     top = cands[:mm_mod.RETIME_TOP]
     assert timed == cands + top + top[::-1]
     assert best == cands[1] and times[cands[1]] == pytest.approx(1.05) and times[cands[0]] == pytest.approx(1.32)
