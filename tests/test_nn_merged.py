@@ -14,6 +14,7 @@ from torch import nn
 
 from quantpack import reference
 from quantpack.kernels.merged_mm import _merged, merged_mm_op, merged_path
+from quantpack.kernels import KernelConfig
 from quantpack.kernels.mixed_mm import _mma_copies, mma_config
 from quantpack.kernels.mma_gemv import mma_pack
 from quantpack.loader import load
@@ -185,6 +186,57 @@ def test_shipped_hopper_tables_merge_qkv_up_to_16_rows(monkeypatch):
         assert all(merged_path(rows, 6144, 4096, 128, 4, cpu) for rows in (1, 4, 8, 9, 12, 16)), key
         assert merged_path(8, 28672, 4096, 128, 4, cpu) and not merged_path(9, 28672, 4096, 128, 4, cpu), key
         assert merged_path(1, 6144, 4096, 128, 8, cpu) and not merged_path(16, 6144, 4096, 128, 8, cpu), key
+
+
+def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path, monkeypatch):
+    """With autotuning on, the first merged call of a stacked shape the table lacks times the mma candidates on the
+    stacked weight (each checked against the members' reference products first), stores the fastest under the
+    stacked shape's key, and runs it. The timer is scripted; the kernels run."""
+    import contextlib
+
+    import triton.testing
+
+    merged_module = importlib.import_module("quantpack.kernels.merged_mm")
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
+    monkeypatch.setattr(MIXED_MM_MODULE, "_tables", {})
+    table = MIXED_MM_MODULE._table(MIXED_MM_MODULE.device_key(torch.device("cpu")))
+    monkeypatch.setattr(merged_module, "tunes_on_first_use", lambda x2, key: key not in table)  # (a GPU's test)
+    cands = [KernelConfig("mma", 8, 16, num_warps=1, split=split, num_stages=2) for split in (1, 2)]
+    monkeypatch.setattr(MIXED_MM_MODULE, "candidate_configs",
+                        lambda *args, **kwargs: cands + [KernelConfig("dot", 16, 64, 32)])
+    launched, timed = [], []
+    real_launch = MIXED_MM_MODULE._launch
+
+    def recording_launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, cfg,
+                         *rest):
+        launched.append(cfg)
+        return real_launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, cfg,
+                           *rest)
+
+    def fake_do_bench(fn, **kwargs):
+        timed.append(launched[-1])
+        return {1: 2.0, 2: 1.0}[launched[-1].split] / 1e3
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(MIXED_MM_MODULE, "_launch", recording_launch)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    block = _block("qkv")
+    merge_projections(block)
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with torch.no_grad():
+        got = block(x)
+    key = MIXED_MM_MODULE.config_key(False, 4, 128, 128, 2)  # (q/k/v stacked: 64 + 32 + 32 out-features)
+    assert {c.split for c in timed} == {1, 2} and all(c.path == "mma" for c in timed)
+    assert table[key].path == "mma" and table[key].split == 2
+    assert launched[-1] == table[key]  # the call itself ran the pick
+    assert all(rel_err(g, w) <= 2e-3 for g, w in zip(got, _expected(block, x)))
 
 
 def test_siblings_called_in_another_order_stop_merging(mma_launches):

@@ -21,7 +21,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import launch_plan
 from .dequant import infer_layout, on_device
-from .mixed_mm import _mma_copies, _mma_self_check, _outside_graph_pools, _version, mixed_mm, mma_config, mma_mm
+from .. import reference
+from ..format import PackedWeight
+from .mixed_mm import (MMA_MAX_M, _mma_copies, _mma_self_check, _outside_graph_pools, _version, autotune_mma,
+                       config_key, mixed_mm, mma_config, mma_mm, tunes_on_first_use)
 from .mma_gemv import CHUNK, mma_pack
 
 
@@ -106,8 +109,23 @@ def merged_mm(x: torch.Tensor, qweights, scales, zeros, biases, *, group_size: i
     state, built_now = merged_weights(qweights, scales, zeros, biases, group_size=group_size, bits=bits)
     if state is None:
         return None
+    _autotune_if_asked(x, state, qweights, scales, zeros, group_size=group_size, bits=bits)
     return mma_mm(x, state.mma, state.scales, state.zeros, group_size=group_size, bits=bits, bias=state.bias,
                   plans=state.plans, built_now=built_now)
+
+
+def _autotune_if_asked(x, state: MergedWeights, qweights, scales, zeros, *, group_size: int, bits: int) -> None:
+    """With ``QUANTPACK_AUTOTUNE=1``, the first call of a stacked shape the config table lacks times the ``mma``
+    candidates on the stacked weight (:func:`~quantpack.kernels.mixed_mm.autotune_mma`), each checked first against
+    the members' reference products; as :func:`mixed_mm` does for a single weight."""
+    n, k = state.scales.shape[1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if not (1 <= x2.shape[0] <= MMA_MAX_M and tunes_on_first_use(x2, config_key(False, bits, n, k, x2.shape[0]))):
+        return
+    want = torch.cat([x2.float() @ reference.dequantize(
+        PackedWeight(q, s, z, bits, group_size, 1, (s.shape[1], k)), torch.float32).t()
+        for q, s, z in zip(qweights, scales, zeros)], dim=1)
+    autotune_mma(x2, state.mma, state.scales, state.zeros, want, group_size=group_size, bits=bits)
 
 
 # ----------------------------------------------------------------------------------------------

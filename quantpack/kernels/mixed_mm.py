@@ -700,6 +700,13 @@ RETIME_TOP = 4  # the sweep's fastest, which the autotuner times again
 TUNE_MAX_ERR = 1e-2  # relative error above which the autotuner drops a candidate (the kernels measure 1.6-2.5e-3)
 
 
+def tunes_on_first_use(x2: torch.Tensor, key: str) -> bool:
+    """Whether a call with ``x2`` autotunes ``key`` first: ``QUANTPACK_AUTOTUNE=1``, on a GPU, outside CUDA-graph
+    capture, and the table (shipped, cached or tuned in this process) lacks the key."""
+    return (x2.is_cuda and os.environ.get("QUANTPACK_AUTOTUNE", "0") == "1"
+            and not torch.cuda.is_current_stream_capturing() and key not in _table(device_key(x2.device)))
+
+
 def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
              bits: int = 4, transposed: bool = False, candidates: list[KernelConfig] | None = None,
              weight_copies: int = 1, rep_ms: int = 40) -> tuple[KernelConfig, dict]:
@@ -710,34 +717,71 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     checked against the float32 reference product: one off by more than ``TUNE_MAX_ERR`` (a compiler
     that miscompiles a variant) is never timed (``inf``). The fastest ``RETIME_TOP`` of the
     sweep are timed again twice, in order and in reverse; their mean times decide."""
-    from triton.testing import do_bench
-
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
-    m = x.reshape(-1, x.shape[-1]).shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
     w = reference.dequantize(PackedWeight(qweight, scales, zeros, bits, group_size, axis, (n, k)), torch.float32)
-    want = x.reshape(m, -1).float() @ (w if transposed else w.t())
+    want = x2.float() @ (w if transposed else w.t())
     del w
-    checked = set()
     candidates = candidates or candidate_configs(transposed, m, n, k, x.device, bits)
-    if not (mma_enabled() and mma_usable(x.reshape(-1, x.shape[-1]), n, k, group_size, bits, axis)):
+    if not (mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis)):
         candidates = [c for c in candidates if c.path != "mma"]  # (it would time the fallback under its name)
     copies = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone())
                                            for _ in range(weight_copies - 1)]
+
+    def run(cfg, copy):
+        return mixed_mm(x2, *copy, group_size=group_size, bits=bits, transposed=transposed, config=cfg)
+
+    return _tune((transposed, bits, n, k, m), x.device, candidates, run, copies, want, rep_ms)
+
+
+def autotune_mma(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 want: torch.Tensor, *, group_size: int, bits: int = 4, weight_copies: int = 1,
+                 rep_ms: int = 40) -> tuple[KernelConfig, dict]:
+    """:func:`autotune` for a weight that exists only in the ``mma`` layout (merged_mm.py's stacked projections),
+    over the ``mma`` candidates: ``want`` is the float32 product every candidate is checked against (the caller
+    has the members' checkpoint-layout weights). The pick is stored under the stacked shape's key."""
+    n, k = scales.shape[1], mma_weight.shape[1] * CHUNK
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    candidates = [_fix_config(c, False, m, 1, group_size) for c in candidate_configs(False, m, n, k, x.device, bits)
+                  if c.path == "mma"]
+    copies = [(mma_weight, scales, zeros)] + [(mma_weight.clone(), scales.clone(), zeros.clone())
+                                              for _ in range(weight_copies - 1)]
+
+    def run(cfg, copy):
+        with on_device(x2):
+            return _launch(x2, None, copy[1], copy[2], None, n, k, 1, group_size, bits, False, x2.dtype, cfg, copy[0])
+
+    return _tune((False, bits, n, k, m), x.device, list(dict.fromkeys(candidates)), run, copies, want, rep_ms)
+
+
+def _tune(fields: tuple, device: torch.device, candidates: list[KernelConfig], run, copies: list, want: torch.Tensor,
+          rep_ms: int) -> tuple[KernelConfig, dict]:
+    """The sweep behind :func:`autotune` and :func:`autotune_mma`: ``run(config, copy)`` computes the product with
+    one of ``copies`` (weight tensors); each config is checked against ``want`` on its first run, timed, the fastest
+    timed again, and the winner stored under the key of ``fields`` (transposed, bits, N, K, M)."""
+    from triton.testing import do_bench
+
+    key = config_key(*fields)
+
+    checked = set()
+    verbose = os.environ.get("QUANTPACK_TUNE_VERBOSE")
+
     def time_config(cfg) -> float:
         try:
             if cfg not in checked:
-                out = mixed_mm(x, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed,
-                               config=cfg).reshape(want.shape).float()
+                out = run(cfg, copies[0]).reshape(want.shape).float()
                 err = ((out - want).norm() / want.norm().clamp_min(1e-30)).item()
                 if not err <= TUNE_MAX_ERR:  # (NaN too)
-                    if os.environ.get("QUANTPACK_TUNE_VERBOSE"):
+                    if verbose:
                         print("config dropped", cfg, f"relative error {err:.2e}")
                     return math.inf
                 checked.add(cfg)
 
             def calls():
-                for qw, sc, ze in copies:
-                    mixed_mm(x, qw, sc, ze, group_size=group_size, bits=bits, transposed=transposed, config=cfg)
+                for copy in copies:
+                    run(cfg, copy)
             calls()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -746,7 +790,7 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             return do_bench(graph.replay, warmup=10, rep=rep_ms, return_mode="median") * 1e3 / len(copies)
         except Exception as exc:  # a config that does not compile or fit (shared memory) is skipped
             torch.cuda.synchronize()
-            if os.environ.get("QUANTPACK_TUNE_VERBOSE"):
+            if verbose:
                 print("config failed", cfg, repr(exc)[:200])
             return math.inf
 
@@ -756,15 +800,16 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     # and the best of them by their mean time wins
     top = [cfg for cfg in sorted(times, key=times.get)[:RETIME_TOP] if times[cfg] < math.inf]
     if not top:
-        warnings.warn(f"quantpack autotune: none of {len(times)} configs for {config_key(transposed, bits, n, k, m)} "
-                      "ran and matched the reference; nothing stored, the table's or the heuristic pick stays")
-        return pick_config(transposed, bits, m, n, k, x.device), times
+        warnings.warn(f"quantpack autotune: none of {len(times)} configs for {key} ran and matched the reference; "
+                      "nothing stored, the table's or the heuristic pick stays")
+        transposed, bits, n, k, m = fields
+        return pick_config(transposed, bits, m, n, k, device), times
     again = {cfg: [] for cfg in top}
     for cfg in top + top[::-1]:
         again[cfg].append(time_config(cfg))
     times.update({cfg: sum(t) / len(t) for cfg, t in again.items()})
     best = min(top, key=times.get)
-    _remember(device_key(x.device), config_key(transposed, bits, n, k, m), best)
+    _remember(device_key(device), key, best)
     return best, times
 
 
@@ -1165,8 +1210,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     scales = scales.contiguous()
     zeros = zeros.contiguous()
     if config is None:
-        if (x2.is_cuda and os.environ.get("QUANTPACK_AUTOTUNE", "0") == "1"
-                and config_key(transposed, bits, n, k, x2.shape[0]) not in _table(device_key(x2.device))):
+        if tunes_on_first_use(x2, config_key(transposed, bits, n, k, x2.shape[0])):
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
         config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
