@@ -96,3 +96,20 @@ class GraphRecorder:
 
     def count(self, targets) -> int:
         return sum(node.target in targets for gm in self.graphs for node in gm.graph.nodes)
+
+
+def scripted_gpu_timing(monkeypatch, do_bench) -> None:
+    """Stand-ins for the autotuner's GPU timing on the CPU: ``do_bench`` (the timer, scripted by the test), and
+    CUDA graphs and synchronization that do nothing (the calls the tuner times still run, once, eagerly)."""
+    import contextlib
+
+    import triton.testing
+
+    class FakeGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())

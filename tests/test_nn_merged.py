@@ -20,7 +20,7 @@ from quantpack.kernels.mma_gemv import mma_pack
 from quantpack.loader import load
 from quantpack.nn import QuantLinear
 from quantpack.nn_merged import MERGE_MAX_M, merge_projections, unmerge_projections
-from oracles import MIXED_MM, GraphRecorder
+from oracles import MIXED_MM, GraphRecorder, scripted_gpu_timing
 from test_loader import llama_src, packed_llama, prompt_ids, rel_err  # noqa: F401
 
 MIXED_MM_MODULE = importlib.import_module("quantpack.kernels.mixed_mm")
@@ -192,10 +192,6 @@ def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path
     """With autotuning on, the first merged call of a stacked shape the table lacks times the mma candidates on the
     stacked weight (each checked against the members' reference products first), stores the fastest under the
     stacked shape's key, and runs it. The timer is scripted; the kernels run."""
-    import contextlib
-
-    import triton.testing
-
     merged_module = importlib.import_module("quantpack.kernels.merged_mm")
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
@@ -218,15 +214,8 @@ def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path
         timed.append(launched[-1])
         return {1: 2.0, 2: 1.0}[launched[-1].split] / 1e3
 
-    class FakeGraph:
-        def replay(self):
-            pass
-
     monkeypatch.setattr(MIXED_MM_MODULE, "_launch", recording_launch)
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    scripted_gpu_timing(monkeypatch, fake_do_bench)
     block = _block("qkv")
     merge_projections(block)
     x = torch.randn(2, 128, dtype=torch.float16)

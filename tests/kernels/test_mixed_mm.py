@@ -12,6 +12,7 @@ from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, mixed_mm
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
 from quantpack.quantize import quantize
+from oracles import scripted_gpu_timing  # tests/oracles.py
 
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
                                  reason="needs TRITON_INTERPRET=1 or a GPU"),
@@ -290,10 +291,6 @@ def _scripted_autotune(monkeypatch, cands, script, timed, wrong=()):
     """``mm_mod.autotune`` over ``cands`` with a scripted timer (``script[config]``: its successive times, ms) and
     stand-ins for the GPU calls; each call of a config returns the reference product, or a wrong one for ``wrong``.
     The configs timed are appended to ``timed``."""
-    import contextlib
-
-    import triton.testing
-
     x, qweight, meta = torch.randn(64, 256), torch.randint(0, 256, (128, 128), dtype=torch.uint8), torch.ones(2, 128)
     want = reference.matmul(x, PackedWeight(qweight, meta, meta, 4, 128, 1, (128, 256)))
     last = []
@@ -306,15 +303,8 @@ def _scripted_autotune(monkeypatch, cands, script, timed, wrong=()):
         timed.append(last[-1])
         return script[last[-1]][timed.count(last[-1]) - 1] / 1e3
 
-    class FakeGraph:
-        def replay(self):
-            pass
-
     monkeypatch.setattr(mm_mod, "mixed_mm", fake_mixed_mm)
-    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    scripted_gpu_timing(monkeypatch, fake_do_bench)
     return mm_mod.autotune(x, qweight, meta, meta, group_size=128, candidates=cands)
 
 
