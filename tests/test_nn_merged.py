@@ -197,7 +197,9 @@ def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path
     monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
     monkeypatch.setattr(MIXED_MM_MODULE, "_tables", {})
     table = MIXED_MM_MODULE._table(MIXED_MM_MODULE.device_key(torch.device("cpu")))
-    monkeypatch.setattr(merged_module, "tunes_on_first_use", lambda x2, key: key not in table)  # (a GPU's test)
+    monkeypatch.setattr(merged_module, "tunes_on_first_use",  # (what a GPU would answer)
+                        lambda x2, transposed, bits, n, k: MIXED_MM_MODULE.config_key(transposed, bits, n, k,
+                                                                                      x2.shape[0]) not in table)
     cands = [KernelConfig("mma", 8, 16, num_warps=1, split=split, num_stages=2) for split in (1, 2)]
     monkeypatch.setattr(MIXED_MM_MODULE, "candidate_configs",
                         lambda *args, **kwargs: cands + [KernelConfig("dot", 16, 64, 32)])

@@ -21,10 +21,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import launch_plan
 from .dequant import infer_layout, on_device
-from .. import reference
-from ..format import PackedWeight
 from .mixed_mm import (MMA_MAX_M, _mma_copies, _mma_self_check, _outside_graph_pools, _version, autotune_mma,
-                       config_key, mixed_mm, mma_config, mma_mm, tunes_on_first_use)
+                       mixed_mm, mma_config, mma_mm, reference_product, tunes_on_first_use)
 from .mma_gemv import CHUNK, mma_pack
 
 
@@ -120,11 +118,10 @@ def _autotune_if_asked(x, state: MergedWeights, qweights, scales, zeros, *, grou
     the members' reference products; as :func:`mixed_mm` does for a single weight."""
     n, k = state.scales.shape[1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if not (1 <= x2.shape[0] <= MMA_MAX_M and tunes_on_first_use(x2, config_key(False, bits, n, k, x2.shape[0]))):
+    if not (1 <= x2.shape[0] <= MMA_MAX_M and tunes_on_first_use(x2, False, bits, n, k)):
         return
-    want = torch.cat([x2.float() @ reference.dequantize(
-        PackedWeight(q, s, z, bits, group_size, 1, (s.shape[1], k)), torch.float32).t()
-        for q, s, z in zip(qweights, scales, zeros)], dim=1)
+    want = torch.cat([reference_product(x2, q, s, z, n=s.shape[1], k=k, axis=1, group_size=group_size, bits=bits)
+                      for q, s, z in zip(qweights, scales, zeros)], dim=1)
     autotune_mma(x2, state.mma, state.scales, state.zeros, want, group_size=group_size, bits=bits)
 
 

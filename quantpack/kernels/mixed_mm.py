@@ -700,11 +700,22 @@ RETIME_TOP = 4  # the sweep's fastest, which the autotuner times again
 TUNE_MAX_ERR = 1e-2  # relative error above which the autotuner drops a candidate (the kernels measure 1.6-2.5e-3)
 
 
-def tunes_on_first_use(x2: torch.Tensor, key: str) -> bool:
-    """Whether a call with ``x2`` autotunes ``key`` first: ``QUANTPACK_AUTOTUNE=1``, on a GPU, outside CUDA-graph
-    capture, and the table (shipped, cached or tuned in this process) lacks the key."""
-    return (x2.is_cuda and os.environ.get("QUANTPACK_AUTOTUNE", "0") == "1"
-            and not torch.cuda.is_current_stream_capturing() and key not in _table(device_key(x2.device)))
+def tunes_on_first_use(x2: torch.Tensor, transposed: bool, bits: int, n: int, k: int) -> bool:
+    """Whether a call with ``x2`` autotunes its key first: ``QUANTPACK_AUTOTUNE=1``, on a GPU, outside CUDA-graph
+    capture, and the table (shipped, cached or tuned in this process) lacks the key. (Every untuned call asks:
+    the switch is read first, from the dict behind os.environ, and the key built only when it is on.)"""
+    if not (x2.is_cuda and _plan_env()[_AUTOTUNE_ENV] in ("1", b"1")):
+        return False
+    return (not torch.cuda.is_current_stream_capturing()
+            and config_key(transposed, bits, n, k, x2.shape[0]) not in _table(device_key(x2.device)))
+
+
+def reference_product(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, n: int,
+                      k: int, axis: int, group_size: int, bits: int, transposed: bool = False) -> torch.Tensor:
+    """``x2 @ W.T`` (``x2 @ W`` transposed) in float32 from the reference dequantization: what the tuner checks
+    each candidate against."""
+    w = reference.dequantize(PackedWeight(qweight, scales, zeros, bits, group_size, axis, (n, k)), torch.float32)
+    return x2.float() @ (w if transposed else w.t())
 
 
 def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
@@ -720,19 +731,17 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    w = reference.dequantize(PackedWeight(qweight, scales, zeros, bits, group_size, axis, (n, k)), torch.float32)
-    want = x2.float() @ (w if transposed else w.t())
-    del w
+    want = reference_product(x2, qweight, scales, zeros, n=n, k=k, axis=axis, group_size=group_size, bits=bits,
+                             transposed=transposed)
     candidates = candidates or candidate_configs(transposed, m, n, k, x.device, bits)
     if not (mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis)):
         candidates = [c for c in candidates if c.path != "mma"]  # (it would time the fallback under its name)
-    copies = [(qweight, scales, zeros)] + [(qweight.clone(), scales.clone(), zeros.clone())
-                                           for _ in range(weight_copies - 1)]
 
     def run(cfg, copy):
         return mixed_mm(x2, *copy, group_size=group_size, bits=bits, transposed=transposed, config=cfg)
 
-    return _tune((transposed, bits, n, k, m), x.device, candidates, run, copies, want, rep_ms)
+    return _tune((transposed, bits, n, k, m), x.device, candidates, run, (qweight, scales, zeros), weight_copies, want,
+                 rep_ms)
 
 
 def autotune_mma(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -746,25 +755,24 @@ def autotune_mma(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor
     m = x2.shape[0]
     candidates = [_fix_config(c, False, m, 1, group_size) for c in candidate_configs(False, m, n, k, x.device, bits)
                   if c.path == "mma"]
-    copies = [(mma_weight, scales, zeros)] + [(mma_weight.clone(), scales.clone(), zeros.clone())
-                                              for _ in range(weight_copies - 1)]
 
     def run(cfg, copy):
         with on_device(x2):
             return _launch(x2, None, copy[1], copy[2], None, n, k, 1, group_size, bits, False, x2.dtype, cfg, copy[0])
 
-    return _tune((False, bits, n, k, m), x.device, list(dict.fromkeys(candidates)), run, copies, want, rep_ms)
+    return _tune((False, bits, n, k, m), x.device, list(dict.fromkeys(candidates)), run, (mma_weight, scales, zeros),
+                 weight_copies, want, rep_ms)
 
 
-def _tune(fields: tuple, device: torch.device, candidates: list[KernelConfig], run, copies: list, want: torch.Tensor,
-          rep_ms: int) -> tuple[KernelConfig, dict]:
+def _tune(fields: tuple, device: torch.device, candidates: list[KernelConfig], run, tensors: tuple,
+          weight_copies: int, want: torch.Tensor, rep_ms: int) -> tuple[KernelConfig, dict]:
     """The sweep behind :func:`autotune` and :func:`autotune_mma`: ``run(config, copy)`` computes the product with
-    one of ``copies`` (weight tensors); each config is checked against ``want`` on its first run, timed, the fastest
-    timed again, and the winner stored under the key of ``fields`` (transposed, bits, N, K, M)."""
+    ``tensors`` or one of their ``weight_copies - 1`` clones; each config is checked against ``want`` on its first run,
+    timed, the fastest timed again, and the winner stored under the key of ``fields`` (transposed, bits, N, K, M)."""
     from triton.testing import do_bench
 
     key = config_key(*fields)
-
+    copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(weight_copies - 1)]
     checked = set()
     verbose = os.environ.get("QUANTPACK_TUNE_VERBOSE")
 
@@ -1107,6 +1115,7 @@ _PLAN_ENV = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUT
 # (every planned call reads these: os.environ.get costs about 0.8 us a name, mostly the KeyError of an unset one,
 # so the names are looked up in CPython's dict behind os.environ, 0.05 us each, where there is one)
 _ENV_NAMES = _PLAN_ENV + ("QUANTPACK_LAUNCH_PLANS",)
+_AUTOTUNE_ENV = _PLAN_ENV.index("QUANTPACK_AUTOTUNE")
 _ENVIRON = os.environ
 _ENV_DATA = getattr(_ENVIRON, "_data", None)
 _ENV_KEYS = (tuple(map(_ENVIRON.encodekey, _ENV_NAMES))
@@ -1210,7 +1219,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     scales = scales.contiguous()
     zeros = zeros.contiguous()
     if config is None:
-        if tunes_on_first_use(x2, config_key(transposed, bits, n, k, x2.shape[0])):
+        if tunes_on_first_use(x2, transposed, bits, n, k):
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
         config = pick_config(transposed, bits, x2.shape[0], n, k, x2.device)
     config = _fix_config(config, transposed, x2.shape[0], axis, group_size)
