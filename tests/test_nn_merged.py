@@ -419,3 +419,26 @@ def test_merged_block_under_reduce_overhead_matches_eager_on_gpu(fresh_dynamo):
         for _ in range(3):  # warm-up, CUDA-graph recording, replay
             got = [t.clone() for t in compiled(x)]
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+def test_merged_autotune_on_gpu_tunes_the_stacked_shape(tmp_path, monkeypatch):
+    """QUANTPACK_AUTOTUNE=1 on a real GPU: the first merged call of a q/k/v whose stacked shape (2048 x 1536) no table
+    has times mma candidates on the stacked weight (real timings, each checked first), stores an mma pick under the
+    stacked key, and every sibling's output is right."""
+    monkeypatch.setenv("QUANTPACK_AUTOTUNE", "1")
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(MIXED_MM_MODULE, "_tables", {})
+    cands = [KernelConfig("mma", 8, 16, num_warps=1, split=1, num_stages=2, rawq=True, k_warps=4),
+             KernelConfig("mma", 8, 16, num_warps=2, split=4, num_stages=2, rawq=True),
+             KernelConfig("wgmma", 16, 64, 64, split=2, num_warps=4, num_stages=4, rawq=True, producer=True)]
+    monkeypatch.setattr(MIXED_MM_MODULE, "candidate_configs", lambda *args, **kwargs: list(cands))
+    block = Attention(1536, (1536, 256, 256), bits=4, bias=True, dtype=torch.bfloat16, device="cuda")
+    merge_projections(block)
+    key = MIXED_MM_MODULE.config_key(False, 4, 2048, 1536, 2)
+    x = torch.randn(2, 1536, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        got = [block(x) for _ in range(3)]
+    assert MIXED_MM_MODULE._table(MIXED_MM_MODULE.device_key(x.device))[key] in cands[:2]
+    for g in got:
+        assert all(rel_err(a, want) <= 1e-2 for a, want in zip(g, _expected(block, x)))

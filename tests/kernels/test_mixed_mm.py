@@ -375,3 +375,31 @@ def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatc
     assert tried == [3, 2, 1]
     ref = reference.matmul(x.float(), pw)
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU")
+def test_first_use_autotune_on_gpu_stores_a_correct_pick_and_runs_it(tmp_path, monkeypatch):
+    """QUANTPACK_AUTOTUNE=1 on a real GPU, real timings: the first call of a shape the table lacks checks and times the
+    candidates (a few, to keep it short: mma and wgmma, and one that cannot run), stores the fastest in the machine's
+    cache and returns the right product; later calls run the stored pick without timing again."""
+    monkeypatch.setenv("QUANTPACK_AUTOTUNE", "1")
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(mm_mod, "_tables", {})
+    n, k, m = 1536, 2560, 4  # (in no shipped table)
+    cands = [KernelConfig("mma", 8, 16, num_warps=1, split=1, num_stages=2, rawq=True, k_warps=4),
+             KernelConfig("mma", 8, 16, num_warps=2, split=4, num_stages=2, rawq=True),
+             KernelConfig("wgmma", 16, 64, 64, split=2, num_warps=4, num_stages=4, rawq=True, producer=True),
+             KernelConfig("dot", 64, 256, 256, num_stages=8)]  # (more shared memory than any GPU has: skipped)
+    monkeypatch.setattr(mm_mod, "candidate_configs", lambda *args, **kwargs: list(cands))
+    pw, w = packed(n, k, 4, 128, dtype=torch.bfloat16)
+    key = mm_mod.config_key(False, 4, n, k, m)
+    assert key not in mm_mod._table(mm_mod.device_key(torch.device(DEV)))
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128), x.float() @ w.t()) <= 1e-2
+    pick = mm_mod._table(mm_mod.device_key(torch.device(DEV)))[key]
+    assert pick in cands[:3]
+    assert key in mm_mod.tuned_cache_path(mm_mod.device_key(torch.device(DEV))).read_text()
+    monkeypatch.setattr(mm_mod, "_tune", lambda *args, **kwargs: pytest.fail("tuned twice"))
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128), x.float() @ w.t()) <= 1e-2
