@@ -280,6 +280,66 @@ def test_plan_refuses_a_launch_on_tensors_it_cannot_account_for():
     assert Plan.from_recording(Recording(), x2, x2, keep=()) is None
 
 
+class _FakeCompiled:
+    """Stands in for Triton's compiled kernel: its runner (``[grid]``) and its launcher (``run``) record their calls."""
+
+    function, packed_metadata = "function handle", "packed metadata"
+
+    def __init__(self):
+        self.runner_calls, self.run_calls = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.runner_calls.append((grid, args))
+
+    def run(self, *args):
+        self.run_calls.append(args)
+
+
+class _FakeJit:
+    """A JIT function's signature, as a plan reads it."""
+
+    class _Param:
+        def __init__(self, name, default=None):
+            self.name, self.default = name, default
+
+    params = [_Param("x"), _Param("out"), _Param("n"), _Param("BLOCK", 32)]
+
+
+def test_a_compiled_replay_calls_the_launcher_directly_unless_a_launch_hook_is_set(monkeypatch):
+    """With no launch hook registered, a replay hands the launcher what the runner would (grid, the current stream of
+    x's device, function, metadata, no launch metadata or hooks, then every kernel argument in order, defaults
+    included); with a hook (a profiler) it goes through the runner; where the launcher interface is not known
+    (another Triton version, no driver) there is no direct call."""
+    class Hooks:
+        launch_enter_hook, launch_exit_hook = type("Chain", (), {"calls": []})(), type("Chain", (), {"calls": []})()
+
+    compiled, kernel, x2 = _FakeCompiled(), _FakeJit(), torch.ones(2, 8)
+    with launch_plan.recording() as rec:
+        out = launch_plan.allocate(torch.zeros, (2, 3))
+        rec.launches.append((kernel, compiled, (4,), (x2, out, 7), {}))  # (as launch() notes a compiled launch)
+    plan = Plan.from_recording(rec, x2, out, keep=())
+    streams = []
+    plan._direct = (compiled.run, compiled.function, compiled.packed_metadata,
+                    lambda index: streams.append(index) or 1234, Hooks)
+    x_new = torch.full((2, 8), 2.0)
+    got = plan(x_new)
+    (call,) = compiled.run_calls
+    assert call[:9] == (4, 1, 1, 1234, "function handle", "packed metadata", None, None, None)
+    assert call[9] is x_new and call[10] is got and call[11:] == (7, 32) and streams == [x_new.get_device()]
+    assert compiled.runner_calls == []
+    Hooks.launch_enter_hook.calls.append(print)
+    plan(x_new)
+    assert len(compiled.run_calls) == 1 and len(compiled.runner_calls) == 1
+    # the real lookup: none without a GPU driver, none for a Triton outside the versions read, none without `run`
+    triton = pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        assert launch_plan._direct_launcher(compiled) is None
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    assert launch_plan._direct_launcher(compiled) is None
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert launch_plan._direct_launcher(object()) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (1040, 640, 64)])
