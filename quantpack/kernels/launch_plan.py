@@ -167,7 +167,7 @@ class Plan:
                 desc.base = x2
                 args[pos] = desc
         direct = self._direct
-        if direct is not None and not (direct[4].launch_enter_hook.calls or direct[4].launch_exit_hook.calls):
+        if direct is not None and _no_launch_hooks(direct[4]):
             run, function, metadata, stream, _ = direct
             grid = self._grid
             run(grid[0], grid[1], grid[2], stream(x2.get_device()), function, metadata, None, None, None, *args)
@@ -194,11 +194,17 @@ def _direct_launcher(compiled) -> tuple | None:
         if not (3, 6) <= tuple(int(v) for v in triton.__version__.split(".")[:2]) <= (3, 9):
             return None
         hooks = knobs.runtime
-        if not (isinstance(hooks.launch_enter_hook.calls, list) and isinstance(hooks.launch_exit_hook.calls, list)):
-            return None
+        _no_launch_hooks(hooks)  # (raises AttributeError where the knobs have no launch hooks)
         return (compiled.run, compiled.function, compiled.packed_metadata, driver.active.get_current_stream, hooks)
     except (ImportError, AttributeError, RuntimeError, ValueError):
         return None
+
+
+def _no_launch_hooks(runtime) -> bool:
+    """Whether Triton's launch hooks are idle: each unset or an empty hook chain (a hook assigned as a plain function
+    counts as set)."""
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return not (getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 # keywords of a JIT launch that are compile options, not kernel arguments (their values are in the compiled kernel)

@@ -330,6 +330,12 @@ def test_a_compiled_replay_calls_the_launcher_directly_unless_a_launch_hook_is_s
     Hooks.launch_enter_hook.calls.append(print)
     plan(x_new)
     assert len(compiled.run_calls) == 1 and len(compiled.runner_calls) == 1
+    Hooks.launch_enter_hook, Hooks.launch_exit_hook = None, print  # (hooks assigned outright, not chained)
+    plan(x_new)
+    assert len(compiled.run_calls) == 1 and len(compiled.runner_calls) == 2
+    Hooks.launch_exit_hook = None
+    plan(x_new)
+    assert len(compiled.run_calls) == 2
     # the real lookup: none without a GPU driver, none for a Triton outside the versions read, none without `run`
     triton = pytest.importorskip("triton")
     if not torch.cuda.is_available():
