@@ -230,6 +230,19 @@ def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path
     assert all(rel_err(g, w) <= 2e-3 for g, w in zip(got, _expected(block, x)))
 
 
+def test_members_whose_tensors_are_not_buffers_still_merge(mma_launches):
+    """The merged call reads members' tensors from their buffers dict (the cheap way); a tensor re-registered as a
+    parameter is read as an attribute instead, and the product stays right."""
+    block = _block("qkv")
+    block.k_proj.scales = nn.Parameter(block.k_proj.scales.clone(), requires_grad=False)
+    merge_projections(block)
+    x = torch.randn(1, 128, dtype=torch.float16)
+    with torch.no_grad():
+        got = block(x)
+    assert mma_launches == [1]
+    assert all(rel_err(g, w) <= 2e-3 for g, w in zip(got, _expected(block, x)))
+
+
 def test_siblings_called_in_another_order_stop_merging(mma_launches):
     """v, k, then q: the first member's product comes last, so nobody takes the others' columns; the next call
     notices and the block stops merging. Every result is right meanwhile."""

@@ -47,10 +47,10 @@ def merged_weights(qweights, scales, zeros, biases, *, group_size: int, bits: in
     CUDA-graph capture, on a device whose ``mma`` kernel failed its self-check, or for members spread over
     devices. Raises ``ValueError`` for members that cannot be stacked (other K, N not a multiple of 16...)."""
     sources = (*qweights, *scales, *zeros, *biases)
-    versions = tuple(_version(t) if t is not None else 0 for t in sources)
+    versions = _versions(sources)
     hit = _merged.get(qweights[0])
     if (hit is not None and hit.versions == versions and len(hit.sources) == len(sources)
-            and all((a is None and b is None) or (a is not None and a() is b) for a, b in zip(hit.sources, sources))):
+            and all(map(_refers_to, hit.sources, sources))):
         return hit, False
     device = qweights[0].device
     if any(t is not None and t.device != device for t in sources):
@@ -91,6 +91,19 @@ def merged_weights(qweights, scales, zeros, biases, *, group_size: int, bits: in
     state = MergedWeights(refs, versions, mma, scales_cat, zeros_cat, bias, launch_plan.PlanCache())
     _merged[qweights[0]] = state
     return state, True
+
+
+def _versions(sources: tuple) -> tuple:
+    """The version counters of ``sources`` (0 for a missing bias, -1 for an inference tensor, which keeps none)."""
+    try:
+        return tuple([0 if t is None else t._version for t in sources])
+    except RuntimeError:  # (an inference tensor: one by one)
+        return tuple(_version(t) if t is not None else 0 for t in sources)
+
+
+def _refers_to(ref, t) -> bool:
+    """Whether ``ref`` (a weak reference, or None for a missing bias) refers to ``t``."""
+    return t is None if ref is None else ref() is t
 
 
 def merged_path(rows: int, n: int, k: int, group_size: int, bits: int, device: torch.device) -> bool:
