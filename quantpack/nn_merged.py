@@ -58,9 +58,6 @@ class MergedProjections:
                 or x.dtype not in (torch.float16, torch.bfloat16)
                 or (torch.is_grad_enabled() and x.requires_grad)):
             return None  # (what the mma path never runs, known at trace time too)
-        tensors = [(m.qweight, m.scales, m.zeros, m.bias) if compiling else _packed(m) for m in members]
-        if x.device != tensors[0][0].device:
-            return None
         n, k = sum(self.widths), first.in_features
         if compiling:
             # decided at trace time, as a constant of the graph: the rows as a plain int (one graph per row count
@@ -74,7 +71,10 @@ class MergedProjections:
             if known is None:
                 known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device)
             if not known:
-                return None
+                return None  # (a call that runs each layer alone, decided in one lookup: batch-16 gate/up)
+        tensors = [(m.qweight, m.scales, m.zeros, m.bias) if compiling else _packed(m) for m in members]
+        if x.device != tensors[0][0].device:
+            return None
         args = [list(column) for column in zip(*tensors)]  # qweights, scales, zeros, biases
         if compiling:  # (where it declines at run time after all, the op computes each member's product itself)
             out = torch.ops.quantpack.merged_mm(x, *args, first.group_size, first.bits)
