@@ -97,33 +97,46 @@ class QuantLinear(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("_plans", PlanCache())  # (a layer pickled before launch plans existed)
 
-    def _use_kernel(self, x: torch.Tensor) -> bool:
+    def _use_kernel(self, x: torch.Tensor, qweight: torch.Tensor) -> bool:
         if self.backend == "reference":
             return False
         if self.backend == "triton":
             return True
         if self.backend != "auto":
             raise ValueError(f"backend={self.backend!r}; use 'auto', 'triton' or 'reference'")
-        return x.is_cuda and self.qweight.is_cuda
+        return x.is_cuda and qweight.is_cuda
+
+    def _tensors(self) -> tuple:
+        """``(qweight, scales, zeros, bias)``, read from the buffers dict where they are buffers (as registered): an
+        ``nn.Module`` attribute lookup of a buffer costs about 0.5 us on a CPU like CI's, three times that on some GPU
+        hosts, and a decode call needs five; the attribute path otherwise (say, a tensor re-registered as a parameter)."""
+        b = self._buffers
+        if "qweight" in b and "scales" in b and "zeros" in b:
+            return b["qweight"], b["scales"], b["zeros"], b["bias"] if "bias" in b else self.bias
+        return self.qweight, self.scales, self.zeros, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features={self.in_features}")
-        if self._use_kernel(x):
+        if torch.compiler.is_compiling():  # (traced: plain attributes, and the launcher as one opaque op)
+            qweight, scales, zeros, bias = self.qweight, self.scales, self.zeros, self.bias
+        else:
+            qweight, scales, zeros, bias = self._tensors()
+        if self._use_kernel(x, qweight):
             if self._merged is not None:
                 out = self._merged[0].forward(self._merged[1], x)
                 if out is not None:
                     return out
             if torch.compiler.is_compiling():  # (the launcher is not traceable: torch.compile sees one opaque op)
-                return torch.ops.quantpack.mixed_mm(x, self.qweight, self.scales, self.zeros, self.bias,
-                                                    self.group_size, self.bits, self.axis, False)
+                return torch.ops.quantpack.mixed_mm(x, qweight, scales, zeros, bias, self.group_size, self.bits,
+                                                    self.axis, False)
             if torch.is_grad_enabled() and x.requires_grad:  # (adapters below train: backward through the kernel)
-                return kernels.MixedMatmul.apply(x, self.qweight, self.scales, self.zeros, self.bias, self.group_size,
-                                                 self.bits, self.axis, self._plans)
+                return kernels.MixedMatmul.apply(x, qweight, scales, zeros, bias, self.group_size, self.bits,
+                                                 self.axis, self._plans)
             # (nothing to differentiate: the autograd Function's own bookkeeping cost 15-30 us a call on an H200 host)
-            return kernels.mixed_mm(x, self.qweight, self.scales, self.zeros, group_size=self.group_size,
-                                    bits=self.bits, axis=self.axis, bias=self.bias, plans=self._plans)
-        return reference.matmul(x, self.packed, self.bias)
+            return kernels.mixed_mm(x, qweight, scales, zeros, group_size=self.group_size, bits=self.bits,
+                                    axis=self.axis, bias=bias, plans=self._plans)
+        return reference.matmul(x, self.packed, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "

@@ -72,7 +72,7 @@ class MergedProjections:
                 known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device)
             if not known:
                 return None  # (a call that runs each layer alone, decided in one lookup: batch-16 gate/up)
-        tensors = [(m.qweight, m.scales, m.zeros, m.bias) if compiling else _packed(m) for m in members]
+        tensors = [(m.qweight, m.scales, m.zeros, m.bias) if compiling else m._tensors() for m in members]
         if x.device != tensors[0][0].device:
             return None
         args = [list(column) for column in zip(*tensors)]  # qweights, scales, zeros, biases
@@ -88,16 +88,6 @@ class MergedProjections:
 
     def __repr__(self) -> str:
         return f"MergedProjections({len(self.members)} layers, out_features={self.widths})"
-
-
-def _packed(layer: QuantLinear) -> tuple:
-    """A member's (qweight, scales, zeros, bias), read from its buffers dict: an ``nn.Module`` attribute lookup of a
-    buffer costs about 0.5 us on a CPU like CI's, and a merged q/k/v call needs twelve (eager calls only; the
-    attribute path where a tensor is not a buffer)."""
-    b = layer._buffers
-    if "qweight" in b and "scales" in b and "zeros" in b:
-        return b["qweight"], b["scales"], b["zeros"], b["bias"] if "bias" in b else layer.bias
-    return layer.qweight, layer.scales, layer.zeros, layer.bias
 
 
 # torch.compile calls this at trace time and puts its result in the graph as a constant
