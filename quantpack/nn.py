@@ -107,21 +107,19 @@ class QuantLinear(nn.Module):
         return x.is_cuda and qweight.is_cuda
 
     def _tensors(self) -> tuple:
-        """``(qweight, scales, zeros, bias)``, read from the buffers dict where they are buffers (as registered): an
-        ``nn.Module`` attribute lookup of a buffer costs about 0.5 us on a CPU like CI's, three times that on some GPU
-        hosts, and a decode call needs five; the attribute path otherwise (say, a tensor re-registered as a parameter)."""
+        """``(qweight, scales, zeros, bias)``, read from the buffers dict where they are buffers (as registered) in
+        eager calls: an ``nn.Module`` attribute lookup of a buffer costs about 0.5 us on a CPU like CI's, three times
+        that on some GPU hosts, and a decode call needs five. The attribute path while torch.compile traces, and for a
+        tensor that is not a buffer (say, re-registered as a parameter)."""
         b = self._buffers
-        if "qweight" in b and "scales" in b and "zeros" in b:
+        if not torch.compiler.is_compiling() and "qweight" in b and "scales" in b and "zeros" in b:
             return b["qweight"], b["scales"], b["zeros"], b["bias"] if "bias" in b else self.bias
         return self.qweight, self.scales, self.zeros, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features={self.in_features}")
-        if torch.compiler.is_compiling():  # (traced: plain attributes, and the launcher as one opaque op)
-            qweight, scales, zeros, bias = self.qweight, self.scales, self.zeros, self.bias
-        else:
-            qweight, scales, zeros, bias = self._tensors()
+        qweight, scales, zeros, bias = self._tensors()
         if self._use_kernel(x, qweight):
             if self._merged is not None:
                 out = self._merged[0].forward(self._merged[1], x)

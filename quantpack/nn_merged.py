@@ -72,7 +72,7 @@ class MergedProjections:
                 known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device)
             if not known:
                 return None  # (a call that runs each layer alone, decided in one lookup: batch-16 gate/up)
-        tensors = [(m.qweight, m.scales, m.zeros, m.bias) if compiling else m._tensors() for m in members]
+        tensors = [m._tensors() for m in members]
         if x.device != tensors[0][0].device:
             return None
         args = [list(column) for column in zip(*tensors)]  # qweights, scales, zeros, biases
