@@ -176,16 +176,18 @@ def test_calls_the_mma_path_does_not_take_run_each_layer_alone(case, mma_launche
     assert all(rel_err(g.detach(), w) <= 2e-3 for g, w in zip(got, _expected(block, x.detach())))
 
 
-def test_shipped_hopper_tables_merge_qkv_up_to_16_rows(monkeypatch):
-    """The shipped Hopper tables give the 8B model's stacked q/k/v (6144 x 4096) the mma path up to 16 rows, so they
-    merge, and give gate/up (28672 x 4096) wgmma beyond 8 rows, so those run alone; 8-bit siblings merge at decode."""
+@pytest.mark.parametrize("qkv, gate_up, k", [(6144, 28672, 4096), (10240, 57344, 8192)], ids=["8B", "70B"])
+def test_shipped_hopper_tables_merge_qkv_up_to_16_rows(monkeypatch, qkv, gate_up, k):
+    """The shipped Hopper tables give the 8B's and the 70B's stacked q/k/v (6144 x 4096, 10240 x 8192) the mma path
+    up to 16 rows, so they merge, and give gate/up (28672 x 4096, 57344 x 8192) wgmma beyond 8 rows, so those run
+    alone; 8-bit siblings merge at decode."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(MIXED_MM_MODULE, "wgmma_device", lambda device: True)
     for key in ("nvidia_h200", "nvidia_h100_80gb_hbm3"):
         monkeypatch.setattr(MIXED_MM_MODULE, "device_key", lambda device, key=key: key)
-        assert all(merged_path(rows, 6144, 4096, 128, 4, cpu) for rows in (1, 4, 8, 9, 12, 16)), key
-        assert merged_path(8, 28672, 4096, 128, 4, cpu) and not merged_path(9, 28672, 4096, 128, 4, cpu), key
-        assert merged_path(1, 6144, 4096, 128, 8, cpu) and not merged_path(16, 6144, 4096, 128, 8, cpu), key
+        assert all(merged_path(rows, qkv, k, 128, 4, cpu) for rows in (1, 4, 8, 9, 12, 16)), key
+        assert merged_path(8, gate_up, k, 128, 4, cpu) and not merged_path(9, gate_up, k, 128, 4, cpu), key
+        assert merged_path(1, qkv, k, 128, 8, cpu) and not merged_path(16, qkv, k, 128, 8, cpu), key
 
 
 def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path, monkeypatch):
