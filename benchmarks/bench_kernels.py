@@ -109,8 +109,20 @@ def _warm(job):
         mm.mixed_mm(x, qw, s, z, group_size=GS, bits=bits, transposed=transposed, config=mm.KernelConfig(**cfg))
         torch.cuda.synchronize()
         return None
+    except torch.OutOfMemoryError:
+        return "oom"
     except Exception as e:
         return f"{cfg}: {repr(e)[:160]}"
+
+
+def warm_workers(shapes, free_bytes=None) -> int:
+    """Processes that compile the candidates side by side: at most 16 (and the CPU count), and as many as the GPU's
+    free memory holds at the largest weight (a process's CUDA context, its weight, the mma-ordered copy and the
+    packing's temporaries: about 1.5 GB + 12 bytes per weight element; 16 at 57344 x 8192 ran an H100 out of memory)."""
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info()[0]
+    per_process = 1.5e9 + 12 * max(n * k for n, k in shapes)
+    return max(1, min(16, os.cpu_count() or 4, int(0.9 * free_bytes // per_process)))
 
 
 def tune_jobs(ms, tr_ms, w8_ms=(1,), shapes=SHAPES):
@@ -141,9 +153,13 @@ def tune(ms, tr_ms, dtype_name, l2, out_dir, w8_ms=(1,), paths=(), shapes=SHAPES
                 warm.append((transposed, bits, m, n, k, dtype_name, cfg.__dict__.copy()))
     t0 = time.time()
     import multiprocessing as mp
-    with ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 4), mp_context=mp.get_context("spawn")) as ex:
+    workers = warm_workers([(n, k) for _, _, _, n, k in jobs])
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
         fails = [f for f in ex.map(_warm, warm, chunksize=4) if f]
-    log(f"compiled {len(warm)} configs in {time.time() - t0:.0f}s, {len(fails)} failed")
+    ooms = fails.count("oom")
+    fails = [f for f in fails if f != "oom"]
+    log(f"compiled {len(warm)} configs in {time.time() - t0:.0f}s ({workers} processes), {len(fails)} failed"
+        + (f", {ooms} left to compile when first timed (GPU memory full)" if ooms else ""))
     for f in fails[:10]:
         log("  compile failure:", f)
     results = {}
