@@ -235,6 +235,24 @@ def test_reference_fallback_without_triton(monkeypatch):
     assert outt.shape == (3, 160)
 
 
+@pytest.mark.parametrize("table", ["nvidia_h200", "nvidia_h100_80gb_hbm3"])
+def test_every_shipped_config_is_a_candidate_of_its_key(monkeypatch, table):
+    """Every entry of a shipped table is one the tuner offers for that very key on that GPU (132 SMs, Hopper): tables
+    merged from several tuning runs, or keeping an older pick where it timed faster, hold nothing outside the search
+    space the kernels' tests and the tuner's reference check cover."""
+    monkeypatch.setattr(mm_mod, "wgmma_device", lambda device: True)
+    monkeypatch.setattr(mm_mod, "_num_sms", lambda device: 132)
+    entries = mm_mod._read_configs(mm_mod._CONFIG_DIR / f"{table}.json")
+    assert len(entries) > 100
+    outside = []
+    for key, cfg in entries.items():
+        direction, bits, n, k, m = key.split("|")
+        if cfg not in mm_mod.candidate_configs(direction == "tr", int(m[1:]), int(n[1:]), int(k[1:]),
+                                               torch.device("cpu"), int(bits[1:])):
+            outside.append((key, cfg))
+    assert not outside
+
+
 def test_shipped_tables_load_and_same_arch_fallback(monkeypatch):
     """The shipped H200 and H100 tables parse into configs (the H100's own M <= 16 picks differ), and a GPU
     without its own file but of the same compute capability uses the one whose name is closest (an H100 PCIe:
