@@ -720,9 +720,9 @@ def reference_product(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, *, group_size: int,
              bits: int = 4, transposed: bool = False, candidates: list[KernelConfig] | None = None,
-             weight_copies: int = 1, rep_ms: int = 40) -> tuple[KernelConfig, dict]:
+             weight_copies: int | None = None, rep_ms: int = 40) -> tuple[KernelConfig, dict]:
     """Time the candidate configs on this input (CUDA graph replay over ``weight_copies`` copies of
-    the weight so repeated runs do not read it from L2), store the fastest under its M-bucketed
+    the weight so repeated runs do not read it from L2; default :func:`copies_past_l2`), store the fastest under its M-bucketed
     key for this process and in this machine's cache (:func:`tuned_cache_path`, so later runs do
     not tune again), and return it with all timings (microseconds). Each candidate's output is first
     checked against the float32 reference product: one off by more than ``TUNE_MAX_ERR`` (a compiler
@@ -745,7 +745,7 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def autotune_mma(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 want: torch.Tensor, *, group_size: int, bits: int = 4, weight_copies: int = 1,
+                 want: torch.Tensor, *, group_size: int, bits: int = 4, weight_copies: int | None = None,
                  rep_ms: int = 40) -> tuple[KernelConfig, dict]:
     """:func:`autotune` for a weight that exists only in the ``mma`` layout (merged_mm.py's stacked projections),
     over the ``mma`` candidates: ``want`` is the float32 product every candidate is checked against (the caller
@@ -764,14 +764,28 @@ def autotune_mma(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor
                  weight_copies, want, rep_ms)
 
 
+def copies_past_l2(tensors: tuple, device: torch.device, limit: int = 16) -> int:
+    """How many copies of a weight's tensors the tuner cycles through so that together they exceed 4x the GPU's L2
+    (as the benchmarks time): in a model, each layer's weight comes from HBM, since the other layers' weights
+    evict it, so a config timed on an L2-resident weight is timed for the wrong regime (a 4096^2 4-bit weight is
+    8 MB of an H100's 50 MB). At most ``limit``; 1 off a GPU."""
+    if device.type != "cuda":
+        return 1
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(limit, -(-4 * l2 // max(1, nbytes))))
+
+
 def _tune(fields: tuple, device: torch.device, candidates: list[KernelConfig], run, tensors: tuple,
-          weight_copies: int, want: torch.Tensor, rep_ms: int) -> tuple[KernelConfig, dict]:
+          weight_copies: int | None, want: torch.Tensor, rep_ms: int) -> tuple[KernelConfig, dict]:
     """The sweep behind :func:`autotune` and :func:`autotune_mma`: ``run(config, copy)`` computes the product with
     ``tensors`` or one of their ``weight_copies - 1`` clones; each config is checked against ``want`` on its first run,
     timed, the fastest timed again, and the winner stored under the key of ``fields`` (transposed, bits, N, K, M)."""
     from triton.testing import do_bench
 
     key = config_key(*fields)
+    if weight_copies is None:
+        weight_copies = copies_past_l2(tensors, device)
     copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(weight_copies - 1)]
     checked = set()
     verbose = os.environ.get("QUANTPACK_TUNE_VERBOSE")

@@ -235,6 +235,25 @@ def test_reference_fallback_without_triton(monkeypatch):
     assert outt.shape == (3, 160)
 
 
+def test_the_tuner_times_enough_weight_copies_to_stream_from_memory(monkeypatch):
+    """The autotuner cycles through copies of the weight's tensors until they exceed 4x L2 (16 at most), as the
+    benchmarks time, so a small weight is not timed from L2, where a model never finds it; one copy off a GPU."""
+    class Props:
+        L2_cache_size = 50 * 2 ** 20  # (an H100's)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    gpu = torch.device("cuda")
+
+    def weight(n, k):  # (4-bit, group size 128: qweight, scales, zeros as the tuner holds them)
+        return (torch.empty(k // 2, n, dtype=torch.uint8), torch.empty(k // 128, n, dtype=torch.bfloat16),
+                torch.empty(k // 128, n, dtype=torch.bfloat16))
+
+    assert mm_mod.copies_past_l2(weight(4096, 4096), gpu) == 16  # 8.5 MB: 24 would pass 200 MB
+    assert mm_mod.copies_past_l2(weight(14336, 4096), gpu) == 7  # 29.8 MB
+    assert mm_mod.copies_past_l2(weight(57344, 8192), gpu) == 1  # 238 MB
+    assert mm_mod.copies_past_l2(weight(4096, 4096), torch.device("cpu")) == 1
+
+
 @pytest.mark.parametrize("table", ["nvidia_h200", "nvidia_h100_80gb_hbm3"])
 def test_every_shipped_config_is_a_candidate_of_its_key(monkeypatch, table):
     """Every entry of a shipped table is one the tuner offers for that very key on that GPU (132 SMs, Hopper): tables
