@@ -47,6 +47,7 @@ def cli():
     Typical use:
       quantpack convert meta-llama/Llama-3.1-8B --group-size 128
       quantpack verify Llama-3.1-8B-qp4g128
+      quantpack tune Llama-3.1-8B-qp4g128
     """
 
 
@@ -182,6 +183,39 @@ def demo_command(workdir, bits, group_size, method, device):
     click.echo(f"\nsource model   {result.source}\npacked model   {result.packed}")
     if result.report.exit_code:
         sys.exit(result.report.exit_code)
+
+
+@cli.command("tune", short_help="Time the kernels for a packed model on this GPU, ahead of use.")
+@click.argument("source")
+@click.option("--batch-sizes", default="1,16,64,256,1024", show_default=True, metavar="M,...",
+              help="Rows of x per call to tune for (tokens of a prefill, sequences of a decode step); each stands "
+                   "for its power-of-two bucket.")
+@click.option("--device", default="cuda", show_default=True, help="The GPU to time on (cuda, cuda:1, ...).")
+@click.option("--revision", help="Hub revision (branch, tag or commit) of SOURCE.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def tune_command(source, batch_sizes, device, revision, as_json):
+    """Tune the fused kernels for one packed model on this machine's GPU, once, ahead of use.
+
+    \b
+    quantpack ships configs tuned on an H100 and an H200 for common layer shapes. On another GPU, or
+    for other shapes, each call takes the nearest tuned config untimed (or, with QUANTPACK_AUTOTUNE=1,
+    is timed on first use: a pause of seconds per layer shape). This command loads SOURCE (a packed
+    checkpoint directory or hub repo id) on the GPU and times every layer shape, merged q/k/v and
+    gate/up included, at each batch size the tables lack. The picks go to this machine's config cache
+    ($QUANTPACK_CACHE_DIR, else ~/.cache/quantpack), which every later run reads. Expect minutes
+    the first time on a machine: every candidate kernel compiles once (Triton caches them).
+    Examples:
+      quantpack tune Llama-3.1-8B-qp4g128
+      quantpack tune ./my-model-qp4g128 --batch-sizes 1,8,32,512 --device cuda:1
+    """
+    from .tune import parse_batch_sizes, tune
+
+    try:
+        report = tune(source, batch_sizes=parse_batch_sizes(batch_sizes), device=device, revision=revision,
+                      progress=not as_json)
+    except ValueError as e:
+        raise UsageFailure(" ".join(str(e).split())) from None
+    click.echo(report.to_json() if as_json else report.format_table())
 
 
 @cli.command("verify", short_help="Check a packed checkpoint's files and accuracy against its source.")
