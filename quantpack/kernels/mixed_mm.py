@@ -692,7 +692,28 @@ def pick_config(transposed: bool, bits: int, m: int, n: int, k: int, device: tor
     table = _table(device_key(device))
     cfg = table.get(config_key(transposed, bits, n, k, m))
     if cfg is None:
-        cfg = _nearest(table, transposed, bits, n, k, m) or heuristic_config(transposed, m, n, k, device)
+        cfg = _nearest(table, transposed, bits, n, k, m)
+        cfg = _smaller_tiles(cfg, m, n, _num_sms(device)) if cfg else heuristic_config(transposed, m, n, k, device)
+    return cfg
+
+
+def _smaller_tiles(cfg: KernelConfig, m: int, n: int, sms: int) -> KernelConfig:
+    """A ``wgmma`` config borrowed from another shape (:func:`_nearest`) whose tiles leave more than half the SMs
+    idle on this one, with smaller tiles: 64 weight rows instead of 128, then 128 rows of x instead of 256, while
+    its programs number under half the SMs. Its split is kept: raising it measured up to 1.7x slower at K = 2048-3072
+    (benchmarks/NOTES.md v31). On an H100 this took 1024 x 8192 at M = 1024 from 75.6 to 33.2 us (the tuned pick)
+    and 2048^2 at M = 1024 from 23.1 to 15.9; where the borrowed tiles filled half the SMs, shrinking them measured
+    slower, and is not done."""
+    if cfg.path != "wgmma" or cfg.rawq:
+        return cfg
+
+    def programs(c):
+        return cdiv(m, c.block_m) * cdiv(n, c.block_n) * c.split
+
+    if programs(cfg) < sms // 2 and cfg.block_n > 64:
+        cfg = replace(cfg, block_n=64, num_warps=4)
+    if programs(cfg) < sms // 2 and cfg.block_m > 128:  # (x's ring: 128-row tiles take 64 pair rows per K step)
+        cfg = replace(cfg, block_m=128, block_r=64)
     return cfg
 
 

@@ -254,6 +254,34 @@ def test_the_tuner_times_enough_weight_copies_to_stream_from_memory(monkeypatch)
     assert mm_mod.copies_past_l2(weight(4096, 4096), torch.device("cpu")) == 1
 
 
+def test_a_borrowed_wgmma_tile_shrinks_where_it_would_leave_most_sms_idle(monkeypatch):
+    """A shape without its own entry borrows the nearest one; a borrowed 256 x 128 `wgmma` tile whose programs would
+    fill under half the SMs gets 64 weight rows, then 128 rows of x (measured on an H100: 2048^2 at M = 1024 23.1 ->
+    15.9 us, 1024 x 8192 75.6 -> 33.2); one that fills half or more is kept (3072 x 2048: shrinking measured slower),
+    and so are exact entries, the split and every other path."""
+    big = KernelConfig("wgmma", 256, 128, 32, split=1, num_warps=8, num_stages=4, producer=True)
+    table = {mm_mod.config_key(False, 4, 4096, 4096, 1024): big,
+             mm_mod.config_key(False, 4, 1024, 4096, 1024): big,
+             mm_mod.config_key(False, 4, 4096, 4096, 1): KernelConfig("mma", 8, 16, num_warps=1, split=4)}
+    monkeypatch.setattr(mm_mod, "_tables", {"test_gpu": table})
+    monkeypatch.setattr(mm_mod, "device_key", lambda device=None: "test_gpu")
+    monkeypatch.setattr(mm_mod, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+
+    def pick(n, k, m):
+        return mm_mod.pick_config(False, 4, m, n, k, cpu)
+
+    # 2048^2: 4 x 16 tiles of 256 x 128 = 64 programs -> 4 x 32 of 256 x 64 = 128
+    assert pick(2048, 2048, 1024) == KernelConfig("wgmma", 256, 64, 32, split=1, num_warps=4, num_stages=4,
+                                                  producer=True)
+    # 1024 x 8192: 32 programs -> 64 (256 x 64) -> 128 (128 x 64, 64 pair rows a step)
+    assert pick(1024, 8192, 1024) == KernelConfig("wgmma", 128, 64, 64, split=1, num_warps=4, num_stages=4,
+                                                  producer=True)
+    assert pick(3072, 2048, 1024) == big  # (96 programs: kept)
+    assert pick(4096, 4096, 1024) == big and pick(1024, 4096, 1024) == big  # (exact entries)
+    assert pick(2048, 2048, 1) == table[mm_mod.config_key(False, 4, 4096, 4096, 1)]  # (not wgmma)
+
+
 @pytest.mark.parametrize("table", ["nvidia_h200", "nvidia_h100_80gb_hbm3"])
 def test_every_shipped_config_is_a_candidate_of_its_key(monkeypatch, table):
     """Every entry of a shipped table is one the tuner offers for that very key on that GPU (132 SMs, Hopper): tables
