@@ -191,9 +191,11 @@ def demo_command(workdir, bits, group_size, method, device):
               help="Rows of x per call to tune for (tokens of a prefill, sequences of a decode step); each stands "
                    "for its power-of-two bucket.")
 @click.option("--device", default="cuda", show_default=True, help="The GPU to time on (cuda, cuda:1, ...).")
+@click.option("--backward", is_flag=True, help="Also tune the transposed product of the backward pass (for training "
+              "adapters on the quantized model).")
 @click.option("--revision", help="Hub revision (branch, tag or commit) of SOURCE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def tune_command(source, batch_sizes, device, revision, as_json):
+def tune_command(source, batch_sizes, device, backward, revision, as_json):
     """Tune the fused kernels for one packed model on this machine's GPU, once, ahead of use.
 
     \b
@@ -207,12 +209,13 @@ def tune_command(source, batch_sizes, device, revision, as_json):
     Examples:
       quantpack tune Llama-3.1-8B-qp4g128
       quantpack tune ./my-model-qp4g128 --batch-sizes 1,8,32,512 --device cuda:1
+      quantpack tune ./my-model-qp4g128 --batch-sizes 2048 --backward     # LoRA training at 2048 tokens
     """
     from .tune import parse_batch_sizes, tune
 
     try:
-        report = tune(source, batch_sizes=parse_batch_sizes(batch_sizes), device=device, revision=revision,
-                      progress=not as_json)
+        report = tune(source, batch_sizes=parse_batch_sizes(batch_sizes), device=device, backward=backward,
+                      revision=revision, progress=not as_json)
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
     click.echo(report.to_json() if as_json else report.format_table())

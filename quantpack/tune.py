@@ -57,12 +57,14 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def tune(source, *, batch_sizes=DEFAULT_BATCH_SIZES, device="cuda", revision: str | None = None,
-         token: str | None = None, progress: bool = True) -> TuneReport:
+def tune(source, *, batch_sizes=DEFAULT_BATCH_SIZES, device="cuda", backward: bool = False,
+         revision: str | None = None, token: str | None = None, progress: bool = True) -> TuneReport:
     """Time the fused kernels' configs for every quantized layer of the packed checkpoint ``source`` (a directory
     or a hub repository id) at each of ``batch_sizes`` (rows of x per call: tokens in a prefill, sequences in a
     decode step; each stands for its power-of-two bucket) on the GPU ``device``, and keep them in this machine's
-    config cache. Keys the shipped table or the cache already has are not timed again. ``QuantLinear`` layers only
+    config cache. With ``backward``, also the transposed product the backward pass runs at those sizes (training
+    adapters on the frozen quantized base: each layer runs forward and backward once more, with gradients on, as a
+    training step does, unmerged). Keys the shipped table or the cache already has are not timed again. ``QuantLinear`` layers only
     (4- and 8-bit weights; not W8A8 layers or fused mixture-of-experts tensors). Raises ValueError (one line) when
     there is no GPU to time on or the checkpoint cannot be loaded."""
     from .loader import load
@@ -91,17 +93,27 @@ def tune(source, *, batch_sizes=DEFAULT_BATCH_SIZES, device="cuda", revision: st
     previous = os.environ.get("QUANTPACK_AUTOTUNE")
     os.environ["QUANTPACK_AUTOTUNE"] = "1"
     try:
-        with torch.no_grad(), tqdm(total=len(sizes) * len(layers), desc="tuning", unit="layer",
-                                   disable=not progress) as bar:
-            for m in sizes:
-                inputs = {}  # (one x per width and dtype: siblings must see the very same tensor to merge)
-                for layer in layers:
-                    key = (layer.in_features, layer.scales.dtype)
-                    if key not in inputs:
-                        inputs[key] = torch.randn(m, layer.in_features, dtype=layer.scales.dtype, device=dev)
-                    layer(inputs[key])
-                    bar.update()
-                del inputs
+        passes = (False, True) if backward else (False,)
+        with tqdm(total=len(passes) * len(sizes) * len(layers), desc="tuning", unit="layer",
+                  disable=not progress) as bar:
+            for training in passes:
+                for m in sizes:
+                    inputs = {}  # (one x per width and dtype: siblings must see the very same tensor to merge)
+                    for layer in layers:
+                        key = (layer.in_features, layer.scales.dtype)
+                        if key not in inputs:
+                            inputs[key] = torch.randn(m, layer.in_features, dtype=layer.scales.dtype, device=dev)
+                        x = inputs[key]
+                        if training:
+                            x = x.detach().requires_grad_()
+                            with torch.enable_grad():
+                                out = layer(x)
+                            out.backward(torch.randn_like(out))
+                        else:
+                            with torch.no_grad():
+                                layer(x)
+                        bar.update()
+                    del inputs
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     finally:

@@ -89,6 +89,20 @@ def test_tune_times_each_new_key_once_and_keeps_it_for_later_runs(packed_llama, 
     assert set(scripted_tuning) <= {KernelConfig(**v) for v in cached.values()}  # (only the picks ran)
 
 
+@interpreter_only
+def test_tune_backward_also_times_the_transposed_product(packed_llama, scripted_tuning):
+    """``--backward``: a training pass per batch size (forward with gradients, unmerged, then backward) tunes the
+    transposed product's keys, x @ W at M rows, for every distinct shape."""
+    result = CliRunner().invoke(cli, ["tune", str(packed_llama), "--batch-sizes", "20", "--backward", "--device",
+                                      "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    shapes = [(128, 128), (64, 128), (256, 128), (128, 256)]
+    assert set(report["tuned"]) == ({MM.config_key(False, 4, n, k, 32) for n, k in shapes}
+                                    | {MM.config_key(True, 4, n, k, 32) for n, k in shapes})
+    assert report["layers"] == 14 and report["batch_sizes"] == [20]
+
+
 def test_tune_needs_a_gpu_and_says_so_in_one_line(tmp_path, monkeypatch):
     """Without a CUDA GPU (and off the interpreter) there is nothing to time: a one-line error, exit code 2, nothing
     loaded or written; through CliRunner and as a subprocess."""
