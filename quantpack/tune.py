@@ -52,8 +52,12 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
         sizes = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         sizes = ()
+    return _checked_batch_sizes(sizes, text)
+
+
+def _checked_batch_sizes(sizes: tuple, given) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch sizes {text!r}: give positive integers separated by commas, e.g. 1,16,256")
+        raise ValueError(f"batch sizes {given!r}: give positive integers separated by commas, e.g. 1,16,256")
     return sizes
 
 
@@ -64,16 +68,14 @@ def tune(source, *, batch_sizes=DEFAULT_BATCH_SIZES, device="cuda", backward: bo
     decode step; each stands for its power-of-two bucket) on the GPU ``device``, and keep them in this machine's
     config cache. With ``backward``, also the transposed product the backward pass runs at those sizes (training
     adapters on the frozen quantized base: each layer runs forward and backward once more, with gradients on, as a
-    training step does, unmerged). Keys the shipped table or the cache already has are not timed again. ``QuantLinear`` layers only
-    (4- and 8-bit weights; not W8A8 layers or fused mixture-of-experts tensors). Raises ValueError (one line) when
-    there is no GPU to time on or the checkpoint cannot be loaded."""
+    training step does, unmerged). Keys the shipped table or the cache already has are not timed again.
+    ``QuantLinear`` layers only (4- and 8-bit weights; not W8A8 layers or fused mixture-of-experts tensors). Raises
+    ValueError (one line) when there is no GPU to time on or the checkpoint cannot be loaded."""
     from .loader import load
     from .nn import QuantLinear
 
     mm = importlib.import_module("quantpack.kernels.mixed_mm")  # (the module; the package exports its function)
-    sizes = tuple(int(m) for m in batch_sizes)
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch sizes {sizes}: give positive integers, e.g. 1,16,256")
+    sizes = _checked_batch_sizes(tuple(int(m) for m in batch_sizes), batch_sizes)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

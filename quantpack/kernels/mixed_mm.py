@@ -745,10 +745,11 @@ def autotune(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     """Time the candidate configs on this input (CUDA graph replay over ``weight_copies`` copies of
     the weight so repeated runs do not read it from L2; default :func:`copies_past_l2`), store the
     fastest under its M-bucketed key for this process and in this machine's cache
-    (:func:`tuned_cache_path`, so later runs do not tune again), and return it with all timings (microseconds). Each candidate's output is first
-    checked against the float32 reference product: one off by more than ``TUNE_MAX_ERR`` (a compiler
-    that miscompiles a variant) is never timed (``inf``). The fastest ``RETIME_TOP`` of the
-    sweep are timed again twice, in order and in reverse; their mean times decide."""
+    (:func:`tuned_cache_path`, so later runs do not tune again), and return it with all timings
+    (microseconds). Each candidate's output is first checked against the float32 reference product: one
+    off by more than ``TUNE_MAX_ERR`` (a compiler that miscompiles a variant) is never timed (``inf``).
+    The fastest ``RETIME_TOP`` of the sweep are timed again twice, in order and in reverse; their mean
+    times decide."""
     n, k, axis = infer_layout(qweight, scales, zeros, group_size, bits, None)
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
