@@ -5,7 +5,9 @@ memory (every decoder linear -> QuantLinear, lm_head kept in bf16, as ``quantpac
 so no 16 GB files are involved. Decode tokens/s = batch * tokens / time of the decode steps
 (prefill excluded), measured two ways:
 
-* ``eager``: transformers' ``generate`` (dynamic cache), i.e. what a user gets out of the box;
+* ``default``: plain ``model.generate(prompt, max_new_tokens=N)`` on the model as ``quantpack.load`` returns it:
+  a static KV cache and each decode step replayed from a CUDA graph (quantpack.generation). What a user gets.
+* ``eager``: transformers' ``generate`` (dynamic cache), what bf16 gives out of the box and ``decode="eager"`` opts into;
   at batch 1 it is bound by Python and kernel-launch overhead as much as by memory. The quantized
   model is also timed with its launch plans off (``QUANTPACK_LAUNCH_PLANS=0``: every linear call does
   its host-side dispatch again), the cost those plans save.
@@ -25,6 +27,10 @@ weights. Prints a table and writes JSON (``--json``).
     python benchmarks/bench_decode.py                          # 8B shape, batch 1 and 16
     python benchmarks/bench_decode.py --layers 4 --new-tokens 32   # quick look
     python benchmarks/bench_decode.py --modes compiled graph       # skip the eager timings
+    python benchmarks/bench_decode.py --profile                    # + where a decode step's GPU time goes
+
+Each measured cell is appended to benchmarks/results/decode.jsonl (device, commit, date, batch, model, path,
+tok_s, first_call_s), bf16 and quantpack from the same run; ``--profile`` adds decode_profile.jsonl.
 """
 from __future__ import annotations
 
@@ -174,13 +180,136 @@ def kernel_vs_reference(model, prompt) -> float:
     return ((fused - ref).abs().max() / ref.abs().max()).item()
 
 
+@torch.no_grad()
+def default_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
+    """(tokens/s, seconds of the first call) of plain ``generate`` on the model as quantpack.load leaves it."""
+    from quantpack import generation
+
+    generation.enable(model, "graphs")
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+        return generate_decode(model, prompt, new_tokens), first
+    finally:
+        generation.disable(model)
+
+
+# Kernel name -> op family, first match wins (Triton kernels by their function names, PyTorch's by functor).
+FAMILIES = [
+    ("quantized linears", r"_fwd_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_tr_kernel|_w8a8|_dequant_kernel"),
+    ("cuBLAS GEMM/GEMV (bf16 linears, lm_head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90_|splitKreduce"),
+    ("attention", r"flash|fmha|attention|softmax|bmm|efficient"),
+    ("KV-cache update", r"index_copy|index_put|scatter"),
+    ("norms (pow, mean, rsqrt)", r"pow|rsqrt|MeanOps|mean|norm"),
+    ("rotary (cos, sin, neg, cat)", r"cos|sin|neg|CatArray|cat_"),
+    ("activation (silu)", r"silu|sigmoid|gelu"),
+    ("elementwise mul/add", r"Mul|mul|Add|add"),
+    ("copies and casts", r"copy|Copy|cast|fill"),
+    ("sampling (argmax)", r"ArgMax|argmax|max"),
+    ("embedding", r"index_select|indexSelect|embedding|gather"),
+]
+
+
+@torch.no_grad()
+def profile_decode(model, prompt, steps: int = 16) -> dict:
+    """GPU time of ``steps`` decode steps on the default path, per op family, from the profiler's kernel records;
+    'gaps' is the wall time no kernel ran (launch latency between graph nodes, host work between steps)."""
+    import re
+
+    from quantpack import generation
+
+    generation.enable(model, "graphs")
+    try:
+        model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        n = steps + 1
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter() - t1
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+    finally:
+        generation.disable(model)
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total
+    # The prefill is in the profile too: take it out in proportion, by the time of a 1-token generate.
+    decode_share = max(wall - t1, 1e-9) / wall
+    per_step_us = {}
+    for name, us in kernels.items():
+        family = next((f for f, rx in FAMILIES if re.search(rx, name)), "other")
+        per_step_us[family] = per_step_us.get(family, 0.0) + us * decode_share / steps
+    busy = sum(per_step_us.values())
+    step_us = (wall - t1) * 1e6 / steps
+    per_step_us["gaps (no kernel running)"] = max(step_us - busy, 0.0)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"step_us": step_us, "families_us": per_step_us,
+            "top_kernels_us": {k[:120]: v * decode_share / steps for k, v in top}}
+
+
+def append_results(args, results) -> None:
+    """One JSON line per measured cell into benchmarks/results/decode.jsonl."""
+    import datetime
+    import subprocess
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("QUANTPACK_COMMIT", "unknown")
+    base = {"device": results["device"], "commit": commit, "date": datetime.date.today().isoformat(),
+            "shape": results["shape"], "quant": results["quant"], "new_tokens": args.new_tokens,
+            "torch": results["torch"], "transformers": results["transformers"]}
+    path = args.results or os.path.join(root, "results", "decode.jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        for row in results["rows"]:
+            model = "bf16" if row["model"] == "bf16" else "quantpack"
+            variant = "merged" if row["model"].endswith("merged") else "layers"
+            for key, value in row.items():
+                if key.endswith("_tok_s"):
+                    path_name = key.removesuffix("_tok_s")
+                    line = {**base, "batch": row["batch"], "model": model, "path": path_name, "tok_s": value,
+                            "first_call_s": row.get(f"{path_name}_first_call_s")}
+                    if model == "quantpack":
+                        line["projections"] = variant
+                    f.write(json.dumps(line) + "\n")
+        for prof in results.get("profiles", []):
+            f2 = path.replace("decode.jsonl", "decode_profile.jsonl")
+            with open(f2, "a") as g:
+                g.write(json.dumps({**base, **prof}) + "\n")
+
+
 def measure(model, args, prompts, label, results, quantized=False):
     for b in args.batch_sizes:
         row = {"model": label, "batch": b}
+        if "default" in args.modes and quantized:
+            try:
+                row["default_tok_s"], row["default_first_call_s"] = default_decode(model, prompts[b], args.new_tokens)
+            except Exception as exc:
+                row["default_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if args.profile:
+            try:
+                prof = profile_decode(model, prompts[b])
+                prof.update({"batch": b, "model": label})
+                results.setdefault("profiles", []).append(prof)
+                print(json.dumps(prof), flush=True)
+            except Exception as exc:
+                print(f"profile failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         if "eager" in args.modes:
             try:
                 row["eager_tok_s"] = generate_decode(model, prompts[b], args.new_tokens)
-                if quantized:
+                if quantized and args.no_plans:
                     row["eager_no_plans_tok_s"] = without_launch_plans(generate_decode, model, prompts[b],
                                                                        args.new_tokens)
             except Exception as exc:  # keep going: report what failed
@@ -212,10 +341,15 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--method", default="rtn", choices=["rtn", "hqq"])
-    parser.add_argument("--modes", nargs="+", default=["eager", "graph", "compiled"],
-                        choices=["eager", "graph", "compiled"])
+    parser.add_argument("--modes", nargs="+", default=["default", "eager", "graph", "compiled"],
+                        choices=["default", "eager", "graph", "compiled"])
+    parser.add_argument("--profile", action="store_true", help="profile the default path's decode steps by op family")
+    parser.add_argument("--no-plans", action="store_true", help="also time eager decode without launch plans")
+    parser.add_argument("--results", help="JSON-lines file to append to [default: benchmarks/results/decode.jsonl]")
     parser.add_argument("--no-merged", dest="merged", action="store_false",
                         help="skip the quantized model with merged projections (q/k/v, gate/up)")
+    parser.add_argument("--unmerged", action="store_true",
+                        help="also measure each quantized layer alone (quantpack.load(..., merge=False))")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -246,7 +380,8 @@ def main(argv=None) -> int:
     results["quant_weight_bytes"] = weight_bytes(model)
     results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
-    measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True)
+    if args.unmerged:
+        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True)
     if args.merged:  # each layer's q/k/v and gate/up as one GEMV at decode, as quantpack.load links them
         from quantpack.nn_merged import merge_projections
 
@@ -254,16 +389,22 @@ def main(argv=None) -> int:
         one_token = prompts[min(args.batch_sizes)][:1, :1]  # (one row of x: the merged decode path)
         results["merged_kernel_vs_reference_rel_err"] = kernel_vs_reference(model, one_token)
         print(json.dumps({k: v for k, v in results.items() if k.startswith("merged")}), flush=True)
-        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged", results)
+        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged", results, quantized=True)
 
     nan = float("nan")
-    print(f"\n{'model':<24}{'batch':>6}{'eager tok/s':>14}{'graph tok/s':>14}{'compiled tok/s':>16}"
-          f"{'(first call s)':>16}{'eager, no launch plans':>24}")
+    print(f"\n{'model':<30}{'batch':>6}{'default tok/s':>15}{'(first s)':>10}{'eager tok/s':>14}{'graph tok/s':>14}"
+          f"{'compiled tok/s':>16}{'(first call s)':>16}{'eager, no launch plans':>24}")
     for row in results["rows"]:
-        print(f"{row['model']:<24}{row['batch']:>6}{row.get('eager_tok_s', nan):>14.1f}"
+        print(f"{row['model']:<30}{row['batch']:>6}{row.get('default_tok_s', nan):>15.1f}"
+              f"{row.get('default_first_call_s', nan):>10.1f}{row.get('eager_tok_s', nan):>14.1f}"
               f"{row.get('graph_tok_s', nan):>14.1f}{row.get('compiled_tok_s', nan):>16.1f}"
               f"{row.get('compiled_first_call_s', nan):>16.1f}"
               f"{row.get('eager_no_plans_tok_s', nan):>24.1f}")
+    for prof in results.get("profiles", []):
+        print(f"\n{prof['model']}, batch {prof['batch']}: one decode step {prof['step_us']:.0f} us")
+        for family, us in sorted(prof["families_us"].items(), key=lambda kv: -kv[1]):
+            print(f"  {family:<45}{us:>9.0f} us {100 * us / prof['step_us']:>5.1f}%")
+    append_results(args, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -18,7 +18,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from . import checkpoint
+from . import checkpoint, generation
 from .loader import QUANT_METHOD, linear_modules_to_convert, read_quantization_config, replace_linear_layers
 from .nn_merged import merge_projections
 
@@ -80,6 +80,7 @@ class QuantpackHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
+        generation.enable(model)  # (and generate() replays its decode steps from CUDA graphs)
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:

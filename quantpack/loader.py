@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import checkpoint
+from . import checkpoint, generation
 from .checkpoint import CheckpointError, TensorInfo
 from .format import LAYOUT_VERSION
 from .nn import QuantLinear, linear_dims
@@ -341,7 +341,7 @@ def _check_device(device, what: str = "device") -> torch.device:
 
 def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, device_map=None,
          revision: str | None = None, token: str | None = None, max_memory: dict | None = None,
-         verify: bool = True, merge: bool = True) -> nn.Module:
+         verify: bool = True, merge: bool = True, decode: str = "graphs") -> nn.Module:
     """Load a quantpack checkpoint (a directory or a hub repository id) as a transformers model.
 
     * ``device``: where the model goes (default: the current CUDA device if there is one, else the
@@ -358,6 +358,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
       for manifests without per-tensor digests); shapes and dtypes are always checked.
     * ``merge``: link each block's sibling projections (q/k/v, gate/up) so that at decode they run as one
       GEMV (:func:`~quantpack.nn_merged.merge_projections`); ``False`` keeps every layer separate.
+    * ``decode``: how ``model.generate`` decodes on a GPU (:mod:`quantpack.generation`): ``"graphs"`` (default: a
+      static KV cache, each decode step captured once as a CUDA graph and replayed), ``"compile"`` (a static cache
+      and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged).
 
     Returns the model of the class ``config.json``'s ``architectures`` names, in eval mode, with
     ``model.config.quantization_config`` and ``model.hf_quantizer`` set as ``from_pretrained`` sets
@@ -369,6 +372,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
 
     if device is not None and device_map is not None:
         raise ValueError("device and device_map: pass one of them, not both")
+    if decode not in generation.MODES:
+        raise ValueError(f"decode={decode!r}: use one of {', '.join(generation.MODES)}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r}: pass a floating-point torch.dtype such as torch.bfloat16")
     if device is not None:
@@ -472,6 +477,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         model.generation_config = GenerationConfig.from_pretrained(root)
     if merge:
         merge_projections(model)
+    generation.enable(model, decode)
     return model.eval()
 
 

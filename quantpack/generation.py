@@ -1,0 +1,288 @@
+"""Fast ``generate()`` by default: each decode step replays from a CUDA graph.
+
+Decode at small batch is bound by the host: a token of an 8B model is ~600 kernel launches, whose Python and driver
+cost exceeds the GPU time of 4-bit weights. transformers already knows which steps can be replayed: with a static KV
+cache on a GPU it asks the model for a compiled forward (``get_compiled_call``) for the decode steps and runs prefill
+eagerly. :func:`enable` answers that request with :class:`DecodeGraphs` instead of ``torch.compile``: the first step
+of each input signature is captured as a CUDA graph (a second or two, no compilation), later steps copy their inputs
+into the captured buffers and replay it. It also makes a static cache the default of ``model.generate`` when the
+caller chose no cache, so plain ``model.generate(**inputs)`` takes this path.
+
+Modes (``quantpack.load(..., decode=...)``):
+
+* ``"graphs"`` (default on CUDA): the above.
+* ``"compile"``: a static cache by default, and transformers' own ``torch.compile`` of the step (inductor, CUDA
+  graphs; the kernels enter it as custom ops). A first call compiles for about a minute.
+* ``"eager"``: nothing changed: transformers' defaults (a dynamic cache, no graphs).
+
+A single call opts out too: ``model.generate(..., disable_compile=True)`` runs that call eagerly.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+
+import torch
+
+MODES = ("graphs", "compile", "eager")
+MAX_TOKENS = 8  # a call of more tokens per sequence (a prefill) runs eagerly: each prompt length would be a graph
+
+# The names under which transformers passes the KV cache to generate() (it was renamed).
+_CACHE_KWARGS = ("past_key_values", "cache")
+
+logger = logging.getLogger(__name__)
+
+
+def _progress(message: str) -> None:
+    """One line on stderr about a pause the user did not ask for; ``logging.getLogger("quantpack").setLevel(
+    logging.ERROR)`` silences it."""
+    if logging.getLogger("quantpack").isEnabledFor(logging.WARNING):
+        print(f"quantpack: {message}", file=sys.stderr, flush=True)
+
+
+def enable(model, mode: str = "graphs") -> None:
+    """Make ``model.generate`` decode through ``mode`` (see the module's docstring); idempotent. A model that
+    cannot generate, or ``mode="eager"``, is left as transformers made it."""
+    if mode not in MODES:
+        raise ValueError(f"decode={mode!r}: use one of {', '.join(MODES)}")
+    disable(model)
+    if mode == "eager" or not callable(getattr(model, "can_generate", None)) or not model.can_generate():
+        return
+    generate = model.generate  # the class's, bound
+    model.generate = functools.wraps(generate)(functools.partial(_generate_with_static_cache, generate))
+    if mode == "graphs":
+        runner = DecodeGraphs(model)
+        model.get_compiled_call = lambda compile_config=None: runner.session()
+    model._quantpack_decode = mode
+
+
+def disable(model) -> None:
+    """Undo :func:`enable`: transformers' own ``generate`` and ``get_compiled_call`` again."""
+    for name in ("generate", "get_compiled_call"):
+        model.__dict__.pop(name, None)
+    model.__dict__.pop("_quantpack_decode", None)
+
+
+def mode_of(model) -> str:
+    """The decode mode :func:`enable` set on ``model`` (``"eager"`` when none)."""
+    return model.__dict__.get("_quantpack_decode", "eager")
+
+
+def _generate_with_static_cache(generate, *args, **kwargs):
+    """``generate`` with a static KV cache unless the caller chose a cache (an object, or ``cache_implementation``
+    here or in the ``generation_config`` passed). The static cache is what lets transformers run the decode steps
+    through ``get_compiled_call``; it is sized to the call's ``max_length``, not the model's context."""
+    gen_config = kwargs.get("generation_config")
+    chosen = (any(kwargs.get(k) is not None for k in _CACHE_KWARGS) or "cache_implementation" in kwargs
+              or kwargs.get("use_cache") is False
+              or (gen_config is not None and (gen_config.cache_implementation is not None
+                                              or gen_config.use_cache is False)))
+    owner = generate.__self__
+    own_config = getattr(owner, "generation_config", None)
+    if own_config is not None and own_config.cache_implementation is not None:
+        chosen = True
+    if not chosen and _on_cuda(owner):
+        kwargs["cache_implementation"] = "static"
+    return generate(*args, **kwargs)
+
+
+def _on_cuda(model) -> bool:
+    try:
+        return next(model.parameters()).is_cuda
+    except StopIteration:
+        return False
+
+
+class _Captured:
+    """One captured decode step: its input buffers, the graph, and the outputs the graph writes."""
+
+    __slots__ = ("inputs", "graph", "output")
+
+    def __init__(self, inputs, graph, output):
+        self.inputs, self.graph, self.output = inputs, graph, output
+
+
+class DecodeGraphs:
+    """Captures the model's forward once per input signature (shapes, dtypes, flags, the cache object) and replays it.
+
+    A call whose arguments it cannot hold in buffers (an argument that is not a tensor, a plain value, a dict of
+    those, or a cache object) runs eagerly. The graphs hold the cache object they were captured with, and are
+    dropped when a call brings another cache or when the cache's tensors moved (transformers re-allocated them).
+    ``graph_cls`` is ``torch.cuda.CUDAGraph`` on a GPU; tests pass a stand-in.
+    """
+
+    def __init__(self, model, *, graph_cls=None, max_graphs: int = 8):
+        self.model = model
+        self.graph_cls = graph_cls
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple, _Captured] = {}
+        self.cache = None  # the cache object the graphs were captured with
+        self.cache_tensors = None  # (data_ptr, shape) of its tensors then
+        self.pool = None
+        self.captures = 0
+
+    def session(self):
+        """The callable transformers runs the decode steps of one ``generate`` call with: it checks, on its first
+        step, that the graphs' cache still holds the same tensors."""
+        checked = False
+
+        def step(**kwargs):
+            nonlocal checked
+            if not checked:
+                self._check_cache(kwargs)
+                checked = True
+            return self(**kwargs)
+
+        return step
+
+    def _check_cache(self, kwargs) -> None:
+        cache = _cache_of(kwargs)
+        if cache is not self.cache or _tensors_of(cache) != self.cache_tensors:
+            self.reset()
+
+    def reset(self) -> None:
+        """Drop every graph (and the cache they hold)."""
+        self.graphs.clear()
+        self.cache = self.cache_tensors = None
+
+    def __call__(self, **kwargs):
+        tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        key = _signature(kwargs) if tokens is not None and tokens.dim() >= 2 and tokens.shape[1] <= MAX_TOKENS else None
+        if key is None:
+            return self.model(**kwargs)
+        captured = self.graphs.get(key)
+        if captured is None:
+            if len(self.graphs) >= self.max_graphs:
+                self.reset()
+            return self._capture(key, kwargs)
+        _copy_into(captured.inputs, kwargs)
+        captured.graph.replay()
+        return captured.output
+
+    def _capture(self, key, kwargs):
+        cache = _cache_of(kwargs)
+        if cache is not self.cache:
+            self.reset()
+            self.cache, self.cache_tensors = cache, _tensors_of(cache)
+        start = time.perf_counter()
+        inputs = _clone_inputs(kwargs)
+        # The step runs here more than once (warm-up; a stand-in graph runs it to capture): the cache (keys, values,
+        # position counters) is put back as it was after each, so that only the replay below advances it.
+        saved = [(t, t.clone()) for t in _tensor_objects(cache)]
+
+        def restore():
+            for t, copy in saved:
+                t.copy_(copy)
+
+        if self.graph_cls is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            # Warm-up on a side stream, so that first-use work (kernel compiles, weight copies, launch plans) is
+            # not captured.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.model(**inputs)
+                restore()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = self.model(**inputs)
+        else:
+            graph = self.graph_cls()
+            output = graph.capture(lambda: self.model(**inputs))
+            restore()
+        del saved
+        self.graphs[key] = _Captured(inputs, graph, output)
+        graph.replay()  # (capturing ran nothing: this step's result)
+        self.captures += 1
+        seconds = time.perf_counter() - start
+        if self.captures == 1 or seconds > 2:
+            tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            _progress(f"decode step captured as a CUDA graph in {seconds:.1f} s (batch {tokens.shape[0]}); later "
+                      f"steps replay it (quantpack.load(..., decode='eager') turns this off)")
+        return output
+
+
+def _cache_of(kwargs):
+    return next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+
+
+def _tensors_of(obj) -> tuple:
+    """(data_ptr, shape) of the tensors a cache object holds: what a captured graph reads and writes of it."""
+    return tuple((t.data_ptr(), tuple(t.shape)) for t in _tensor_objects(obj))
+
+
+def _tensor_objects(obj, depth: int = 3) -> list[torch.Tensor]:
+    """The tensors ``obj`` holds in attributes, lists and dicts, ``depth`` levels down."""
+    found = []
+
+    def walk(o, d):
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif d > 0:
+            if isinstance(o, (list, tuple)):
+                for v in o:
+                    walk(v, d - 1)
+            elif isinstance(o, dict):
+                for v in o.values():
+                    walk(v, d - 1)
+            elif hasattr(o, "__dict__") and not isinstance(o, (type, torch.nn.Module)):
+                for v in vars(o).values():
+                    walk(v, d - 1)
+
+    if obj is not None:
+        walk(obj, depth)
+    return found
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _signature(kwargs) -> tuple | None:
+    """What a captured graph is specific to: each tensor's shape, dtype and device, each plain value, the identity
+    of any other object (the cache); ``None`` when an argument cannot be held."""
+    key = []
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if isinstance(value, torch.Tensor):
+            key.append((name, tuple(value.shape), value.dtype, value.device, value.stride()))
+        elif isinstance(value, _PLAIN):
+            key.append((name, value))
+        elif isinstance(value, dict):
+            items = []
+            for k in sorted(value):
+                v = value[k]
+                if isinstance(v, torch.Tensor):
+                    items.append((k, tuple(v.shape), v.dtype, v.device, v.stride()))
+                elif isinstance(v, _PLAIN):
+                    items.append((k, v))
+                else:
+                    return None
+            key.append((name, tuple(items)))
+        elif name in _CACHE_KWARGS:
+            key.append((name, id(value)))
+        else:
+            return None
+    return tuple(key)
+
+
+def _clone_inputs(kwargs) -> dict:
+    def own(v):
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    return {k: ({kk: own(vv) for kk, vv in v.items()} if isinstance(v, dict) else own(v)) for k, v in kwargs.items()}
+
+
+def _copy_into(buffers: dict, kwargs: dict) -> None:
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            buffers[name].copy_(value)
+        elif isinstance(value, dict):
+            held = buffers[name]
+            for k, v in value.items():
+                if isinstance(v, torch.Tensor):
+                    held[k].copy_(v)

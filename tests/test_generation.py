@@ -1,0 +1,164 @@
+"""Fast decode by default (quantpack.generation): which generate() calls get a static cache, and the CUDA-graph
+decode runner, checked on the CPU with a stand-in graph that re-runs the captured step into the captured outputs
+(what a replay does); the real CUDA graphs are covered by the GPU test at the end."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quantpack
+from quantpack import generation
+from quantpack.convert import convert
+
+
+class RerunGraph:
+    """Stands in for torch.cuda.CUDAGraph: capture runs the step once for its output buffers; each replay runs it
+    again and writes the results into those buffers."""
+
+    replays = 0
+
+    def capture(self, fn):
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self):
+        RerunGraph.replays += 1
+        new = self.fn()
+        for key, value in new.items():
+            if isinstance(value, torch.Tensor):
+                self.out[key].copy_(value)
+
+
+@pytest.fixture(scope="module")
+def packed_llama(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "packed"
+    convert(str(tiny_llama_dir), str(out), bits=4, group_size=32)
+    return out
+
+
+def _prompt(model, batch=2, length=5):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
+
+
+def _graph_generate(model, ids, new_tokens, runner):
+    """generate() as on a GPU: static cache, decode steps through ``runner`` (transformers only auto-compiles on
+    accelerators, so the CPU is allowed here through its compile config)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    model.get_compiled_call = lambda compile_config=None: runner.session()
+    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                          compile_config=config, pad_token_id=0)
+
+
+def test_graph_replayed_decode_gives_the_eager_tokens_and_logits(packed_llama):
+    model = quantpack.load(packed_llama, device="cpu")
+    ids = _prompt(model)
+    eager = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, disable_compile=True,
+                           output_logits=True, return_dict_in_generate=True)
+    runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
+    RerunGraph.replays = 0
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    model.get_compiled_call = lambda compile_config=None: runner.session()
+    graphed = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                             compile_config=config, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.logits, eager.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert runner.captures == 1  # one signature: every decode step after the first replays
+    assert RerunGraph.replays == 5  # (6 tokens: 1 from the prefill, 5 decode steps)
+    # A second generate() gives the same tokens; where transformers made a new cache for it, the graph is captured
+    # anew and the old one (holding the old cache) dropped.
+    again = _graph_generate(model, ids, 6, runner)
+    assert torch.equal(again, eager.sequences)
+    assert len(runner.graphs) == 1 and runner.cache is not None
+
+
+def test_new_cache_shape_captures_again_and_drops_the_old_graphs(packed_llama):
+    model = quantpack.load(packed_llama, device="cpu")
+    runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
+    ids = _prompt(model, batch=1)
+    eager_short = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, disable_compile=True)
+    eager_long = model.generate(ids, max_new_tokens=9, do_sample=False, pad_token_id=0, disable_compile=True)
+    assert torch.equal(_graph_generate(model, ids, 3, runner), eager_short)
+    assert torch.equal(_graph_generate(model, ids, 9, runner), eager_long)  # a longer cache: captured anew
+    assert runner.captures == 2 and len(runner.graphs) == 1
+
+
+def test_prefill_sized_calls_and_unholdable_arguments_run_eagerly(packed_llama):
+    model = quantpack.load(packed_llama, device="cpu")
+    runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
+    ids = _prompt(model, batch=1, length=generation.MAX_TOKENS + 1)
+    out = runner(input_ids=ids)
+    torch.testing.assert_close(out.logits, model(input_ids=ids).logits)
+    out = runner(input_ids=ids[:, :1], output_hidden_states=True, extra=object())
+    assert runner.captures == 0
+
+
+def test_load_makes_graphs_the_default_and_eager_opts_out(packed_llama):
+    model = quantpack.load(packed_llama, device="cpu")
+    assert generation.mode_of(model) == "graphs"
+    assert "get_compiled_call" in model.__dict__ and "generate" in model.__dict__
+    eager = quantpack.load(packed_llama, device="cpu", decode="eager")
+    assert generation.mode_of(eager) == "eager"
+    assert "get_compiled_call" not in eager.__dict__ and "generate" not in eager.__dict__
+    compiled = quantpack.load(packed_llama, device="cpu", decode="compile")
+    assert "generate" in compiled.__dict__ and "get_compiled_call" not in compiled.__dict__
+    with pytest.raises(ValueError, match="decode='fast'.*graphs, compile, eager"):
+        quantpack.load(packed_llama, device="cpu", decode="fast")
+
+
+def test_transformers_route_gets_the_same_default(packed_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(packed_llama)
+    assert generation.mode_of(model) == "graphs"
+
+
+class _Owner:
+    """A model whose generate() records the keyword arguments it was called with."""
+
+    def __init__(self, cuda=True, cache_implementation=None):
+        from transformers import GenerationConfig
+
+        self.generation_config = GenerationConfig(cache_implementation=cache_implementation)
+        self.cuda = cuda
+
+    def parameters(self):
+        return iter([torch.empty(0, device="meta")]) if not self.cuda else iter([_CudaLike()])
+
+    def generate(self, *args, **kwargs):
+        return kwargs
+
+
+class _CudaLike:
+    is_cuda = True
+
+
+@pytest.mark.parametrize("kwargs, static", [
+    ({}, True),
+    ({"past_key_values": object()}, False),
+    ({"cache": object()}, False),
+    ({"cache_implementation": "dynamic"}, False),
+    ({"use_cache": False}, False),
+])
+def test_static_cache_only_where_the_caller_chose_none(kwargs, static):
+    out = generation._generate_with_static_cache(_Owner().generate, **kwargs)
+    assert (out.get("cache_implementation") == "static") is static
+
+
+def test_static_cache_respects_the_models_own_generation_config_and_the_cpu():
+    from transformers import GenerationConfig
+
+    assert "cache_implementation" not in generation._generate_with_static_cache(_Owner(cuda=False).generate)
+    owner = _Owner(cache_implementation="dynamic")
+    assert "cache_implementation" not in generation._generate_with_static_cache(owner.generate)
+    chosen = GenerationConfig(cache_implementation="offloaded")
+    out = generation._generate_with_static_cache(_Owner().generate, generation_config=chosen)
+    assert "cache_implementation" not in out
