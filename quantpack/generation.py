@@ -53,8 +53,7 @@ def enable(model, mode: str = "graphs") -> None:
     generate = model.generate  # the class's, bound
     model.generate = functools.wraps(generate)(functools.partial(_generate_with_static_cache, generate))
     if mode == "graphs":
-        runner = DecodeGraphs(model)
-        model.get_compiled_call = lambda compile_config=None: runner.session()
+        model.get_compiled_call = DecodeGraphs(model).get_compiled_call
     model._quantpack_decode = mode
 
 
@@ -122,6 +121,10 @@ class DecodeGraphs:
         self.cache_tensors = None  # (data_ptr, shape) of its tensors then
         self.pool = None
         self.captures = 0
+
+    def get_compiled_call(self, compile_config=None):
+        """What transformers' ``generate`` asks the model for, once per call, to run the decode steps with."""
+        return self.session()
 
     def session(self):
         """The callable transformers runs the decode steps of one ``generate`` call with: it checks, on its first
