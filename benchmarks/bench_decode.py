@@ -266,7 +266,7 @@ def append_results(args, results) -> None:
         commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = os.environ.get("QUANTPACK_COMMIT", "unknown")
+        commit = args.commit or "unknown"  # (a copy of the tree without .git)
     base = {"device": results["device"], "commit": commit, "date": datetime.date.today().isoformat(),
             "shape": results["shape"], "quant": results["quant"], "new_tokens": args.new_tokens,
             "torch": results["torch"], "transformers": results["transformers"]}
@@ -345,6 +345,7 @@ def main(argv=None) -> int:
                         choices=["default", "eager", "graph", "compiled"])
     parser.add_argument("--profile", action="store_true", help="profile the default path's decode steps by op family")
     parser.add_argument("--no-plans", action="store_true", help="also time eager decode without launch plans")
+    parser.add_argument("--commit", help="the commit measured, where the tree has no .git")
     parser.add_argument("--results", help="JSON-lines file to append to [default: benchmarks/results/decode.jsonl]")
     parser.add_argument("--no-merged", dest="merged", action="store_false",
                         help="skip the quantized model with merged projections (q/k/v, gate/up)")
