@@ -146,9 +146,10 @@ class DecodeGraphs:
             self.reset()
 
     def reset(self) -> None:
-        """Drop every graph (and the cache they hold)."""
+        """Drop every graph (and the cache they hold), and their memory pool: a pool whose graphs are all gone
+        cannot take a new capture."""
         self.graphs.clear()
-        self.cache = self.cache_tensors = None
+        self.cache = self.cache_tensors = self.pool = None
 
     def __call__(self, **kwargs):
         tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
