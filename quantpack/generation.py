@@ -50,8 +50,7 @@ def enable(model, mode: str = "graphs") -> None:
     disable(model)
     if mode == "eager" or not callable(getattr(model, "can_generate", None)) or not model.can_generate():
         return
-    generate = model.generate  # the class's, bound
-    model.generate = functools.wraps(generate)(functools.partial(_generate_with_static_cache, generate))
+    model.generate = functools.wraps(model.generate)(StaticCacheGenerate(model.generate, keep_cache=mode == "graphs"))
     if mode == "graphs":
         model.get_compiled_call = DecodeGraphs(model).get_compiled_call
     model._quantpack_decode = mode
@@ -69,22 +68,74 @@ def mode_of(model) -> str:
     return model.__dict__.get("_quantpack_decode", "eager")
 
 
-def _generate_with_static_cache(generate, *args, **kwargs):
-    """``generate`` with a static KV cache unless the caller chose a cache (an object, or ``cache_implementation``
-    here or in the ``generation_config`` passed). The static cache is what lets transformers run the decode steps
-    through ``get_compiled_call``; it is sized to the call's ``max_length``, not the model's context."""
-    gen_config = kwargs.get("generation_config")
-    chosen = (any(kwargs.get(k) is not None for k in _CACHE_KWARGS) or "cache_implementation" in kwargs
-              or kwargs.get("use_cache") is False
-              or (gen_config is not None and (gen_config.cache_implementation is not None
-                                              or gen_config.use_cache is False)))
-    owner = generate.__self__
-    own_config = getattr(owner, "generation_config", None)
-    if own_config is not None and own_config.cache_implementation is not None:
-        chosen = True
-    if not chosen and _on_cuda(owner):
-        kwargs["cache_implementation"] = "static"
-    return generate(*args, **kwargs)
+class StaticCacheGenerate:
+    """``generate`` with a static KV cache unless the caller chose a cache (an object, ``use_cache=False``, or
+    ``cache_implementation`` here, in the ``generation_config`` passed or in the model's). The static cache is what
+    lets transformers run the decode steps through ``get_compiled_call``.
+
+    With ``keep_cache``, the cache is one this object keeps and resets between calls (its tensors stay where they
+    are, so the decode graphs captured for it keep replaying): a new one only for another batch size or a longer
+    ``max_length`` (rounded up to a multiple of ``CACHE_STEP`` tokens). Calls where that cache would outlive the
+    call (``return_dict_in_generate``, which returns it) or could not be sized here (beams, several sequences per
+    prompt, no ``input_ids``) get a new static cache from transformers instead."""
+
+    CACHE_STEP = 256
+
+    def __init__(self, generate, *, keep_cache: bool):
+        self.generate = generate  # the model class's generate, bound
+        self.keep_cache = keep_cache
+        self.cache = None
+        self.cache_shape = None  # (batch, max_cache_len)
+
+    def __call__(self, *args, **kwargs):
+        model = self.generate.__self__
+        gen_config = kwargs.get("generation_config")
+        own_config = getattr(model, "generation_config", None)
+        chosen = (any(kwargs.get(k) is not None for k in _CACHE_KWARGS) or "cache_implementation" in kwargs
+                  or kwargs.get("use_cache") is False
+                  or any(c is not None and (c.cache_implementation is not None or c.use_cache is False)
+                         for c in (gen_config, own_config)))
+        if chosen or not _on_cuda(model):
+            return self.generate(*args, **kwargs)
+        cache = self._kept_cache(model, args, kwargs, gen_config or own_config) if self.keep_cache else None
+        if cache is None:
+            kwargs["cache_implementation"] = "static"
+        else:
+            kwargs[_cache_kwarg(model)] = cache
+        return self.generate(*args, **kwargs)
+
+    def _kept_cache(self, model, args, kwargs, config):
+        ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        merged = {k: kwargs.get(k, getattr(config, k, None)) for k in
+                  ("max_new_tokens", "max_length", "num_beams", "num_return_sequences", "return_dict_in_generate")}
+        if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or (merged["num_beams"] or 1) > 1
+                or (merged["num_return_sequences"] or 1) > 1 or merged["return_dict_in_generate"]):
+            return None
+        if merged["max_new_tokens"] is not None:
+            length = ids.shape[1] + merged["max_new_tokens"]
+        elif merged["max_length"] is not None:
+            length = merged["max_length"]
+        else:
+            return None
+        batch = ids.shape[0]
+        if self.cache is not None and self.cache_shape[0] == batch and self.cache_shape[1] >= length:
+            self.cache.reset()
+            return self.cache
+        from transformers import StaticCache
+
+        max_len = -(-length // self.CACHE_STEP) * self.CACHE_STEP
+        self.cache = None  # (the old one's memory first)
+        self.cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=max_len)
+        self.cache_shape = (batch, max_len)
+        return self.cache
+
+
+def _cache_kwarg(model) -> str:
+    """The name this transformers gives generate()'s cache argument (``past_key_values``, later ``cache``)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _on_cuda(model) -> bool:

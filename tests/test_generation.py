@@ -149,19 +149,50 @@ class _CudaLike:
     ({"use_cache": False}, False),
 ])
 def test_static_cache_only_where_the_caller_chose_none(kwargs, static):
-    out = generation._generate_with_static_cache(_Owner().generate, **kwargs)
+    out = generation.StaticCacheGenerate(_Owner().generate, keep_cache=False)(**kwargs)
     assert (out.get("cache_implementation") == "static") is static
 
 
 def test_static_cache_respects_the_models_own_generation_config_and_the_cpu():
     from transformers import GenerationConfig
 
-    assert "cache_implementation" not in generation._generate_with_static_cache(_Owner(cuda=False).generate)
-    owner = _Owner(cache_implementation="dynamic")
-    assert "cache_implementation" not in generation._generate_with_static_cache(owner.generate)
+    def call(owner, **kwargs):
+        return generation.StaticCacheGenerate(owner.generate, keep_cache=False)(**kwargs)
+
+    assert "cache_implementation" not in call(_Owner(cuda=False))
+    assert "cache_implementation" not in call(_Owner(cache_implementation="dynamic"))
     chosen = GenerationConfig(cache_implementation="offloaded")
-    out = generation._generate_with_static_cache(_Owner().generate, generation_config=chosen)
-    assert "cache_implementation" not in out
+    assert "cache_implementation" not in call(_Owner(), generation_config=chosen)
+
+
+def test_kept_cache_makes_later_calls_replay_the_first_calls_graph(packed_llama, monkeypatch):
+    """generate() calls of one batch size and no longer max_length share one static cache, reset between calls, so
+    the graph captured by the first call replays in the later ones; another batch size gets a new cache."""
+    from transformers import CompileConfig
+
+    model = quantpack.load(packed_llama, device="cpu", decode="eager")
+    runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
+    model.get_compiled_call = runner.get_compiled_call
+    monkeypatch.setattr(generation, "_on_cuda", lambda model: True)
+    config = CompileConfig()
+    config._compile_all_devices = True
+    kw = dict(do_sample=False, pad_token_id=0, compile_config=config)
+    ids = _prompt(model, batch=2)
+    want = {n: model.generate(ids, max_new_tokens=n, disable_compile=True, **kw) for n in (4, 7)}
+    fast = generation.StaticCacheGenerate(model.generate, keep_cache=True)
+    assert torch.equal(fast(ids, max_new_tokens=7, **kw), want[7])
+    cache = fast.cache
+    assert torch.equal(fast(ids, max_new_tokens=4, **kw), want[4])
+    assert torch.equal(fast(ids, max_new_tokens=7, **kw), want[7])
+    assert fast.cache is cache and fast.cache_shape == (2, generation.StaticCacheGenerate.CACHE_STEP)
+    assert runner.captures == 1
+    one = ids[:1]
+    assert torch.equal(fast(one, max_new_tokens=4, **kw),
+                       model.generate(one, max_new_tokens=4, disable_compile=True, **kw))
+    assert fast.cache is not cache and runner.captures == 2
+    # A call that returns its cache gets a cache of its own.
+    out = fast(ids, max_new_tokens=4, return_dict_in_generate=True, **kw)
+    assert out.past_key_values is not fast.cache
 
 
 @pytest.mark.gpu
