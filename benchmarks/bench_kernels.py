@@ -11,11 +11,11 @@
          x @ W, the dequant kernel against copy bandwidth, W8A16 (``--w8-ms``), and (``stream``) how
          fast a kernel that only reads each shape's packed bytes, with no math, can be.
 
-Method (as in shared/tools/anchors_gpu.py): random data; every implementation checked against an
+Method (BENCHMARKS.md, "Method"): random data; every implementation checked against an
 fp32 reference first; each timed as the median of do_bench over CUDA-graph replays of one call per
 weight replica, with enough replicas to exceed 4x L2 so weights come from HBM. cuBLAS and quantpack are
 timed back to back twice (each keeps its faster median) before the peers, so that clock drift over the
-peers' minutes does not bias their ratio (since run U).
+peers' minutes does not bias their ratio.
 Floor = max(bytes / measured copy bandwidth, FLOPs / measured cuBLAS bf16 peak), with bytes = the
 packed weight + scales/zeros + activations in + out.
 """
