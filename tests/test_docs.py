@@ -61,3 +61,27 @@ def test_record_appends_one_line_per_row_with_its_provenance(tmp_path):
     assert len(lines) == 3
     assert all(line["impl"] == "quantpack" and line["device"] and line["date"] for line in lines)
     assert "commit" in lines[0]
+
+
+def test_every_environment_variable_the_code_reads_is_documented():
+    read = set()
+    for path in (ROOT / "quantpack").rglob("*.py"):
+        read |= set(re.findall(r"\bQUANTPACK_[A-Z_]+[A-Z]\b", path.read_text()))
+    assert len(read) >= 7, read
+    documented = set(re.findall(r"^\| `(QUANTPACK_[A-Z_]+)` \|", (ROOT / "docs" / "environment.md").read_text(), re.M))
+    assert read <= documented, f"not in docs/environment.md: {sorted(read - documented)}"
+
+
+def test_readme_and_benchmarks_stay_short_and_their_plots_exist():
+    readme = (ROOT / "README.md").read_text()
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    assert len(benchmarks.encode()) <= 60_000
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", readme + benchmarks)
+    assert images and all((ROOT / image).is_file() for image in images), images
+
+
+def test_no_kernels_doc_table_cell_is_a_wall_of_text():
+    for line in (ROOT / "docs" / "kernels.md").read_text().splitlines():
+        if line.startswith("|"):
+            assert max(len(cell) for cell in line.split("|")) <= 300, line[:80]
