@@ -9,7 +9,8 @@ hub repo), then converts it with ``convert(method=..., device=...)`` and prints 
 
 The conversion time includes everything the command does: reading and hashing every input,
 quantizing, computing each layer's reconstruction error, writing and hashing the shards, copying
-files and the manifest. Building the source is timed separately (not part of the result).
+files and the manifest. Building the source is timed separately (not part of the result). A GPU run's result is
+appended to benchmarks/results/conversion.jsonl (``--results DIR`` elsewhere, ``--results ""`` not at all).
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--json", help="also write the result as JSON to this file")
     parser.add_argument("--keep", action="store_true", help="keep the source and output directories")
+    parser.add_argument("--results", default=None, help="append the result to DIR/conversion.jsonl (default "
+                        "benchmarks/results, for full-size runs only; '' records nothing)")
     args = parser.parse_args(argv)
 
     from quantpack.convert import convert
@@ -85,6 +88,11 @@ def main(argv=None) -> int:
     print(json.dumps(result), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if not args.tiny:  # a smoke test's numbers are not results
+        sys.path.insert(0, os.path.dirname(__file__))
+        from timing import record
+
+        record("conversion", [result], args.results)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -5,6 +5,8 @@ end, so a call's time is its host time unless the GPU is the slower of the two (
 
     python benchmarks/bench_host.py                     # 4096x4096 and 14336x4096, M = 1, 16, 64, 256
     python benchmarks/bench_host.py --shapes 4096x4096 --ms 1 16
+
+Each row is appended to benchmarks/results/host.jsonl (``--results DIR`` elsewhere, ``--results ""`` not at all).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from bench_kernels import random_packed  # noqa: E402  (benchmarks/bench_kernels
 from quantpack.kernels import MixedMatmul, mixed_mm  # noqa: E402
 from quantpack.kernels.launch_plan import PlanCache  # noqa: E402
 from quantpack.kernels.mixed_mm import pick_config  # noqa: E402
-from timing import host_us  # noqa: E402
+from timing import host_us, record  # noqa: E402
 
 
 def graph_us(fn, calls: int = 20) -> float:
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["4096x4096", "14336x4096"], help="NxK")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--results", default=None, help="append the rows to DIR/host.jsonl (default benchmarks/results; "
+                    "'' records nothing)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("Error: this benchmark needs a CUDA GPU", file=sys.stderr)
@@ -48,6 +52,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, bf16, group size {gs}; us per call")
     print(f"{'N x K':>12} {'M':>5} {'path':>12} {'F.linear':>9} {'mixed_mm':>9} {'+plans':>9} {'autograd':>9} "
           f"{'kernel':>9}")
+    rows = []
     for shape in args.shapes:
         n, k = (int(v) for v in shape.lower().split("x"))
         qw, s, z = random_packed(n, k, 4, dt, gs=gs)
@@ -65,6 +70,11 @@ def main(argv=None) -> int:
             path = cfg.path + ("/rawq" if cfg.rawq else "")
             print(f"{n:>6}x{k:<5} {m:>5} {path:>12} {ref:>9.1f} {bare:>9.1f} {planned:>9.1f} {autograd:>9.1f} "
                   f"{kernel:>9.1f}", flush=True)
+            rows.append({"shape": [n, k], "M": m, "bits": 4, "group_size": gs, "dtype": "bf16", "path": path,
+                         "host_us": {"F.linear": round(ref, 1), "mixed_mm": round(bare, 1),
+                                     "planned": round(planned, 1), "autograd": round(autograd, 1)},
+                         "kernel_us": round(kernel, 1)})
+    record("host", rows, args.results)
     return 0
 
 

@@ -11,11 +11,11 @@
          x @ W, the dequant kernel against copy bandwidth, W8A16 (``--w8-ms``), and (``stream``) how
          fast a kernel that only reads each shape's packed bytes, with no math, can be.
 
-Method (as in shared/tools/anchors_gpu.py): random data; every implementation checked against an
+Method (BENCHMARKS.md, "Method"): random data; every implementation checked against an
 fp32 reference first; each timed as the median of do_bench over CUDA-graph replays of one call per
 weight replica, with enough replicas to exceed 4x L2 so weights come from HBM. cuBLAS and quantpack are
 timed back to back twice (each keeps its faster median) before the peers, so that clock drift over the
-peers' minutes does not bias their ratio (since run U).
+peers' minutes does not bias their ratio.
 Floor = max(bytes / measured copy bandwidth, FLOPs / measured cuBLAS bf16 peak), with bytes = the
 packed weight + scales/zeros + activations in + out.
 """
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import importlib  # noqa: E402
 
 from quantpack.kernels import dequantize  # noqa: E402
-from timing import graph_time as _graph_time, median_ms  # noqa: E402  (benchmarks/timing.py)
+from timing import graph_time as _graph_time, kernel_line, median_ms, record  # noqa: E402  (benchmarks/timing.py)
 
 mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module (the package exports a function of that name)
 dq_mod = importlib.import_module("quantpack.kernels.dequant")
@@ -48,6 +48,7 @@ DEQUANT_VARIANTS = [(32, 128, 4), (32, 128, 8), (64, 128, 4), (64, 128, 8), (32,
                     (128, 128, 2), (64, 64, 2)]
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # (N out, K in)
+IMPL = {"hqq_ref": "hqq", "ao_triton": "torchao"}  # the bench's column names -> the results files' impl names
 GS = 128
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -297,7 +298,8 @@ def bench(ms, dtypes, bw, peak):
                 if q:
                     extra = (f" | {(nbytes4 + 2 * m * k + 2 * m * n) / (q * 1e-6) / 1e12:5.2f} "
                              f"{2 * m * n * k / (q * 1e-6) / 1e12:7.1f} {floor / q * 100:5.0f}%")
-                extra += f"  [{config_label(mm.pick_config(False, 4, m, n, k, x.device))}]"
+                line["config"] = config_label(mm.pick_config(False, 4, m, n, k, x.device))
+                extra += f"  [{line['config']}]"
                 log(f"{m:5d} {floor:9.1f} | " + " | ".join(cells) + extra)
                 for nm in names:
                     if line.get(nm + "_fail"):
@@ -305,6 +307,24 @@ def bench(ms, dtypes, bw, peak):
             del impls
             torch.cuda.empty_cache()
     return rows
+
+
+def kernel_lines(section, rows):
+    """The ``main`` and ``w8`` sections' rows as ``kernels.jsonl`` cells (a peer over its accuracy bar is left out)."""
+    out = []
+    for r in rows:
+        if section == "main":
+            for name in ("cublas", "hqq_ref", "ao_triton", "tinygemm", "gemlite", "quantpack"):
+                if r.get(name) and not r.get(name + "_fail"):
+                    extra = {"config": r["config"]} if name == "quantpack" and "config" in r else {}
+                    out.append(kernel_line(r["N"], r["K"], r["M"], 4, GS, r["dtype"], IMPL.get(name, name),
+                                           r[name], r.get("cublas"), **extra))
+        else:
+            dtype = {str(v): name for name, v in DT.items()}[r["dtype"]]
+            for name in ("cublas", "quantpack"):
+                out.append(kernel_line(r["N"], r["K"], r["M"], 8, GS, dtype, name, r[name], r["cublas"],
+                                       **({"config": r["path"]} if name == "quantpack" else {})))
+    return out
 
 
 def replicated(n, k, bits, dtype):
@@ -485,6 +505,8 @@ def main():
                     help="(N, K) shapes to tune, as NxK,...: e.g. 6144x4096,28672x4096 for merged q/k/v and gate/up")
     ap.add_argument("--sections", default="transposed,dequant,w8,stream,main")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--results", default=None, help="append the main and W8A16 cells to DIR/kernels.jsonl "
+                    "(default benchmarks/results; '' records nothing)")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     dtypes = args.dtypes.split(",")
@@ -514,6 +536,8 @@ def main():
             log(f"[{time.strftime('%H:%M:%S')}] {name}")
             try:
                 results[name] = fn()
+                if name in ("main", "w8"):
+                    record("kernels", kernel_lines(name, results[name]), args.results)
             except Exception:
                 traceback.print_exc()
             if args.out:

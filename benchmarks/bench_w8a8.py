@@ -16,7 +16,8 @@
    - the matmul alone (pre-quantized activations), _int_mm alone, and the quantizer alone.
    Each is timed in --rounds interleaved rounds; the table reports each one's best round, the
    JSON every round (their spread is the noise).
-Writes bench_w8a8.json and bench_w8a8.md to $OUT (or the current directory).
+Writes bench_w8a8.json and bench_w8a8.md to $OUT (or the current directory), and appends each cell to
+benchmarks/results/kernels.jsonl (``--results DIR`` elsewhere, ``--results ""`` not at all).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from quantpack.quantize_w8a8 import quantize_activations_reference, quantize_weight_w8a8  # noqa: E402
 
-from timing import graph_time, median_ms  # noqa: E402  (benchmarks/timing.py)
+from timing import graph_time, kernel_line, median_ms, record  # noqa: E402  (benchmarks/timing.py)
 
 kw = importlib.import_module("quantpack.kernels.w8a8")
 
@@ -185,6 +186,18 @@ def table(rows):
     return "\n".join(lines)
 
 
+def kernel_lines(rows):
+    """The timed rows as ``kernels.jsonl`` cells: cuBLAS bf16, ``_int_mm`` + scaling, and the faster w8a8 kernel."""
+    out = []
+    for r in rows:
+        best = min(KERNELS, key=lambda kern: r[f"w8a8_{kern}"] if r[f"w8a8_{kern}"] == r[f"w8a8_{kern}"] else math.inf)
+        for impl, t, extra in (("cublas", r["cublas_bf16"], {}), ("int_mm", r["int_mm_scaled"], {}),
+                               ("quantpack", r[f"w8a8_{best}"], {"config": best})):
+            out.append(kernel_line(r["N"], r["K"], r["M"], 8, None, "bf16", impl, t, r["cublas_bf16"], scheme="w8a8",
+                                   **extra))
+    return out
+
+
 def chosen_configs():
     out = {}
     for name in ("_w8a8_matmul_tma_autotuned", "_w8a8_matmul_autotuned"):
@@ -198,6 +211,8 @@ def main():
     ap.add_argument("--ms", default="256,1024,4096")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds; the table reports the best round")
+    ap.add_argument("--results", default=None, help="append the cells to DIR/kernels.jsonl (default "
+                    "benchmarks/results; '' records nothing)")
     args = ap.parse_args()
     import triton
 
@@ -226,6 +241,7 @@ def main():
                    "failures": FAILURES, "rows": rows, "configs": configs}, f, indent=1)
     with open(os.path.join(out_dir, "bench_w8a8.md"), "w") as f:
         f.write(md + "\n")
+    record("kernels", kernel_lines(rows), args.results)
     for key, cfg in configs.items():
         log(f"config {key}: {cfg}")
     log(f"total {time.time() - t0:.0f}s; correctness {'ok' if not FAILURES else 'FAILED: ' + '; '.join(FAILURES)}")

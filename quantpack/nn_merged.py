@@ -25,8 +25,8 @@ from .kernels.mixed_mm import _plan_env, _table_state, _version
 from .nn import QuantLinear
 
 MERGED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-MERGE_MAX_M = 16  # rows of x up to which siblings merge, where the stacked shape's tuned path is mma (on Hopper:
-# every decode shape at M <= 8, q/k/v at 9-16 rows; benchmarks/NOTES.md v29)
+MERGE_MAX_M = 16  # rows of x up to which siblings merge, where the stacked shape's tuned path is mma (the stacked
+# weight exists only in the mma layout; on Hopper that is every decode shape at M <= 8, q/k/v also at 9-16 rows)
 
 
 class MergedProjections:

@@ -398,9 +398,9 @@ def test_dispatch_balances_the_last_wave_at_14336x4096(monkeypatch):
 @needs_hopper
 @pytest.mark.parametrize("producer,rawq", [(False, False), (True, False), (True, True)], ids=["", "producer", "rawq"])
 def test_trace_build_computes_the_same_product_and_stamps_every_program(monkeypatch, producer, rawq):
-    """The profiling build (a ``trace`` buffer: probe_wgmma.py --trace) gives the same output bit for bit, and
-    every program's stamps are in order: start <= first copies <= accumulator <= stored, and a split tile's last
-    program's sum after that, on an SM the GPU has."""
+    """The profiling build (a ``trace`` buffer: benchmarks/dev/probe_wgmma.py --trace) gives the same output bit
+    for bit, and every program's stamps are in order: start <= first copies <= accumulator <= stored, and a split
+    tile's last program's sum after that, on an SM the GPU has."""
     pw, w = packed(1040, 640, 64, torch.bfloat16)
     x = torch.randn(100, 640, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig("wgmma", 64, 64, 32, split=2, num_warps=4, num_stages=3, producer=producer, rawq=rawq)

@@ -1,7 +1,7 @@
 """Decode shapes one at a time: cuBLAS, tinygemm and quantpack's shipped pick (and, with ``--against``, the pick of
 another config table, timed alternately with it), on one GPU.
 
-    python benchmarks/bench_small.py [--shapes 2048x2048,3072x2048] [--bits 4,8] [--ms 1,4] [--against DIR]
+    python benchmarks/dev/bench_small.py [--shapes 2048x2048,3072x2048] [--bits 4,8] [--ms 1,4] [--against DIR]
 
 For the small-model shapes (Llama-3.2-1B / 3B q/k/v, o, gate/up, down; the 8B's k/v) where tinygemm is the peer to
 beat, and for before/after comparisons of a retuned table: ``--against DIR`` reads ``DIR/<gpu>.json`` (e.g. a copy of
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]  # benchmarks/ (the harness), the repo
 from bench_kernels import GS, config_label, mm, random_packed, ref_weight, replicas  # noqa: E402
 from timing import graph_time  # noqa: E402
 

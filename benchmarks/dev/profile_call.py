@@ -1,7 +1,7 @@
 """Run one ``mixed_mm`` call (random weights, one forced config) a few times, for a profiler to catch.
 
     ncu --kernel-name regex:_mma --launch-skip 12 --launch-count 1 --section SpeedOfLight \\
-        python benchmarks/profile_call.py --n 14336 --k 4096 --m 64 \\
+        python benchmarks/dev/profile_call.py --n 14336 --k 4096 --m 64 \\
         --config '{"path": "mma", "block_m": 16, "block_n": 32, "split": 4, "num_warps": 2, "rawq": true}'
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]  # benchmarks/ (the harness), the repo
 from bench_kernels import GS, random_packed  # noqa: E402  (benchmarks/bench_kernels.py)
 
 from quantpack.kernels import mixed_mm  # noqa: E402

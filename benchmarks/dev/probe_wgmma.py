@@ -1,9 +1,9 @@
 """Probe the Hopper wgmma path: correctness against a float32 reference, then a tile sweep timed like
 bench_kernels (CUDA-graph replays over weight replicas past L2) beside cuBLAS and the shipped path.
 
-    python benchmarks/probe_wgmma.py --shapes 4096x4096,14336x4096 --ms 64,256,1024
-    python benchmarks/probe_wgmma.py --shapes 14336x4096 --ms 1024 --tiles 256x128x64 --splits 1 --unbalanced
-    python benchmarks/probe_wgmma.py --shapes 4096x4096 --ms 64 --trace   # the shipped pick's timeline
+    python benchmarks/dev/probe_wgmma.py --shapes 4096x4096,14336x4096 --ms 64,256,1024
+    python benchmarks/dev/probe_wgmma.py --shapes 14336x4096 --ms 1024 --tiles 256x128x64 --splits 1 --unbalanced
+    python benchmarks/dev/probe_wgmma.py --shapes 4096x4096 --ms 64 --trace   # the shipped pick's timeline
 
 --trace: two consecutive calls in the middle of the timed graph record, per program, when it started, when its
 first copies landed, when its accumulator was done, when its tile (or partial) was
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]  # benchmarks/ (the harness), the repo
 
 from bench_kernels import L2, graph_time, random_packed, ref_weight, replicas  # noqa: E402
 import importlib  # noqa: E402
