@@ -24,7 +24,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 PROVENANCE = ("device", "commit", "date")
 KERNEL_FIELDS = PROVENANCE + ("shape", "M", "bits", "group_size", "dtype", "impl", "time_us", "ratio_to_cublas")
-DECODE_FIELDS = PROVENANCE + ("model", "batch", "mode", "impl", "tokens_per_s")
+DECODE_FIELDS = PROVENANCE + ("batch", "model", "path", "tok_s")
 CONVERSION_FIELDS = PROVENANCE + ("method", "bits", "group_size", "source_gb", "output_gb", "convert_s")
 REQUIRED = {"kernels": KERNEL_FIELDS, "decode": DECODE_FIELDS, "conversion": CONVERSION_FIELDS,
             "quality": PROVENANCE + ("method",)}
@@ -126,15 +126,15 @@ def plot_kernels(rows, out: Path, plt) -> list[Path]:
 
 def plot_decode(rows, out: Path, plt) -> list[Path]:
     def label(r):
-        name = r["impl"]
-        if r.get("merged"):
+        name = r["model"]
+        if r.get("projections") == "merged":
             name += " merged"
         if r.get("launch_plans") is False:
             name += " no plans"
         return name
 
-    cells = newest(rows, lambda r: (r["device"], r["mode"], r["batch"], label(r)))
-    groups = sorted({(r["device"], r["mode"], r["batch"]) for r in cells}, key=lambda g: (g[1], g[0], g[2]))
+    cells = newest(rows, lambda r: (r["device"], r["path"], r["batch"], label(r)))
+    groups = sorted({(r["device"], r["path"], r["batch"]) for r in cells}, key=lambda g: (g[1], g[0], g[2]))
     labels = sorted({label(r) for r in cells}, key=lambda s: (s != "bf16", s))
     if not groups:
         return []
@@ -143,10 +143,10 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
     for i, name in enumerate(labels):
         xs, ys = [], []
         for g, group in enumerate(groups):
-            r = next((r for r in cells if (r["device"], r["mode"], r["batch"]) == group and label(r) == name), None)
+            r = next((r for r in cells if (r["device"], r["path"], r["batch"]) == group and label(r) == name), None)
             if r:
                 xs.append(g + (i - (len(labels) - 1) / 2) * width)
-                ys.append(r["tokens_per_s"])
+                ys.append(r["tok_s"])
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]}" for d, m, b in groups], fontsize=7)
@@ -154,7 +154,7 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
     ax.set_ylabel("tokens/s (log)", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"End-to-end decode, {cells[0]['model']}", fontsize=9)
+    ax.set_title("End-to-end decode, Llama-3.1-8B shape, 4-bit g128", fontsize=9)
     fig.tight_layout()
     path = out / "decode.png"
     save(fig, path)

@@ -44,7 +44,7 @@ def test_every_results_line_parses_with_its_required_fields():
 def test_a_broken_results_line_is_one_error_naming_the_file_and_line(tmp_path):
     plot = _benchmarks_module("plot")
     (tmp_path / "decode.jsonl").write_text('{"device": "x", "commit": "abc1234", "date": "2026-01-01"}\n')
-    with pytest.raises(plot.ResultsError, match=r"decode.jsonl:1 lacks model, batch, mode, impl, tokens_per_s"):
+    with pytest.raises(plot.ResultsError, match=r"decode.jsonl:1 lacks batch, model, path, tok_s"):
         plot.load(tmp_path / "decode.jsonl")
     (tmp_path / "kernels.jsonl").write_text("{}\nnot json\n")
     assert plot.main(["--results", str(tmp_path)]) == 2
