@@ -234,9 +234,10 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 @click.option("--context-length", type=int, default=512, show_default=True, help="Tokens per evaluated sequence.")
 @click.option("--max-tokens", type=int, default=8192, show_default=True, help="Most tokens of the text evaluated.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (auto: a GPU when present).")
+@click.option("--allow-pickle", is_flag=True, help="Allow a PyTorch .bin reference (loaded with weights_only=True).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: docs/verify.md).")
 def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1, min_cosine, max_layer_error,
-                   context_length, max_tokens, device, as_json):
+                   context_length, max_tokens, device, allow_pickle, as_json):
     """Check a packed checkpoint's files and measure what quantization cost against the original.
 
     \b
@@ -254,7 +255,8 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
     try:
         report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
                         device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
-                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens)
+                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens,
+                        allow_pickle=allow_pickle)
     except ValueError as e:  # bad input or an unavailable reference: already one line
         raise UsageFailure(" ".join(str(e).split())) from None
     click.echo(report.to_json() if as_json else report.format_table())

@@ -598,12 +598,13 @@ def _file_list(root: Path) -> tuple[list[str], dict[str, str] | None, list[Probl
                                        f"not a packed checkpoint directory", file=checkpoint.SAFE_INDEX_NAME)]
 
 
-def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[Problem], dict | None]:
+def check_integrity(root, *, reference: Path | None = None,
+                    allow_pickle: bool = False) -> tuple[dict, list[Problem], dict | None]:
     """Check a packed checkpoint's files without loading the model.
 
     Returns (summary counts, problems, validated quantization_config or None). With ``reference``
     (the source checkpoint directory), a file whose checksum differs is searched for the tensors
-    that changed.
+    that changed (in a reference holding only PyTorch .bin weights when ``allow_pickle``).
     """
     from .loader import read_quantization_config
 
@@ -771,7 +772,8 @@ def check_integrity(root, *, reference: Path | None = None) -> tuple[dict, list[
         else:  # a manifest from before per-tensor digests
             located = {t: why for t, why in nonfinite.items() if tensors[t].file.name == fname}
             if reference is not None and skeleton is not None and not located:
-                located = _locate_changes(skeleton, fname, tensors, reference, (manifest or {}).get("settings") or {})
+                located = _locate_changes(skeleton, fname, tensors, reference, (manifest or {}).get("settings") or {},
+                                          allow_pickle=allow_pickle)
             hint = "" if reference is not None else " (verify with a reference to find the tensor)"
         if located:
             for tname, why in located.items():
@@ -821,12 +823,12 @@ def _reference_name(ref: checkpoint.SourceCheckpoint, name: str, prefix: str = "
 
 
 def _locate_changes(skeleton: nn.Module, fname: str, tensors: dict[str, TensorInfo], reference: Path,
-                    settings: dict) -> dict[str, str]:
+                    settings: dict, *, allow_pickle: bool = False) -> dict[str, str]:
     """Tensors of shard ``fname`` that differ from what converting ``reference`` stores: other
     tensors bit for bit against the reference cast to the stored dtype, quantized modules by their
     scheme's ``locate``."""
     try:
-        ref = checkpoint.SourceCheckpoint(reference)
+        ref = checkpoint.SourceCheckpoint(reference, allow_pickle=allow_pickle)
     except CheckpointError:
         return {}
 
@@ -1073,7 +1075,7 @@ def _check_threshold(name: str, value, *, low=None, high=None) -> None:
         raise ValueError(f"{name}={value!r} must be {rng}")
 
 
-def _resolve_reference(reference, manifest: dict | None, *, revision=None, token=None):
+def _resolve_reference(reference, manifest: dict | None, *, revision=None, token=None, allow_pickle: bool = False):
     """(directory, description) of the reference checkpoint: ``reference`` or the manifest's source."""
     from .hub import resolve_source
 
@@ -1087,7 +1089,7 @@ def _resolve_reference(reference, manifest: dict | None, *, revision=None, token
     else:
         repo = what = str(reference)
     try:
-        resolved = resolve_source(repo, revision=revision, token=token)
+        resolved = resolve_source(repo, revision=revision, token=token, allow_pickle=allow_pickle)
     except CheckpointError as e:
         message = str(e).removeprefix("source: ")
         raise ValueError(f"reference: {what} is not available: {message}"
@@ -1117,7 +1119,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
            min_cosine: float | None = DEFAULT_MIN_COSINE, max_layer_error: float | None = None,
            context_length: int = DEFAULT_CONTEXT_LENGTH, max_tokens: int = DEFAULT_MAX_TOKENS,
            dtype: torch.dtype | None = None, end_to_end: bool = True, revision: str | None = None,
-           token: str | None = None) -> VerifyReport:
+           token: str | None = None, allow_pickle: bool = False) -> VerifyReport:
     """Check the packed checkpoint ``packed`` (directory or hub repo id) and measure what quantizing cost.
 
     * ``reference``: the original checkpoint (hub repo id or directory); default: the source
@@ -1132,6 +1134,8 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
     * ``context_length``: tokens per evaluated sequence (capped at the model's maximum);
       ``max_tokens``: most tokens of the text evaluated. ``dtype``: dtype of the packed model's
       unquantized weights (default: as stored). ``end_to_end=False`` skips loading both models.
+    * ``allow_pickle``: accept a reference that holds only PyTorch .bin weights (loaded with
+      ``weights_only=True``), as ``convert(..., allow_pickle=True)`` does for a source.
 
     Problems in the files do not raise: they are in ``report.problems`` (verdict ``corrupt``). Bad
     arguments and an unavailable reference raise ``ValueError`` with a one-line message.
@@ -1177,12 +1181,12 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
     ref_dir, ref_error = None, None
     if reference is not False:
         try:
-            ref_dir, report.reference = _resolve_reference(reference, manifest, token=token)
+            ref_dir, report.reference = _resolve_reference(reference, manifest, token=token, allow_pickle=allow_pickle)
         except ValueError as e:
             if reference is not None:
                 raise
             ref_error = str(e)
-    summary, report.problems, qc = check_integrity(root, reference=ref_dir)
+    summary, report.problems, qc = check_integrity(root, reference=ref_dir, allow_pickle=allow_pickle)
     report.integrity = summary
     if report.problems:
         for section in ("layers", "kernels", "end_to_end"):
@@ -1210,7 +1214,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         report.seconds = time.perf_counter() - t0
         return report
 
-    ref = checkpoint.SourceCheckpoint(ref_dir)
+    ref = checkpoint.SourceCheckpoint(ref_dir, allow_pickle=allow_pickle)
     try:
         report.layers = layer_errors(model, ref, manifest)
     finally:
