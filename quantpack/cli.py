@@ -228,7 +228,8 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 @click.option("--no-reference", is_flag=True, help="Check only the files and the kernels; no reference needed.")
 @click.option("--text-file", type=click.Path(dir_okay=False), help="Evaluate on this UTF-8 text [default: a built-in passage].")
 @click.option("--max-kl", type=float, default=0.1, show_default=True, help="Largest mean KL divergence (nats per token), causal LMs.")
-@click.option("--min-top1", type=float, default=0.8, show_default=True, help="Smallest top-1 agreement, causal LMs.")
+@click.option("--min-top1", type=float, default=0.8, show_default=True, help="Smallest top-1 agreement over the positions where the reference is confident (skipped when "
+                   "fewer than 32), causal LMs.")
 @click.option("--min-cosine", type=float, default=0.99, show_default=True, help="Smallest mean cosine similarity, encoders.")
 @click.option("--max-layer-error", type=float, help="Largest per-layer relative weight error [default: not checked].")
 @click.option("--context-length", type=int, default=512, show_default=True, help="Tokens per evaluated sequence.")
