@@ -269,3 +269,28 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
             c.name if c.value is None or c.threshold is None else f"{c.name} = {c.value:.5g} (must be {c.op} {c.threshold:g})"
             for c in failed), err=True)
         sys.exit(1)
+
+
+@cli.command("info", short_help="Show what a packed checkpoint is, without loading or verifying it.")
+@click.argument("packed")
+@click.option("--revision", help="Hub revision (branch, tag or commit) of PACKED.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def info_command(packed, revision, as_json):
+    """Show a packed checkpoint's quantization settings, source, layers and size.
+
+    \b
+    Reads quantpack.json and config.json only: no tensor data is read and nothing is checked
+    (`quantpack verify` does that).
+    Examples:
+      quantpack info Llama-3.1-8B-qp4g128
+      quantpack info ./out --json
+    """
+    import json
+
+    from .info import format_info, info
+
+    try:
+        doc = info(packed, revision=revision)
+    except ValueError as e:
+        raise UsageFailure(" ".join(str(e).split())) from None
+    click.echo(json.dumps(doc, indent=2, allow_nan=False) if as_json else format_info(doc))
