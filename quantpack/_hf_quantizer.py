@@ -14,12 +14,19 @@ from typing import Any
 import torch
 # Submodules, not the `transformers.quantizers` package: this module is imported right after
 # `transformers.quantizers.auto` executes, possibly while the package's __init__ is still running.
+import transformers.quantizers.auto as auto
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from pathlib import Path
+
 from . import checkpoint, generation
-from .loader import QUANT_METHOD, linear_modules_to_convert, read_quantization_config, replace_linear_layers
+from .checkpoint import CheckpointError, TensorInfo
+from .loader import (QUANT_METHOD, _check_manifest_layers, _check_tensors, _expected_tensors, _fail,
+                     check_tensor_digests, linear_modules_to_convert, read_checkpoint_files, read_quantization_config,
+                     replace_linear_layers)
+from .nn import QuantLinear
 from .nn_merged import merge_projections
 
 logger = logging.getLogger(__name__)
@@ -33,18 +40,41 @@ class QuantpackConfig(QuantizationConfigMixin):
 
     Validated on construction (layout version, bits, axis, scheme), with the message of
     :class:`~quantpack.checkpoint.CheckpointError`.
+
+    ``verify`` is a loading option, as in :func:`quantpack.load`: check every tensor's bytes against the
+    sha256 ``quantpack.json`` records (default ``True``). It is never read from ``config.json``; pass it as
+    ``from_pretrained(path, quantization_config=QuantpackConfig(verify=False))``.
     """
 
-    def __init__(self, quant_method: str = QUANT_METHOD, **fields: Any):
+    def __init__(self, quant_method: str = QUANT_METHOD, *, verify: bool = True, **fields: Any):
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify={verify!r}: pass True or False")
         self.quant_method = quant_method
+        self.verify = verify
         extra = sorted(set(fields) - set(_CONFIG_FIELDS))
         if extra:
             raise checkpoint.CheckpointError(f"config.json: quantization_config has unknown field {extra[0]!r}; "
                                              f"this quantpack does not know it: upgrade quantpack")
-        self.validated = read_quantization_config({"quantization_config": {"quant_method": quant_method, **fields}})
         self._stored = dict(fields)  # serialized back exactly as read
+        # With no fields this is only a carrier of loading options (QuantpackConfig(verify=False)); transformers
+        # copies those onto the checkpoint's own config (get_loading_attributes), which is validated.
+        self.validated = self._validate() if fields else None
         for key in _CONFIG_FIELDS:
-            setattr(self, key, self.validated.get(key))
+            setattr(self, key, (self.validated or {}).get(key))
+
+    def _validate(self) -> dict:
+        return read_quantization_config({"quantization_config": {"quant_method": self.quant_method, **self._stored}})
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        if "verify" in config_dict:  # a checkpoint must not be able to switch its own checksums off
+            raise CheckpointError("config.json: quantization_config has field 'verify', a loading option that a "
+                                  "checkpoint cannot set; remove it (pass QuantpackConfig(verify=False) to "
+                                  "from_pretrained to skip checksums)")
+        return super().from_dict(config_dict, return_unused_kwargs, **kwargs)
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        return {"verify": self.verify}
 
     def to_dict(self) -> dict[str, Any]:
         return {"quant_method": self.quant_method, **json.loads(json.dumps(self._stored))}
@@ -64,14 +94,26 @@ class QuantpackHfQuantizer(HfQuantizer):
                              "more GPU or CPU memory (max_memory)")
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        qc = self.quantization_config.validated
+        config = self.quantization_config
+        qc = config.validated or config._validate()  # (a config without fields raises its one-line error)
+        # The checks of quantpack.load, before transformers reads any data: the files against the index and
+        # manifest, every tensor against the model built here, and (verify) every tensor's sha256.
+        root = _checkpoint_root(model, kwargs.get("checkpoint_files"))
+        tensors, digests = read_checkpoint_files(root, verify=config.verify)
+        if config.verify:
+            _check_manifest_layers(root, qc, tensors)
         dtype = kwargs.get("dtype") or getattr(model.config, "dtype", None) or torch.float32
         # transformers casts each stored scale to the dtype of the module buffer it fills; build the
-        # buffers in the dtype the checkpoint stores them in (when the shard headers say), so that a
-        # float32 model keeps its bf16 scales exact, and an explicit `dtype=` still applies to the rest.
-        scales_dtypes = _stored_scales_dtypes(kwargs.get("checkpoint_files"))
+        # buffers in the dtype the checkpoint stores them in, so that a float32 model keeps its bf16
+        # scales exact, and an explicit `dtype=` still applies to the rest.
+        scales_dtypes = _stored_scales_dtypes(tensors)
         names = linear_modules_to_convert(model, qc)
         replace_linear_layers(model, qc, names, lambda name: scales_dtypes.get(name, dtype))
+        quantized = set(names) | {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}  # + experts
+        expected, aliases = _expected_tensors(model)
+        _check_tensors(model, expected, aliases, tensors, quantized, qc)
+        if config.verify:
+            check_tensor_digests(tensors, digests)
         # A parent's _init_weights may re-initialize its linear children's `.weight` by attribute (GPT-2
         # scales c_proj.weight): every tensor of a packed checkpoint is stored, so nothing there needs init.
         for parent in {name.rpartition(".")[0] for name in names} - {""}:
@@ -79,6 +121,9 @@ class QuantpackHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if still_meta:
+            raise _fail(f"tensor {still_meta[0]}: missing from the checkpoint")
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
         generation.enable(model)  # (and generate() replays its decode steps from CUDA graphs)
         return model
@@ -107,13 +152,27 @@ class QuantpackHfQuantizer(HfQuantizer):
         return True
 
 
-def _stored_scales_dtypes(checkpoint_files) -> dict[str, torch.dtype]:
+def _checkpoint_root(model, checkpoint_files) -> Path:
+    """The packed checkpoint directory whose shards transformers is about to read. For a hub repository
+    transformers fetches only the config and shards: the rest (manifest, tokenizer) comes into the same
+    snapshot through :func:`quantpack.loader.resolve_checkpoint`, at the commit being loaded."""
+    files = [Path(f) for f in checkpoint_files or []]
+    if not files or not all(f.name.endswith(".safetensors") for f in files):
+        raise _fail("from_pretrained: a quantpack checkpoint loads from its safetensors shards; pass the packed "
+                    "checkpoint's directory or hub repo id (not a state_dict or other weight files)")
+    root = files[0].parent
+    if not (root / checkpoint.MANIFEST_NAME).is_file() and root.parent.name == "snapshots":
+        from .loader import resolve_checkpoint
+
+        repo_id = getattr(model.config, "name_or_path", None)
+        if repo_id and not Path(repo_id).exists():
+            resolve_checkpoint(repo_id, revision=root.name)  # the same snapshot, now with every file
+    return root
+
+
+def _stored_scales_dtypes(infos: dict[str, TensorInfo]) -> dict[str, torch.dtype]:
     """Module name -> the compute dtype its checkpoint stores: that of ``.scales``, or for W8A8
     layers (whose ``weight_scale`` is always float32) that of ``.bias``."""
-    infos: dict = {}
-    for f in checkpoint_files or []:
-        if str(f).endswith(".safetensors"):
-            infos.update(checkpoint.read_safetensors_header(f)[0])
     out: dict[str, torch.dtype] = {}
     for name, info in infos.items():
         if name.endswith(".scales"):
@@ -128,6 +187,10 @@ def register() -> None:
     # transformers' register_* decorators refuse a second registration: write the mappings directly.
     AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = QuantpackConfig
     AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = QuantpackHfQuantizer
+    # Lets from_pretrained(..., quantization_config=QuantpackConfig(verify=False)) pass the loading option on
+    # (transformers copies get_loading_attributes() only for the config types this tuple lists).
+    if QuantpackConfig not in auto.LOADING_ATTRIBUTES_CONFIG_TYPES:
+        auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*auto.LOADING_ATTRIBUTES_CONFIG_TYPES, QuantpackConfig)
 
 
 register()  # importing this module registers it (the import hook relies on that)

@@ -228,15 +228,17 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 @click.option("--no-reference", is_flag=True, help="Check only the files and the kernels; no reference needed.")
 @click.option("--text-file", type=click.Path(dir_okay=False), help="Evaluate on this UTF-8 text [default: a built-in passage].")
 @click.option("--max-kl", type=float, default=0.1, show_default=True, help="Largest mean KL divergence (nats per token), causal LMs.")
-@click.option("--min-top1", type=float, default=0.8, show_default=True, help="Smallest top-1 agreement, causal LMs.")
+@click.option("--min-top1", type=float, default=0.8, show_default=True, help="Smallest top-1 agreement over the positions where the reference is confident (skipped when "
+                   "fewer than 32), causal LMs.")
 @click.option("--min-cosine", type=float, default=0.99, show_default=True, help="Smallest mean cosine similarity, encoders.")
 @click.option("--max-layer-error", type=float, help="Largest per-layer relative weight error [default: not checked].")
 @click.option("--context-length", type=int, default=512, show_default=True, help="Tokens per evaluated sequence.")
 @click.option("--max-tokens", type=int, default=8192, show_default=True, help="Most tokens of the text evaluated.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (auto: a GPU when present).")
+@click.option("--allow-pickle", is_flag=True, help="Allow a PyTorch .bin reference (loaded with weights_only=True).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: docs/verify.md).")
 def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1, min_cosine, max_layer_error,
-                   context_length, max_tokens, device, as_json):
+                   context_length, max_tokens, device, allow_pickle, as_json):
     """Check a packed checkpoint's files and measure what quantization cost against the original.
 
     \b
@@ -254,7 +256,8 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
     try:
         report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
                         device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
-                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens)
+                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens,
+                        allow_pickle=allow_pickle)
     except ValueError as e:  # bad input or an unavailable reference: already one line
         raise UsageFailure(" ".join(str(e).split())) from None
     click.echo(report.to_json() if as_json else report.format_table())
@@ -266,3 +269,28 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
             c.name if c.value is None or c.threshold is None else f"{c.name} = {c.value:.5g} (must be {c.op} {c.threshold:g})"
             for c in failed), err=True)
         sys.exit(1)
+
+
+@cli.command("info", short_help="Show what a packed checkpoint is, without loading or verifying it.")
+@click.argument("packed")
+@click.option("--revision", help="Hub revision (branch, tag or commit) of PACKED.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def info_command(packed, revision, as_json):
+    """Show a packed checkpoint's quantization settings, source, layers and size.
+
+    \b
+    Reads quantpack.json and config.json only: no tensor data is read and nothing is checked
+    (`quantpack verify` does that).
+    Examples:
+      quantpack info Llama-3.1-8B-qp4g128
+      quantpack info ./out --json
+    """
+    import json
+
+    from .info import format_info, info
+
+    try:
+        doc = info(packed, revision=revision)
+    except ValueError as e:
+        raise UsageFailure(" ".join(str(e).split())) from None
+    click.echo(json.dumps(doc, indent=2, allow_nan=False) if as_json else format_info(doc))

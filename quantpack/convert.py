@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .card import CARD_NAME, write_model_card
 from .checkpoint import (
     CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, W8A8_CONFIG, WEIGHT_ONLY_SCHEMES,
     CheckpointError, SourceCheckpoint, dtype_name, is_disk_full, make_index, make_quantization_config, parse_size,
@@ -739,6 +740,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 target = partial / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(resolved.path / rel, target)
+            write_model_card(partial, resolved=resolved, settings=settings, summary=summary,
+                             name=default_output_name(resolved.name, bits, group_size, scheme))
             quant_config = make_quantization_config(
                 bits=bits, group_size=group_size, axis=axis, method=method,
                 modules_not_converted=[layer.name for layer in summary.skipped if layer.name in linears],
@@ -752,7 +755,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             data_bytes = sum(u.nbytes for u in units)
             write_json(partial / SAFE_INDEX_NAME, make_index(weight_map, data_bytes))
             outputs = {name: done[name] for name in names}
-            for rel in sorted(other_files + [CONFIG_NAME, SAFE_INDEX_NAME]):
+            for rel in sorted(set(other_files) | {CONFIG_NAME, SAFE_INDEX_NAME, CARD_NAME}):
                 outputs[rel] = {"sha256": sha256_file(partial / rel), "size": (partial / rel).stat().st_size}
             inputs = {}
             for rel, fut in input_hashes.items():

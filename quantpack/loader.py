@@ -198,6 +198,28 @@ def read_checkpoint_files(root: Path, *, verify: bool = True) -> tuple[dict[str,
     return tensors, digests
 
 
+def _digest_mismatch(name: str, info: TensorInfo) -> CheckpointError:
+    return _fail(f"tensor {name} in {info.file.name}: its data's sha256 differs from the one {checkpoint.MANIFEST_NAME} "
+                 f"records; the file is corrupt or modified: download it again (or pass verify=False to skip checksums)")
+
+
+def check_tensor_digests(tensors: dict[str, TensorInfo], digests: dict[str, str]) -> None:
+    """Hash each tensor's stored bytes against the digest :func:`read_checkpoint_files` returned for it, for a
+    reader that does not read the data itself (transformers' ``from_pretrained``); a mismatch names the tensor."""
+    handles: dict[Path, object] = {}
+    try:
+        for name in sorted(digests, key=lambda n: (str(tensors[n].file), tensors[n].offset) if n in tensors else ("", 0)):
+            info = tensors.get(name)
+            if info is None:
+                continue  # read_checkpoint_files already refused a tensor the manifest lists but the file lacks
+            f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
+            if checkpoint.sha256_tensor_data(info, f) != digests[name]:
+                raise _digest_mismatch(name, info)
+    finally:
+        for f in handles.values():
+            f.close()
+
+
 def _check_manifest_layers(root: Path, qc: dict, tensors: dict[str, TensorInfo]) -> None:
     """Each layer the manifest lists is stored quantized with the bits and shape it records."""
     for layer in checkpoint.read_manifest(root).get("layers") or []:
@@ -439,9 +461,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
             f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
             tensor = checkpoint.read_tensor(info, f)
             if name in digests and checkpoint.sha256_of(tensor) != digests[name]:
-                raise _fail(f"tensor {name} in {info.file.name}: its data's sha256 differs from the one "
-                            f"{checkpoint.MANIFEST_NAME} records; the file is corrupt or modified: download it again "
-                            f"(or pass verify=False to skip checksums)")
+                raise _digest_mismatch(name, info)
             module = name.rpartition(".")[0]
             if tensor.is_floating_point():
                 to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)

@@ -132,3 +132,28 @@ def test_real_subprocess(ckpt, tmp_path, text_file):
     assert p.returncode == 2
     errors = [line for line in p.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and errors[0].startswith(f"Error: tensor {tensor} in ") and "Traceback" not in p.stderr
+
+
+def test_allow_pickle_verifies_against_a_bin_reference(tiny_llama_dir, tmp_path):
+    """A checkpoint converted from a .bin source verifies against it with --allow-pickle, the flag the refusal names."""
+    import shutil
+
+    import torch
+
+    from quantpack.checkpoint import SourceCheckpoint
+    from quantpack.convert import convert
+
+    src = tmp_path / "bin"
+    src.mkdir()
+    with SourceCheckpoint(tiny_llama_dir) as ref:
+        torch.save({n: ref.get(n) for n in ref.tensors}, src / "pytorch_model.bin")
+    for f in tiny_llama_dir.iterdir():
+        if f.suffix in (".json", ".txt", ".model") and not f.name.endswith("index.json"):
+            shutil.copy(f, src / f.name)
+    out = tmp_path / "out"
+    convert(src, out, method="rtn", bits=8, allow_pickle=True, progress=False)
+    refused = run(out, "--device", "cpu")
+    assert refused.exit_code == 2 and "pass --allow-pickle" in refused.stderr and "\n" not in refused.stderr.strip()
+    r = run(out, "--device", "cpu", "--allow-pickle", "--max-kl", "1", "--min-top1", "0")
+    assert r.exit_code == 0, r.output + r.stderr
+    assert "integrity  ok" in r.stdout and "worst layers" in r.stdout and "KL          mean" in r.stdout

@@ -12,8 +12,8 @@ from quantpack import checkpoint
 from quantpack.checkpoint import CheckpointError
 from quantpack.loader import load
 from quantpack.nn import QuantLinear
-from test_loader import (RTOL, dequantized_source, encoder_src, llama_src, packed_encoder, packed_llama,  # noqa: F401
-                         packed_tied, prompt_ids, rel_err)
+from test_loader import (RTOL, _flip_data_byte, _refresh_manifest, dequantized_source, encoder_src,  # noqa: F401
+                         llama_src, packed_encoder, packed_llama, packed_tied, prompt_ids, rel_err)
 
 
 def test_from_pretrained_gives_the_same_logits_as_load(packed_llama, llama_src):
@@ -86,6 +86,72 @@ def test_from_pretrained_refuses_a_mismatched_checkpoint(packed_llama, tmp_path)
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"layout_version=2.*upgrade quantpack"):
         AutoModelForCausalLM.from_pretrained(bad)
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def test_from_pretrained_refuses_an_edited_modules_not_converted(packed_llama, tmp_path):
+    """A quantized layer listed as not converted would be built as nn.Linear with no stored weight (uninitialised
+    memory): refused before any data is read, with the manifest refreshed as an editor would, and without checksums."""
+    from transformers import AutoModelForCausalLM
+
+    bad = tmp_path / "bad"
+    shutil.copytree(packed_llama, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["modules_not_converted"].append(Q)
+    (bad / "config.json").write_text(json.dumps(config))
+    _refresh_manifest(bad)
+    for opt_out in (False, True):
+        kwargs = {"quantization_config": hf_integration.QuantpackConfig(verify=False)} if opt_out else {}
+        with pytest.raises(CheckpointError) as info:
+            AutoModelForCausalLM.from_pretrained(bad, **kwargs)
+        assert str(info.value).startswith(f"tensor {Q}.")
+        assert f"lists {Q} in modules_not_converted" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_from_pretrained_checks_checksums_unless_told_not_to(packed_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    bad = tmp_path / "bad"
+    shutil.copytree(packed_llama, bad)
+    shard = _flip_data_byte(bad, Q + ".qweight")
+    with pytest.raises(CheckpointError, match=rf"^tensor {Q}\.qweight in {shard.name}: its data's sha256 differs"):
+        AutoModelForCausalLM.from_pretrained(bad)
+    # the opt-out of quantpack.load (verify=False), as a loading option: the headers are intact, so it loads
+    with pytest.warns(UserWarning, match="loading attributes"):
+        model = AutoModelForCausalLM.from_pretrained(bad, quantization_config=hf_integration.QuantpackConfig(verify=False))
+    assert not model.config.quantization_config.verify and "verify" not in model.config.quantization_config.to_dict()
+    # a checkpoint cannot switch its own checksums off
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["verify"] = False
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="field 'verify', a loading option that a checkpoint cannot set"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_from_pretrained_of_a_hub_repo_verifies_against_its_manifest(packed_llama, tmp_path, monkeypatch):
+    """transformers fetches only the config and shards; the manifest comes into the same snapshot."""
+    from huggingface_hub import constants
+    from transformers import AutoModelForCausalLM
+
+    from conftest import fill_hub_cache
+
+    cache = tmp_path / "hf-cache"
+    fill_hub_cache(cache, "quantpack-tests/packed", packed_llama)
+    for key, value in {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model = AutoModelForCausalLM.from_pretrained("quantpack-tests/packed", dtype=torch.float32)
+    ids = prompt_ids(packed_llama)
+    assert torch.equal(model(**ids).logits, load(packed_llama, device="cpu", dtype=torch.float32)(**ids).logits)
+    blob = next((cache / "models--quantpack-tests--packed" / "snapshots").glob("*/quantpack.json")).resolve()
+    manifest = json.loads(blob.read_text())
+    next(iter(manifest["files"]["outputs"].values()))["size"] += 1
+    blob.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="quantpack.json says"):
+        AutoModelForCausalLM.from_pretrained("quantpack-tests/packed")
 
 
 def test_save_pretrained_is_refused(packed_tied, tmp_path):

@@ -1,0 +1,44 @@
+"""The packed checkpoint's own model card (README.md) replaces the source's."""
+from __future__ import annotations
+
+import shutil
+
+from huggingface_hub.repocard import metadata_load
+
+import quantpack
+from quantpack import checkpoint
+from quantpack.convert import convert
+
+
+def test_card_describes_the_packed_checkpoint_not_the_source(tiny_llama_dir, tmp_path):
+    src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# The original model\nIts own description.\n")
+    out = tmp_path / "tiny-qp4"
+    convert(src, out, group_size=32, method="rtn", skip=[r"layers\.1\.mlp"], progress=False)
+    card = (out / "README.md").read_text()
+    assert "The original model" not in card and card.startswith("---\n")
+    meta = metadata_load(out / "README.md")
+    assert meta["license"] == "apache-2.0" and "base_model" not in meta  # a local path is no model id
+    assert meta["tags"] == ["quantpack", "4-bit", "w4a16", "quantized"] and meta["library_name"] == "transformers"
+    assert meta["quantization"] == {"scheme": "w4a16", "bits": 4, "group_size": 32, "axis": 1, "method": "rtn",
+                                    "dtype": "bfloat16", "quantpack_version": quantpack.__version__}
+    # named as convert names an output by default, whatever -o says: the card depends only on source and settings
+    assert card.splitlines()[len(card.split("\n---\n")[0].splitlines()) + 2] == "# src-qp4g32"
+    assert 'quantpack.load("src-qp4g32")' in card and 'AutoModelForCausalLM.from_pretrained("src-qp4g32")' in card
+    assert f"quantpack convert {src} --bits 4 --group-size 32 --axis 1 --method rtn" in card
+    assert "--skip 'layers\\.1\\.mlp'" in card and "- `model.layers.1.mlp.up_proj`: matches --skip" in card
+    assert (out / "LICENSE").read_bytes() == (src / "LICENSE").read_bytes()
+    # the card is part of the checkpoint: listed with its checksum, so verify and load check it
+    assert checkpoint.read_manifest(out)["files"]["outputs"]["README.md"]["size"] == len(card.encode())
+    assert checkpoint.check_manifest_files(out) == []
+
+
+def test_card_of_a_hub_source_names_its_base_model(hub_cache, tmp_path):
+    out = tmp_path / "packed"
+    convert(hub_cache.repo_id, out, bits=8, group_size=None, method="rtn", progress=False)
+    meta = metadata_load(out / "README.md")
+    assert meta["base_model"] == hub_cache.repo_id and meta["base_model_relation"] == "quantized"
+    assert "8-bit" in meta["tags"] and meta["quantization"]["group_size"] is None
+    card = (out / "README.md").read_text()
+    assert f"quantpack convert {hub_cache.repo_id} --revision {hub_cache.commit} --bits 8 --group-size none" in card
+    assert f"(https://huggingface.co/{hub_cache.repo_id}) at revision `{hub_cache.commit}`" in card

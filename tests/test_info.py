@@ -1,0 +1,49 @@
+"""``quantpack info``: the checkpoint's settings, source and size, read from its manifest without loading it."""
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from quantpack import checkpoint
+from quantpack.cli import cli
+from quantpack.info import info
+from test_loader import packed_mixed  # noqa: F401 (fixture)
+
+
+def run(*args):
+    return CliRunner().invoke(cli, ["info", *map(str, args)])
+
+
+def test_info_json_describes_the_checkpoint(packed_mixed, tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(checkpoint, "read_tensor", None)  # nothing is loaded: no tensor data read
+    r = run(packed_mixed, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    manifest = checkpoint.read_manifest(packed_mixed)
+    assert doc == info(packed_mixed)
+    assert (doc["scheme"], doc["bits"], doc["group_size"], doc["axis"], doc["method"]) == ("w4a16", 4, None, 0, "rtn")
+    assert doc["bits_overrides"] == {f"model.layers.{i}.mlp.down_proj": 8 for i in (0, 1)}
+    assert doc["source"] == {"repo": str(tiny_llama_dir.resolve()), "revision": None, "local": True}
+    assert doc["architecture"] == "LlamaForCausalLM" and doc["model_layers"] == 2
+    assert doc["quantized_layers"] == len(manifest["layers"]) == 13
+    assert {s["name"] for s in doc["skipped_layers"]} == {"model.layers.1.self_attn.o_proj", "lm_head"}
+    assert doc["size_bytes"] == sum(p.stat().st_size for p in packed_mixed.iterdir() if p.name != "quantpack.json")
+    assert doc["source_bytes"] == manifest["totals"]["source_bytes"] and doc["verify"] is None
+
+
+def test_info_table(packed_mixed):
+    r = run(packed_mixed)
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "w4a16, 4-bit, group size per-channel, axis 0, method rtn" in out
+    assert "model           LlamaForCausalLM, 2 layers" in out and "quantized       13 linear layers" in out
+    assert "skipped         2\n" in out and "\n  model.layers.1.self_attn.o_proj: matches --skip" in out
+    assert "size on disk    " in out and "verify          not recorded" in out
+
+
+def test_info_on_something_else_is_one_line_exit_2(tiny_llama_dir, tmp_path):
+    for target, message in ((tiny_llama_dir, "no quantpack.json; not a complete quantpack output"),
+                            (tmp_path / "missing", "no such directory")):
+        r = run(target)
+        assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
