@@ -198,3 +198,69 @@ def test_vllm_refuses_a_tp_size_that_does_not_fit(packed_dirs, tmp_path):
             "size 2: each rank would hold 64 of its 128 in-features, not a multiple of the group size 128; this "
             "layer allows tensor-parallel sizes 1 (or re-convert with a smaller --group-size)")
     assert line in proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def vllm_layers(monkeypatch):
+    """vLLM's linear layers built outside its engine: a current (default) config, and the tensor-parallel rank and
+    size that layers and parameters read from the process group set by the returned function instead."""
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.parameter as parameter
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from quantpack.integrations.vllm import register
+
+    register()
+    group = {"rank": 0, "size": 1}
+    for module in (linear, parameter):
+        monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: group["rank"])
+        monkeypatch.setattr(module, "get_tensor_model_parallel_world_size", lambda: group["size"])
+    with set_current_vllm_config(VllmConfig()):
+        yield lambda rank, size: group.update(rank=rank, size=size)
+
+
+@needs_vllm
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_linear_method_outside_the_engine(vllm_layers, device, bits):
+    """create_weights, loading the checkpoint's packed tensors rank by rank, apply: a merged gate/up layer
+    (column-parallel) and a row-parallel layer at TP 2 give each rank its share of the full product."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+    from quantpack.integrations._vllm_layers import QuantpackConfig, QuantpackLinearMethod
+
+    torch.manual_seed(0)
+    k, sizes, g, tp, dtype = 256, [128, 64], 64, 2, torch.bfloat16
+    cfg = QuantpackConfig.from_config({"quant_method": "quantpack", "layout_version": 1, "bits": bits,
+                                       "group_size": g, "axis": 1, "method": "rtn", "modules_not_converted": []})
+    cfg.packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    parts = [quantize(torch.randn(n, k), bits=bits, group_size=g, method="rtn", dtype=dtype) for n in sizes]
+    down = quantize(torch.randn(96, k), bits=bits, group_size=g, method="rtn", dtype=dtype)
+    bias = torch.randn(96, dtype=dtype)
+    x = torch.randn(5, k, dtype=dtype)
+    want_up = torch.cat([reference.matmul(x.float(), p) for p in parts], dim=-1)
+    want_down = reference.matmul(x.float(), down, bias.float())
+    got_up, got_down = [], 0
+    for rank in range(tp):
+        vllm_layers(rank, tp)
+        up = MergedColumnParallelLinear(k, sizes, bias=False, params_dtype=dtype, quant_config=cfg,
+                                        prefix="model.layers.0.mlp.gate_up_proj")
+        row = RowParallelLinear(k, 96, bias=True, params_dtype=dtype, quant_config=cfg,
+                                prefix="model.layers.0.mlp.down_proj")
+        assert isinstance(up.quant_method, QuantpackLinearMethod) and isinstance(row.quant_method, QuantpackLinearMethod)
+        for shard_id, p in enumerate(parts):
+            for name in ("qweight", "scales", "zeros"):
+                up.weight_loader_v2(getattr(up, name), getattr(p, name), shard_id)
+        for name in ("qweight", "scales", "zeros"):
+            row.weight_loader_v2(getattr(row, name), getattr(down, name))
+        row.weight_loader(row.bias, bias)
+        for layer in (up, row):
+            layer.quant_method.process_weights_after_loading(layer)
+            layer.to(device)
+        got_up.append(up.quant_method.apply(up, x.to(device)).float().cpu())
+        x_rank = x[:, rank * k // tp:(rank + 1) * k // tp].to(device)
+        got_down = got_down + row.quant_method.apply(row, x_rank, row.bias if rank == 0 else None).float().cpu()
+    want_ranks = torch.cat([w.chunk(tp, dim=-1)[r] for r in range(tp) for w in want_up.split(sizes, dim=-1)], -1)
+    torch.testing.assert_close(torch.cat(got_up, dim=-1), want_ranks, rtol=2e-2, atol=2e-2)
+    # (each rank's partial sum, of magnitude ~20 here, is rounded to bf16 before they add up: 1/16 a step)
+    torch.testing.assert_close(got_down, want_down, rtol=2e-2, atol=0.15)
