@@ -1,0 +1,1 @@
+"""Integrations of quantpack checkpoints with other serving and training frameworks."""

@@ -1,0 +1,39 @@
+"""Run in a child process by tests/test_vllm.py: serve a packed checkpoint with vLLM (CPU) and write
+per-token prompt log-probs, greedy generations and which processes registered the plugin to a JSON
+file (vLLM logs to stdout, so results go to a file). Argv: MODEL_DIR TP OUT_JSON PROMPTS_JSON."""
+import json
+import os
+import sys
+
+
+def plugin_state(*_args, **_kwargs):
+    """Runs in each vLLM worker: was the quantpack plugin registered there, and by its entry point?"""
+    import os
+
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    cls = get_quantization_config("quantpack") if "quantpack" in QUANTIZATION_METHODS else None
+    return {"pid": os.getpid(), "config_class": None if cls is None else f"{cls.__module__}.{cls.__name__}"}
+
+
+def main():
+    model, tp, out, prompts_file = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    prompts = json.loads(open(prompts_file).read())
+    from vllm import LLM, SamplingParams
+
+    kwargs = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=128, seed=0, **kwargs)
+    inputs = [{"prompt_token_ids": ids} for ids in prompts["prompts"]]
+    scored = llm.generate(inputs, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0))
+    logprobs = [[entry[tok].logprob for tok, entry in zip(ids[1:], r.prompt_logprobs[1:])]
+                for ids, r in zip(prompts["prompts"], scored)]
+    greedy = llm.generate(inputs, SamplingParams(max_tokens=prompts["max_new_tokens"], temperature=0.0,
+                                                 ignore_eos=True))
+    workers = llm.collective_rpc(plugin_state)
+    with open(out, "w") as f:
+        json.dump({"logprobs": logprobs, "greedy": [list(r.outputs[0].token_ids) for r in greedy],
+                   "workers": workers, "main_pid": os.getpid()}, f)
+
+
+if __name__ == "__main__":
+    main()
