@@ -229,10 +229,10 @@ def _compile(pattern: str, what: str) -> re.Pattern:
 
 
 def _model_structure(config_dict: dict, path: Path, weight_names, trust_remote_code: bool = False):
-    """Build the model on the meta device from its config; return (model, config, base): ``base`` is
-    True when ``architectures`` names a model with a head but the checkpoint holds only its base model
+    """Build the model on the meta device from its config; return (model, config, head): ``head`` is
+    the class name the config asks for when the checkpoint holds only that model's base model
     (unprefixed, no head weights: many sentence-embedding checkpoints), which is then what is built, as
-    transformers' ``AutoModel`` does."""
+    transformers' ``AutoModel`` does; else None."""
     import transformers
 
     from .hf_config import auto_config, model_class
@@ -248,8 +248,8 @@ def _model_structure(config_dict: dict, path: Path, weight_names, trust_remote_c
                                   f"{cls.__name__} from it ({type(e).__name__}: {first})") from None
         base = _stored_base_model(model, set(weight_names))
         if base is not None:
-            return type(base)(config), config, True
-    return model, config, False
+            return type(base)(config), config, cls.__name__
+    return model, config, None
 
 
 def _stored_base_model(model, names: set[str]):
@@ -593,7 +593,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             raise CheckpointError(f"source: is already quantized (quant_method={qm!r}); convert from the original "
                                   f"floating-point checkpoint")
         weight_names = set(src.tensors)
-        model, config, as_base = _model_structure(config_dict, resolved.path, weight_names, trust_remote_code)
+        model, config, head = _model_structure(config_dict, resolved.path, weight_names, trust_remote_code)
         expert_sources, block_renames = _expert_tensors(model, src.tensors)
         canonical, dropped = _canonical_names(model, src.tensors, expert_sources, block_renames)
         linears, output_names, absent = _linear_modules(model, weight_names)
@@ -617,8 +617,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         experts = _expert_count(config)
         quant_plan: dict[str, LayerResult] = {}
         bits_overrides: dict[str, int] = {}
-        if as_base:
-            summary.warnings.append(f"{CONFIG_NAME} names {config_dict['architectures'][0]}, but the checkpoint holds "
+        if head:
+            summary.warnings.append(f"{CONFIG_NAME} asks for {head}, but the checkpoint holds "
                                     f"only its base model's weights: converted as {type(model).__name__}, as "
                                     f"transformers' AutoModel loads it (recorded in the output's architectures)")
         if dropped:
@@ -786,7 +786,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 modules_not_converted=[layer.name for layer in summary.skipped if layer.name in linears],
                 bits_overrides=bits_overrides, version=__version__, scheme=scheme, quantized_experts=quantized_experts)
             new_config = {**config_dict, "quantization_config": quant_config}
-            if as_base:  # what was built, so that loading and verifying build the same
+            if head:  # what was built, so that loading and verifying build the same
                 new_config["architectures"] = [type(model).__name__]
             for key in ("dtype", "torch_dtype"):
                 if key in new_config or key == "dtype":

@@ -79,6 +79,8 @@ def model_class(config, *, trust_remote_code: bool = False):
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         return get_class_from_dynamic_module(custom, config._name_or_path)
+    if custom and type(config) in auto._model_mapping:  # as transformers does untrusted: its own class for the type
+        return auto._model_mapping[type(config)]
     if custom and names:
         raise CheckpointError(f"config.json: architectures {names[0]!r} is the repository's own Python code "
                               f"(auto_map); pass {REMOTE_CODE_OPTION} to run it, if you trust it")

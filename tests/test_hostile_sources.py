@@ -95,6 +95,19 @@ def test_custom_code_is_refused_unless_trusted(custom_code_src, tmp_path):
     assert result.exit_code == 0, result.output
 
 
+def test_auto_map_for_a_model_type_transformers_knows_runs_no_code(custom_code_src, tmp_path):
+    """As transformers does without trust_remote_code: its own class for the model type, no prompt."""
+    src, marker = custom_code_src
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(out), "--method", "rtn", "--no-progress"],
+                                input="y\n")
+    assert result.exit_code == 0, result.output
+    assert type(quantpack.load(out, device="cpu")).__name__ == "LlamaForCausalLM"
+    assert not marker.exists()
+
+
 def test_unknown_model_type_says_what_is_missing(tiny_llama_dir, tmp_path):
     src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
     config = json.loads((src / "config.json").read_text())
@@ -143,7 +156,7 @@ def refused(src, tmp_path, match, *args):
     """Converting ``src`` fails with one line naming the problem, and leaves nothing behind."""
     out = tmp_path / "out"
     one_line_failure(convert_cli(src, out, *args), match)
-    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    assert not out.exists() and not (tmp_path / ".out.qp-partial").exists()
 
 
 @pytest.mark.parametrize("name", ["model.layers.0.mlp.down_proj.weight", "model.layers.1.input_layernorm.weight",
