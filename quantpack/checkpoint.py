@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -63,6 +64,22 @@ DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 class CheckpointError(ValueError):
     """A checkpoint (source or packed) that cannot be used; the message is one line saying what to do."""
+
+
+def read_config(path) -> dict:
+    """``config.json`` of the checkpoint directory ``path`` as a dict; a missing file, invalid JSON or
+    anything but a JSON object is a one-line :class:`CheckpointError`."""
+    f = Path(path) / CONFIG_NAME
+    try:
+        config = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing; a checkpoint needs its model config") from None
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{f}: not valid JSON; download it again") from None
+    if not isinstance(config, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(config), "a number")
+        raise CheckpointError(f"{f}: holds {kind}, not a JSON object of model settings; download it again")
+    return config
 
 
 def shard_name(index: int, count: int) -> str:
@@ -162,10 +179,13 @@ def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]
         raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON); download the file again") from None
     metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + header_len
-    infos, end = {}, 0
+    infos, spans = {}, []
     for name, entry in header.items():
         try:
-            code, shape, (begin, stop) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            code, shape, (begin, stop) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not all(type(x) is int for x in (*shape, begin, stop)):  # (bools and floats are not offsets)
+                raise TypeError
+            shape = tuple(shape)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {name!r}; download the file again") from None
         dtype = SAFETENSORS_DTYPES.get(code)
@@ -174,10 +194,21 @@ def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]
         numel = 1
         for d in shape:
             numel *= d
-        if stop - begin != numel * dtype.itemsize or begin < 0:
-            raise CheckpointError(f"{path}: tensor {name!r} has inconsistent offsets; the file is corrupt")
+        if begin < 0 or min(shape, default=0) < 0 or stop - begin != numel * dtype.itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} has data_offsets [{begin}, {stop}] that do not match its "
+                                  f"dtype {code} and shape {list(shape)}; the file is corrupt: download it again")
         infos[name] = TensorInfo(name, path, dtype, shape, data_start + begin, stop - begin)
-        end = max(end, stop)
+        spans.append((begin, stop, name))
+    # As safetensors itself requires: the tensors' data lie back to back, in offset order, with no
+    # overlap and no gap, so no byte is read for two tensors or for none.
+    end, last = 0, None
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            what = f"overlaps {last!r}" if begin < end else f"leaves a gap of {begin - end} bytes after " + (
+                repr(last) if last else "the header")
+            raise CheckpointError(f"{path}: tensor {name!r} (data_offsets [{begin}, {stop}]) {what}; the file is "
+                                  f"corrupt or crafted: download it again")
+        end, last = stop, name
     if data_start + end != size:
         what = "truncated" if data_start + end > size else "has trailing bytes"
         raise CheckpointError(f"{path}: safetensors file is {what} ({size} bytes, header says "
@@ -249,6 +280,8 @@ class SourceCheckpoint:
                                   f"or {BIN_SINGLE_NAME}{hint}")
         if not (p / CONFIG_NAME).exists():
             raise CheckpointError(f"source: {p} has weights but no {CONFIG_NAME}; quantpack needs the model config")
+        for name in [CONFIG_NAME, *([self.index_file] if self.index_file else []), *self.weight_files]:
+            self._check_inside(name)
         for name in self.weight_files:
             f = p / name
             if is_lfs_pointer(f):
@@ -277,12 +310,27 @@ class SourceCheckpoint:
         except (ValueError, KeyError, TypeError):
             raise CheckpointError(f"{index_path}: not a valid index (needs a \"weight_map\" object)") from None
         files = sorted(set(weight_map.values()))
+        for f in files:
+            if not isinstance(f, str) or not f or Path(f).is_absolute() or ".." in Path(f).parts:
+                raise CheckpointError(f"{index_path}: names shard {f!r}, which is not a file name inside {self.path}; "
+                                      f"the index is corrupt or crafted: download it again")
         missing = [f for f in files if not (self.path / f).is_file()]
         if missing:
             raise CheckpointError(f"{index_path}: names shard {missing[0]} which is missing from {self.path}; "
                                   f"download it again" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         self._index_map = weight_map
         return files
+
+    def _check_inside(self, rel: str) -> None:
+        """``rel`` (a file of this checkpoint) must not lead outside its folder through a link; in the
+        Hugging Face cache a snapshot's files are links into the repository's ``blobs`` folder."""
+        roots = [self.path.resolve()]
+        if self.path.parent.name == "snapshots":
+            roots.append((self.path.parent.parent / "blobs").resolve())
+        real = (self.path / rel).resolve()
+        if not any(real.is_relative_to(root) for root in roots):
+            raise CheckpointError(f"{self.path / rel}: leads to {real}, outside the checkpoint folder {self.path}; "
+                                  f"copy the file into the folder if you trust it")
 
     def _check_index_matches(self) -> None:
         for tname, fname in self._index_map.items():
@@ -339,10 +387,7 @@ class SourceCheckpoint:
         return sum(i.nbytes for i in self.tensors.values())
 
     def config(self) -> dict:
-        try:
-            return json.loads((self.path / CONFIG_NAME).read_text())
-        except ValueError:
-            raise CheckpointError(f"{self.path / CONFIG_NAME}: not valid JSON") from None
+        return read_config(self.path)
 
     def other_files(self) -> list[str]:
         """Relative paths of every file to copy as-is to a converted checkpoint: everything but the
@@ -355,6 +400,7 @@ class SourceCheckpoint:
                 continue
             if f.name.endswith(WEIGHT_SUFFIXES) or f.name.endswith(".index.json"):
                 continue
+            self._check_inside(rel)  # copied into the output: never a file from elsewhere
             out.append(rel)
         return out
 
@@ -472,11 +518,22 @@ def safetensors_size(shapes_dtypes: dict[str, tuple[tuple[int, ...], torch.dtype
     return 8 + len(raw) + (-len(raw) % 8) + offset
 
 
+def finite_or_none(obj):
+    """JSON has no NaN or infinity: such numbers become null (in dicts, lists and tuples, recursively)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
 def write_json(path, obj) -> None:
-    """Deterministic, human-readable JSON written atomically."""
+    """Deterministic, human-readable, valid JSON (non-finite numbers as null) written atomically."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(finite_or_none(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
     os.replace(tmp, path)
 
 

@@ -102,11 +102,13 @@ class GroupSize(click.ParamType):
 @click.option("--revision", help="Hub branch, tag or commit.")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for private or gated repos.")
 @click.option("--allow-pickle", is_flag=True, help="Allow PyTorch .bin sources (loaded with weights_only=True).")
+@click.option("--trust-remote-code", is_flag=True, help="Run the Python code a checkpoint ships for its model "
+              "(auto_map in config.json); only for repositories you trust.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars.")
 def convert_command(source, output, bits, group_size, axis, method, scheme, dtype, device, skip, bits_for,
-                    quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle, as_json,
-                    no_progress):
+                    quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle,
+                    trust_remote_code, as_json, no_progress):
     """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
 
     \b
@@ -141,7 +143,8 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
                           skip=skip, bits_for=bits_for,
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
                           overwrite=overwrite, strict=strict, revision=revision, token=token,
-                          allow_pickle=allow_pickle, progress=not no_progress and not as_json)
+                          allow_pickle=allow_pickle, progress=not no_progress and not as_json,
+                          trust_remote_code=trust_remote_code)
     except click.ClickException:
         raise
     except ValueError as e:  # includes CheckpointError: bad input, already one line
@@ -150,7 +153,9 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
         click.echo("Interrupted: finished shards are kept; re-run the same command to resume.", err=True)
         sys.exit(130)
     if as_json:
-        click.echo(json.dumps(summary.to_dict(), indent=2))
+        from .checkpoint import finite_or_none
+
+        click.echo(json.dumps(finite_or_none(summary.to_dict()), indent=2, allow_nan=False))
     else:
         if dry_run:
             click.echo(summary.format_plan() + "\n")
@@ -236,9 +241,11 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 @click.option("--max-tokens", type=int, default=8192, show_default=True, help="Most tokens of the text evaluated.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (auto: a GPU when present).")
 @click.option("--allow-pickle", is_flag=True, help="Allow a PyTorch .bin reference (loaded with weights_only=True).")
+@click.option("--trust-remote-code", is_flag=True, help="Run the Python code the checkpoints ship for their model "
+              "and tokenizer (auto_map); only for repositories you trust.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: docs/verify.md).")
 def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1, min_cosine, max_layer_error,
-                   context_length, max_tokens, device, allow_pickle, as_json):
+                   context_length, max_tokens, device, allow_pickle, trust_remote_code, as_json):
     """Check a packed checkpoint's files and measure what quantization cost against the original.
 
     \b
@@ -257,7 +264,7 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
         report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
                         device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
                         max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens,
-                        allow_pickle=allow_pickle)
+                        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     except ValueError as e:  # bad input or an unavailable reference: already one line
         raise UsageFailure(" ".join(str(e).split())) from None
     click.echo(report.to_json() if as_json else report.format_table())

@@ -229,31 +229,49 @@ def _compile(pattern: str, what: str) -> re.Pattern:
         raise ValueError(f"{what}={pattern!r} is not a valid regular expression ({e})") from None
 
 
-def _model_structure(config_dict: dict, path: Path):
-    """Build the model on the meta device from its config; return (model, config)."""
+def _model_structure(config_dict: dict, path: Path, weight_names, trust_remote_code: bool = False):
+    """Build the model on the meta device from its config; return (model, config, head): ``head`` is
+    the class name the config asks for when the checkpoint holds only that model's base model
+    (unprefixed, no head weights: many sentence-embedding checkpoints), which is then what is built, as
+    transformers' ``AutoModel`` does; else None."""
     import transformers
-    from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"source: transformers {transformers.__version__} cannot read {path / CONFIG_NAME} "
-                              f"({first[:200]}); upgrade transformers") from None
-    classes = [getattr(transformers, a, None) for a in (config_dict.get("architectures") or [])]
-    classes = [c for c in classes if c is not None]
+    from .hf_config import auto_config, model_class
+
+    config = auto_config(path, trust_remote_code=trust_remote_code, config=config_dict)
+    cls = model_class(config, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        for cls in classes:
-            try:
-                return cls(config), config
-            except Exception:  # an architecture transformers knows by name but cannot build from this config
-                continue
         try:
-            return transformers.AutoModel.from_config(config), config
-        except Exception as e:
-            raise CheckpointError(f"source: cannot build the model structure of {config_dict.get('model_type')!r} "
-                                  f"with transformers {transformers.__version__} ({type(e).__name__}); "
-                                  f"upgrade transformers") from None
+            model = cls(config)
+        except Exception as e:  # transformers raises many kinds for a config it cannot build
+            first = " ".join(str(e).split())[:160]
+            raise CheckpointError(f"{path / CONFIG_NAME}: transformers {transformers.__version__} cannot build "
+                                  f"{cls.__name__} from it ({type(e).__name__}: {first})") from None
+        base = _stored_base_model(model, set(weight_names))
+        if base is not None:
+            return type(base)(config), config, cls.__name__
+    return model, config, None
+
+
+def _stored_base_model(model, names: set[str]):
+    """``model``'s base model when the checkpoint ``names`` are that base model's weights without the
+    ``base_model_prefix`` and hold none of the head's own (untied) weights; else None. A head whose
+    weights are all tied to the base (GPT-2's lm_head) leaves nothing to tell, so it is kept."""
+    from transformers import PreTrainedModel
+
+    from .loader import _tied_targets
+
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    if not isinstance(base, PreTrainedModel) or base is model:
+        return None
+    if any(n.startswith(prefix + ".") for n in names):
+        return None
+    tied = _tied_targets(model)
+    head = [k for k in model.state_dict() if not k.startswith(prefix + ".") and k not in tied]
+    if not head or any(k in names for k in head) or not names & set(base.state_dict()):
+        return None
+    return base
 
 
 def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, tuple], set[str], list]:
@@ -351,6 +369,22 @@ def _canonical_names(model, names, experts=None, renames=None) -> tuple[dict[str
                               f"this architecture (e.g. per-expert MoE weights into 3-D tensors), which quantpack "
                               f"does not support yet; convert a model whose stored names match its parameters")
     return mapping, unknown
+
+
+def _check_complete(model, canonical: dict[str, str], expert_blocks) -> None:
+    """Every tensor the model needs is in the checkpoint (by the loader's rule: its persistent
+    parameters and buffers, a shared tensor once, tied weights excepted); a packed checkpoint without
+    one would be refused by ``quantpack.load`` and ``verify``."""
+    from .loader import _expected_tensors, _tied_targets
+
+    expected, _ = _expected_tensors(model)
+    provided, tied = set(canonical.values()), _tied_targets(model)
+    blocks = tuple(f"{b}." for b in expert_blocks)  # a quantized experts block: checked in _plan_experts
+    missing = [n for n in expected if n not in provided and n not in tied and not n.startswith(blocks)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"source: tensor {missing[0]}{more} of {type(model).__name__} is missing from the "
+                              f"checkpoint; it is incomplete or does not match its {CONFIG_NAME}: download it again")
 
 
 def _load_time_conversion(model) -> bool:
@@ -511,7 +545,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             axis: int = 1, method: str | None = None, scheme: str | None = None, dtype=None, device: str = "auto",
             skip=(), bits_for=(), quantize_lm_head: bool = False, max_shard_size="5GB", dry_run: bool = False,
             overwrite: bool = False, strict: bool = False, revision: str | None = None, token: str | None = None,
-            allow_pickle: bool = False, progress: bool = True) -> ConvertSummary:
+            allow_pickle: bool = False, progress: bool = True, trust_remote_code: bool = False) -> ConvertSummary:
     """Convert ``source`` (hub repo id or local directory) into a packed checkpoint at ``output``.
 
     ``scheme``: ``None`` (weight-only ``w<bits>a16``: ``bits`` 4 by default, ``method`` hqq by
@@ -524,6 +558,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     ``bits_for``: ``"REGEX=BITS"`` strings (or (regex, bits) pairs), first match wins.
     ``dtype`` (bfloat16/float16) is the output dtype of scales, zeros and every unquantized floating
     tensor; default: the source weights' dtype if half precision, else bfloat16.
+    ``trust_remote_code``: let transformers run the Python code the checkpoint ships for its config and
+    model (``auto_map``); off by default, so such a checkpoint is refused and nothing ever prompts.
     Raises ``ValueError`` (:class:`~quantpack.checkpoint.CheckpointError` for checkpoint and disk
     problems) with a one-line message on bad input, before anything is written when it can.
     """
@@ -557,8 +593,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             qm = config_dict["quantization_config"].get("quant_method", "unknown")
             raise CheckpointError(f"source: is already quantized (quant_method={qm!r}); convert from the original "
                                   f"floating-point checkpoint")
-        model, config = _model_structure(config_dict, resolved.path)
         weight_names = set(src.tensors)
+        model, config, head = _model_structure(config_dict, resolved.path, weight_names, trust_remote_code)
         expert_sources, block_renames = _expert_tensors(model, src.tensors)
         canonical, dropped = _canonical_names(model, src.tensors, expert_sources, block_renames)
         linears, output_names, absent = _linear_modules(model, weight_names)
@@ -582,6 +618,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         experts = _expert_count(config)
         quant_plan: dict[str, LayerResult] = {}
         bits_overrides: dict[str, int] = {}
+        if head:
+            summary.warnings.append(f"{CONFIG_NAME} asks for {head}, but the checkpoint holds "
+                                    f"only its base model's weights: converted as {type(model).__name__}, as "
+                                    f"transformers' AutoModel loads it (recorded in the output's architectures)")
         if dropped:
             summary.warnings.append(f"dropped {len(dropped)} stored tensors that are not parameters of "
                                     f"{type(model).__name__} (transformers skips them too): "
@@ -636,6 +676,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 bits_overrides[name] = layer_bits
         quantized_experts = _plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides,
                                           skip_patterns, bits_rules, bits, group_size, axis, w8a8)
+        _check_complete(model, canonical, quantized_experts)
         summary.layers.sort(key=lambda layer: _natural_key(layer.name))
         # A pattern that selects nothing is almost always a typo: say so (and stop under --strict).
         for option, patterns in (("--skip", skip_patterns), ("--bits-for", [p for p, _ in bits_rules])):
@@ -715,6 +756,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             summary.seconds = time.perf_counter() - t0
             return summary
 
+        created = not partial.exists()
         try:
             partial.mkdir(parents=True, exist_ok=True)
             if not os.access(partial, os.W_OK):
@@ -747,6 +789,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 modules_not_converted=[layer.name for layer in summary.skipped if layer.name in linears],
                 bits_overrides=bits_overrides, version=__version__, scheme=scheme, quantized_experts=quantized_experts)
             new_config = {**config_dict, "quantization_config": quant_config}
+            if head:  # what was built, so that loading and verifying build the same
+                new_config["architectures"] = [type(model).__name__]
             for key in ("dtype", "torch_dtype"):
                 if key in new_config or key == "dtype":
                     new_config[key] = dtype_name(out_dtype)
@@ -780,6 +824,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             _fsync_dir(partial)
             _publish(partial, out_path, overwrite)
             summary.timings["finish"] = time.perf_counter() - t_finish
+        except CheckpointError:  # a bad source value: nothing of this run is worth keeping for a resume
+            if created:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         except OSError as e:
             if is_disk_full(e):
                 raise CheckpointError(f"output: disk full while writing {partial} ({e.strerror}); free space and "
@@ -860,15 +908,27 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
                 timings["read_wait"] += time.perf_counter() - t
                 if j + 1 < len(shard):
                     pending = reader.submit(src.get, shard[j + 1].source)
+                _check_finite(src, unit.source, tensor)
                 if unit.layer is None:
                     (out_name, (_, out_t)), = unit.outputs.items()
-                    tensors[out_name] = tensor.to(out_t) if tensor.dtype != out_t else tensor
+                    out = tensors[out_name] = tensor.to(out_t) if tensor.dtype != out_t else tensor
+                    if out is not tensor and out.is_floating_point() and not bool(torch.isfinite(out).all()):
+                        raise CheckpointError(f"source: tensor {unit.source}: values up to "
+                                              f"{float(tensor.abs().max()):.3g} do not fit in {dtype_name(out_t)}; "
+                                              f"pass --dtype bfloat16, or fix the checkpoint")
                 else:
                     t = time.perf_counter()
                     layer = unit.layer
                     quantize_layer = _quantize_layer_w8a8 if scheme == "w8a8" else _quantize_layer
                     weight = tensor.t().contiguous() if layer.transposed else tensor  # stored as (out, in)
-                    tensors.update(quantize_layer(weight, layer, axis, method, dev, out_dtype))
+                    packed = quantize_layer(weight, layer, axis, method, dev, out_dtype)
+                    if not math.isfinite(layer.rel_error) or not all(bool(torch.isfinite(v).all()) for v in
+                                                                    packed.values() if v.is_floating_point()):
+                        raise CheckpointError(f"source: tensor {unit.source}: values up to "
+                                              f"{float(tensor.abs().max()):.3g} overflow the {dtype_name(out_dtype)} "
+                                              f"scales when quantized; pass --dtype bfloat16, --skip the layer, or "
+                                              f"fix the checkpoint")
+                    tensors.update(packed)
                     layers.append({"name": layer.name, "rel_error": layer.rel_error})
                     timings["quantize"] += time.perf_counter() - t
                 bar.update(src.info(unit.source).nbytes)
@@ -887,13 +947,27 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
         entry.pop("layers", None)
 
 
+def _check_finite(src: SourceCheckpoint, name: str, tensor: torch.Tensor) -> None:
+    """A NaN or infinity in a source tensor would be copied or quantized into garbage: refuse it, by name."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"source: tensor {name} in {src.info(name).file.name}: {bad} of {tensor.numel()} "
+                              f"values are NaN or infinite; the checkpoint is damaged: download it again")
+
+
+def _rel_error(deq: torch.Tensor, w: torch.Tensor) -> float:
+    """``||deq - w|| / ||w||`` in float32, both scaled by a power of two near ``max |w|`` first: exact the
+    same for ordinary weights, and finite for huge ones (3e38) whose squares overflow float32."""
+    scale = torch.exp2(torch.floor(torch.log2(w.abs().amax().clamp_min(1e-30))))
+    err = torch.linalg.vector_norm((deq - w) / scale) / torch.linalg.vector_norm(w / scale).clamp_min(1e-30)
+    return float(f"{float(err):.6g}")
+
+
 @torch.no_grad()
 def _quantize_layer(weight, layer: LayerResult, axis, method, dev, out_dtype) -> dict[str, torch.Tensor]:
     w = weight.to(dev, non_blocking=False)
     pw = quantize(w, bits=layer.bits, group_size=layer.group_size, axis=axis, method=method, dtype=out_dtype)
-    w32 = w.float()
-    err = torch.linalg.vector_norm(dequantize(pw, torch.float32) - w32) / torch.linalg.vector_norm(w32).clamp_min(1e-30)
-    layer.rel_error = float(f"{float(err):.6g}")
+    layer.rel_error = _rel_error(dequantize(pw, torch.float32), w.float())
     module = layer.name
     return {f"{module}.qweight": pw.qweight.cpu(), f"{module}.scales": pw.scales.cpu(), f"{module}.zeros": pw.zeros.cpu()}
 
@@ -903,10 +977,7 @@ def _quantize_layer_w8a8(weight, layer: LayerResult, axis, method, dev, out_dtyp
     """Symmetric int8 per output channel (docs/format.md, W8A8); the scale stays float32."""
     w = weight.to(dev, non_blocking=False)
     qweight, weight_scale = quantize_weight_w8a8(w)
-    w32 = w.float()
-    err = (torch.linalg.vector_norm(dequantize_w8a8(qweight, weight_scale) - w32)
-           / torch.linalg.vector_norm(w32).clamp_min(1e-30))
-    layer.rel_error = float(f"{float(err):.6g}")
+    layer.rel_error = _rel_error(dequantize_w8a8(qweight, weight_scale), w.float())
     return {f"{layer.name}.qweight": qweight.cpu(), f"{layer.name}.weight_scale": weight_scale.cpu()}
 
 

@@ -12,7 +12,6 @@ tensor, a file whose checksum differs, or an unsupported layout version raises
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from pathlib import Path
@@ -243,18 +242,11 @@ def _check_manifest_layers(root: Path, qc: dict, tensors: dict[str, TensorInfo])
 # load()
 # --------------------------------------------------------------------------------------------------
 
-def model_class_for(config):
-    """The transformers class ``config.architectures`` names, else the Auto class for the model type."""
-    import transformers
+def model_class_for(config, *, trust_remote_code: bool = False):
+    """The transformers class to build for ``config`` (see :func:`quantpack.hf_config.model_class`)."""
+    from .hf_config import model_class
 
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls
-    from transformers import AutoModel, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
+    return model_class(config, trust_remote_code=trust_remote_code)
 
 
 def _expected_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -363,7 +355,8 @@ def _check_device(device, what: str = "device") -> torch.device:
 
 def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, device_map=None,
          revision: str | None = None, token: str | None = None, max_memory: dict | None = None,
-         verify: bool = True, merge: bool = True, decode: str = "graphs") -> nn.Module:
+         verify: bool = True, merge: bool = True, decode: str = "graphs",
+         trust_remote_code: bool = False) -> nn.Module:
     """Load a quantpack checkpoint (a directory or a hub repository id) as a transformers model.
 
     * ``device``: where the model goes (default: the current CUDA device if there is one, else the
@@ -383,6 +376,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     * ``decode``: how ``model.generate`` decodes on a GPU (:mod:`quantpack.generation`): ``"graphs"`` (default: a
       static KV cache, each decode step captured once as a CUDA graph and replayed), ``"compile"`` (a static cache
       and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged).
+    * ``trust_remote_code``: run the Python code the checkpoint ships for its config and model
+      (``auto_map``). Off by default: such a checkpoint is refused, and nothing ever prompts.
 
     Returns the model of the class ``config.json``'s ``architectures`` names, in eval mode, with
     ``model.config.quantization_config`` and ``model.hf_quantizer`` set as ``from_pretrained`` sets
@@ -390,7 +385,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     disagree with the config, index or manifest.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig
+
+    from .hf_config import auto_config
 
     if device is not None and device_map is not None:
         raise ValueError("device and device_map: pass one of them, not both")
@@ -410,13 +406,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     root = resolve_checkpoint(path_or_repo_id, revision=revision, token=token)
     if not (root / checkpoint.CONFIG_NAME).is_file():
         raise _fail(f"{root}: no config.json; not a packed checkpoint directory")
-    config = AutoConfig.from_pretrained(root)
-    try:
-        qc = read_quantization_config(json.loads((root / checkpoint.CONFIG_NAME).read_text()))
-    except ValueError as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        raise _fail(f"{root / checkpoint.CONFIG_NAME}: not valid JSON") from None
+    config_dict = checkpoint.read_config(root)
+    qc = read_quantization_config(config_dict)
+    config = auto_config(root, trust_remote_code=trust_remote_code, config=config_dict)
     tensors, digests = read_checkpoint_files(root, verify=verify)
     if verify:
         _check_manifest_layers(root, qc, tensors)
@@ -429,7 +421,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     if hasattr(plain_config, "quantization_config"):
         del plain_config.quantization_config
     with init_empty_weights(include_buffers=False):
-        model = model_class_for(config)._from_config(plain_config, dtype=build_dtype)
+        model = model_class_for(config, trust_remote_code=trust_remote_code)._from_config(plain_config,
+                                                                                         dtype=build_dtype)
 
     def compute_dtype(module: str) -> torch.dtype:
         # Quantized layers keep the scales/zeros (and bias) dtype they were quantized with (W8A8 layers,
@@ -486,7 +479,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     # treat the model as a quantized base that supports adapter training.
     from .hf_integration import QuantpackConfig, QuantpackHfQuantizer
 
-    stored_qc = json.loads((root / checkpoint.CONFIG_NAME).read_text())["quantization_config"]
+    stored_qc = config_dict["quantization_config"]
     model.config.quantization_config = QuantpackConfig.from_dict(stored_qc)
     model.hf_quantizer = QuantpackHfQuantizer(model.config.quantization_config, pre_quantized=True)
     model.is_quantized = True

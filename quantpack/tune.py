@@ -34,7 +34,9 @@ class TuneReport:
     tuned: dict  # config key -> the picked config's path ("mma", "wgmma", ...)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        from .checkpoint import finite_or_none
+
+        return json.dumps(finite_or_none(asdict(self)), indent=1, allow_nan=False)
 
     def format_table(self) -> str:
         lines = [f"{len(self.tuned)} config keys tuned on {self.device} ({self.layers} quantized layers, batch sizes "

@@ -211,17 +211,6 @@ REPORT_SCHEMA = {
 }
 
 
-def _finite_or_none(obj):
-    """JSON has no NaN or infinity: such numbers become null (the schema allows null where they can occur)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite_or_none(v) for v in obj]
-    return obj
-
-
 # ----------------------------------------------------------------------------------------------
 # The report
 
@@ -294,7 +283,7 @@ class VerifyReport:
         return self.problems[0].message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 
     def to_dict(self) -> dict:
-        return _finite_or_none({
+        return checkpoint.finite_or_none({
             "schema_version": SCHEMA_VERSION,
             "quantpack_version": __version__,
             "packed": self.packed,
@@ -565,20 +554,20 @@ def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 # Integrity
 
 
-def _skeleton(root: Path, qc: dict, tensors: dict[str, TensorInfo]):
+def _skeleton(root: Path, qc: dict, tensors: dict[str, TensorInfo], trust_remote_code: bool = False):
     """The model the config describes, on meta, with quantized layers swapped in as the loader does.
     Returns (model, {state-dict name: meta tensor} with shared tensors once, tied names, quantized names)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig
 
+    from .hf_config import auto_config
     from .loader import _expected_tensors, _tied_targets, linear_modules_to_convert, model_class_for, replace_linear_layers
 
-    config = AutoConfig.from_pretrained(root)
+    config = auto_config(root, trust_remote_code=trust_remote_code)
     plain = copy.deepcopy(config)
     if hasattr(plain, "quantization_config"):
         del plain.quantization_config
     with init_empty_weights(include_buffers=False):
-        model = model_class_for(config)._from_config(plain, dtype=torch.float32)
+        model = model_class_for(config, trust_remote_code=trust_remote_code)._from_config(plain, dtype=torch.float32)
 
     def compute_dtype(module: str) -> torch.dtype:
         info = tensors.get(module + ".scales")
@@ -609,12 +598,13 @@ def _file_list(root: Path) -> tuple[list[str], dict[str, str] | None, list[Probl
 
 
 def check_integrity(root, *, reference: Path | None = None,
-                    allow_pickle: bool = False) -> tuple[dict, list[Problem], dict | None]:
+                    allow_pickle: bool = False, trust_remote_code: bool = False) -> tuple[dict, list[Problem], dict | None]:
     """Check a packed checkpoint's files without loading the model.
 
     Returns (summary counts, problems, validated quantization_config or None). With ``reference``
     (the source checkpoint directory), a file whose checksum differs is searched for the tensors
-    that changed (in a reference holding only PyTorch .bin weights when ``allow_pickle``).
+    that changed (in a reference holding only PyTorch .bin weights when ``allow_pickle``). ``trust_remote_code``: let transformers run the
+    checkpoint's own code to build its model (off: such a checkpoint is a config problem).
     """
     from .loader import read_quantization_config
 
@@ -623,13 +613,13 @@ def check_integrity(root, *, reference: Path | None = None,
     summary = {"files_checked": 0, "tensors_checked": 0}
 
     # -- config and quantization_config: without them nothing else can be judged
-    try:
-        config = json.loads((root / checkpoint.CONFIG_NAME).read_text())
-    except FileNotFoundError:
+    if not (root / checkpoint.CONFIG_NAME).is_file():
         return summary, [Problem("config", f"{root}: no config.json; not a packed checkpoint directory",
                                  file=checkpoint.CONFIG_NAME)], None
-    except ValueError:
-        return summary, [Problem("config", "file config.json: not valid JSON; download it again",
+    try:
+        config = checkpoint.read_config(root)
+    except CheckpointError as e:
+        return summary, [Problem("config", f"file config.json: {str(e).partition(': ')[2]}",
                                  file=checkpoint.CONFIG_NAME)], None
     qc = None
     try:
@@ -712,7 +702,9 @@ def check_integrity(root, *, reference: Path | None = None,
     expected, skeleton = None, None
     if qc is not None:
         try:
-            skeleton, expected, tied, quantized = _skeleton(root, qc, tensors)
+            skeleton, expected, tied, quantized = _skeleton(root, qc, tensors, trust_remote_code)
+        except CheckpointError as e:
+            problems.append(Problem("config", str(e), file=checkpoint.CONFIG_NAME))
         except Exception as e:  # transformers raises many kinds for a config it cannot build
             problems.append(Problem("config", f"file config.json: transformers cannot build the model it describes "
                                               f"({type(e).__name__}: {' '.join(str(e).split())[:160]})",
@@ -1134,7 +1126,8 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
            min_cosine: float | None = DEFAULT_MIN_COSINE, max_layer_error: float | None = None,
            context_length: int = DEFAULT_CONTEXT_LENGTH, max_tokens: int = DEFAULT_MAX_TOKENS,
            dtype: torch.dtype | None = None, end_to_end: bool = True, revision: str | None = None,
-           token: str | None = None, allow_pickle: bool = False) -> VerifyReport:
+           token: str | None = None, allow_pickle: bool = False,
+           trust_remote_code: bool = False) -> VerifyReport:
     """Check the packed checkpoint ``packed`` (directory or hub repo id) and measure what quantizing cost.
 
     * ``reference``: the original checkpoint (hub repo id or directory); default: the source
@@ -1152,6 +1145,8 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
       unquantized weights (default: as stored). ``end_to_end=False`` skips loading both models.
     * ``allow_pickle``: accept a reference that holds only PyTorch .bin weights (loaded with
       ``weights_only=True``), as ``convert(..., allow_pickle=True)`` does for a source.
+    * ``trust_remote_code``: run the Python code the packed checkpoint, its reference and their
+      tokenizers ship (``auto_map``). Off by default: such a checkpoint is refused, nothing prompts.
 
     Problems in the files do not raise: they are in ``report.problems`` (verdict ``corrupt``). Bad
     arguments and an unavailable reference raise ``ValueError`` with a one-line message.
@@ -1202,7 +1197,17 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
             if reference is not None:
                 raise
             ref_error = str(e)
-    summary, report.problems, qc = check_integrity(root, reference=ref_dir, allow_pickle=allow_pickle)
+    from .hf_config import check_remote_code
+
+    # Refused as bad input (the files may well be intact): running their code needs the user's word.
+    for where in [root] + ([ref_dir] if ref_dir is not None else []):
+        try:
+            config = checkpoint.read_config(where)
+        except CheckpointError:
+            continue  # the integrity check (or loading the reference) reports it
+        check_remote_code(where, config, trust_remote_code=trust_remote_code)
+    summary, report.problems, qc = check_integrity(root, reference=ref_dir, allow_pickle=allow_pickle,
+                                                  trust_remote_code=trust_remote_code)
     report.integrity = summary
     if report.problems:
         for section in ("layers", "kernels", "end_to_end"):
@@ -1219,7 +1224,8 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
 
     from .loader import load
 
-    model = load(root, device=dev, dtype=dtype, verify=False)  # the files were just checked
+    model = load(root, device=dev, dtype=dtype, verify=False,  # the files were just checked
+                 trust_remote_code=trust_remote_code)
     report.kernels = kernel_errors(model)
     for item in report.kernels["items"]:
         shape = "x".join(map(str, item["shape"]))
@@ -1249,7 +1255,8 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         report.checks.append(Check("max_layer_error", value, max_layer_error, "<=", value <= max_layer_error))
 
     if end_to_end:
-        report.end_to_end = _end_to_end(model, ref_dir, root, dev, text, text_desc, context_length, max_tokens)
+        report.end_to_end = _end_to_end(model, ref_dir, root, dev, text, text_desc, context_length, max_tokens,
+                                        trust_remote_code)
         if report.end_to_end is None:
             report.skipped["end_to_end"] = (f"{type(model).__name__} is neither a causal LM nor an encoder with "
                                             f"last_hidden_state")
@@ -1277,17 +1284,15 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
 
 
 def _end_to_end(model, ref_dir: Path, root: Path, dev: torch.device, text: str, text_desc: str,
-                context_length: int, max_tokens: int) -> dict | None:
+                context_length: int, max_tokens: int, trust_remote_code: bool = False) -> dict | None:
     from transformers import AutoTokenizer
-
-    from .loader import model_class_for
 
     causal = _is_causal_lm(model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(root)
+        tokenizer = AutoTokenizer.from_pretrained(root, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         try:
-            tokenizer = AutoTokenizer.from_pretrained(ref_dir)
+            tokenizer = AutoTokenizer.from_pretrained(ref_dir, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise ValueError(f"tokenizer: neither the packed checkpoint nor the reference has a tokenizer "
                              f"({type(e).__name__}); copy the tokenizer files next to config.json") from None
@@ -1296,13 +1301,12 @@ def _end_to_end(model, ref_dir: Path, root: Path, dev: torch.device, text: str, 
             probe = model(torch.tensor([[tokenizer.cls_token_id or 0, tokenizer.sep_token_id or 0]], device=dev))
         if getattr(probe, "last_hidden_state", None) is None:
             return None
-    from transformers import AutoConfig
-
-    ref_config = AutoConfig.from_pretrained(ref_dir)
     # On the CPU the reference runs in float32 (half-precision CPU matmuls are slow and no more exact).
     ref_dtype = torch.float32 if dev.type == "cpu" else "auto"
+    # The reference is built as the class the packed model is (the one the conversion built: e.g. the base
+    # model of a checkpoint whose architectures names a head it does not hold).
     with quiet_transformers():
-        reference_model = model_class_for(ref_config).from_pretrained(ref_dir, dtype=ref_dtype).to(dev).eval()
+        reference_model = type(model).from_pretrained(ref_dir, dtype=ref_dtype).to(dev).eval()
     limit = getattr(model.config, "max_position_embeddings", None)
     ctx = min(context_length, limit) if isinstance(limit, int) and limit > 1 else context_length
     compare = compare_causal_lm if causal else compare_encoder
