@@ -209,9 +209,9 @@ def test_compiled_backward_and_w8a8_match_eager_on_gpu():
 
 @pytest.mark.gpu
 def test_static_cache_generate_compiles_on_gpu(packed_llama):
-    """What a user gets from ``generate(cache_implementation="static")`` on a GPU: transformers compiles the decode
-    step (inductor, CUDA graphs) and the tokens are the eager ones."""
-    model = load(packed_llama, device="cuda", dtype=torch.float32)
+    """What ``quantpack.load(..., decode="compile")`` gives on a GPU: transformers compiles the decode step (inductor,
+    CUDA graphs) and the tokens are the eager ones."""
+    model = load(packed_llama, device="cuda", dtype=torch.float32, decode="compile")
     ids = {k: v.cuda() for k, v in prompt_ids(packed_llama).items()}
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static")
     with torch.no_grad():
