@@ -681,6 +681,7 @@ def test_not_a_packed_checkpoint(ckpt, tmp_path):
 # GPU: the fused kernels are what the kernel check runs
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 def test_gpu_uses_fused_kernels_and_passes(ckpt):
     r = verify(ckpt("q4"), text=ckpt("train_text"), device="cuda")

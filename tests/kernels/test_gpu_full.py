@@ -9,7 +9,7 @@ from quantpack import reference
 from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, dequantize, mixed_mm
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("poisoned_outputs")]  # (tests/conftest.py)
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}

@@ -443,6 +443,7 @@ def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatc
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU")
 def test_first_use_autotune_on_gpu_stores_a_correct_pick_and_runs_it(tmp_path, monkeypatch):
     """QUANTPACK_AUTOTUNE=1 on a real GPU, real timings: the first call of a shape the table lacks checks and times the

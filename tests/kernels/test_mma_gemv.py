@@ -374,6 +374,7 @@ def test_self_check_passes_on_this_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (14336, 4096, 128), (4096, 14336, 128), (1024, 2048, 64)])
 @pytest.mark.parametrize("bits", [4, 8])

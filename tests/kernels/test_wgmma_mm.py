@@ -209,7 +209,8 @@ def assert_graph_replays(x, w, call):
                          ids=["", "producer", "rawq"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bits", [4, 8], ids=["w4", "w8"])
-@pytest.mark.parametrize("n,k,gs", [(1040, 640, 64), (4096, 4096, 128), (208, 1152, 128), (1024, 2048, 256)])
+@pytest.mark.parametrize("n,k,gs", [(1040, 640, 64), pytest.param(4096, 4096, 128, marks=pytest.mark.slow), (208, 1152, 128),
+                                    pytest.param(1024, 2048, 256, marks=pytest.mark.slow)])
 def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer, rawq):
     """Awkward rows of x (1, 3, 17, 100, 300: partial tiles along M), N not a multiple of the tile,
     K with a partial split (down to one K step per program), every tile the tuner offers, split-K, shallow
