@@ -97,7 +97,7 @@ class GroupSize(click.ParamType):
 @click.option("--quantize-lm-head", is_flag=True, help="Also quantize the output embeddings (lm_head), unless tied.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and check free disk space; write nothing.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output directory that is a finished quantpack output (never any other folder).")
 @click.option("--strict", is_flag=True, help="Fail on layers the group size does not fit instead of skipping them.")
 @click.option("--revision", help="Hub branch, tag or commit.")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for private or gated repos.")

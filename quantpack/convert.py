@@ -30,7 +30,7 @@ from . import __version__
 from .checkpoint import (
     CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, W8A8_CONFIG, WEIGHT_ONLY_SCHEMES,
     CheckpointError, SourceCheckpoint, dtype_name, is_disk_full, make_index, make_quantization_config, parse_size,
-    safetensors_size, sha256_file, shard_name, weight_only_scheme, write_json, write_safetensors,
+    read_manifest, safetensors_size, sha256_file, shard_name, weight_only_scheme, write_json, write_safetensors,
 )
 from .format import (
     LAYOUT_VERSION, MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes,
@@ -690,10 +690,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
         # -- output location, disk space
         partial = out_path.parent / f".{out_path.name}{PARTIAL_SUFFIX}"
-        if out_path.exists() and not overwrite:
-            what = "a finished conversion" if (out_path / MANIFEST_NAME).exists() else "not a quantpack output"
-            raise CheckpointError(f"output: {out_path} already exists ({what}); pass --overwrite to replace it "
-                                  f"or choose another --output")
+        check_output(out_path, resolved.path, overwrite)
         probe = out_path.parent
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
@@ -701,7 +698,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             raise CheckpointError(f"output: cannot create {out_path}: {probe} is not a directory; choose another --output")
         if not os.access(probe, os.W_OK | os.X_OK):
             raise CheckpointError(f"output: cannot create {out_path}: {probe} is not writable; choose another --output")
-        if resolved.local and out_path.is_relative_to(resolved.path):
+        if resolved.local and out_path.resolve().is_relative_to(resolved.path):
             raise CheckpointError(f"output: {out_path} is inside the source checkpoint {resolved.path}; "
                                   f"choose an --output outside it")
         summary.disk_free = shutil.disk_usage(probe).free
@@ -775,7 +772,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             (partial / PROGRESS_NAME).unlink(missing_ok=True)
             write_json(partial / MANIFEST_NAME, manifest)
             _fsync_dir(partial)
-            _publish(partial, out_path, overwrite)
+            _publish(partial, out_path, resolved.path, overwrite)
             summary.timings["finish"] = time.perf_counter() - t_finish
         except OSError as e:
             if is_disk_full(e):
@@ -920,17 +917,60 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(partial: Path, out_path: Path, overwrite: bool) -> None:
-    """Rename the finished directory into place (replacing an old output only with ``overwrite``)."""
-    if out_path.exists():
-        if not overwrite:
-            raise CheckpointError(f"output: {out_path} appeared while converting; pass --overwrite to replace it")
+def is_quantpack_output(path: Path) -> bool:
+    """Whether ``path`` is a finished quantpack output: its manifest says so."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return False
+    return isinstance(manifest, dict) and "manifest_version" in manifest and "quantpack_version" in manifest
+
+
+def check_output(out_path: Path, source: Path, overwrite: bool) -> None:
+    """Refuse an existing ``out_path`` that a conversion may not replace (one-line CheckpointError).
+
+    An empty directory is used as is; a finished quantpack output is replaced only with ``overwrite``;
+    anything else (a file, a symbolic link, a folder quantpack did not write, the current directory or
+    one above it, the source or a folder holding it) is never replaced: replacing deletes it.
+    """
+    if not out_path.exists() and not out_path.is_symlink():
+        return
+    real = out_path.resolve()
+    if out_path.is_symlink():
+        raise CheckpointError(f"output: {out_path} is a symbolic link (to {real}); pass a directory path, or "
+                              f"choose another --output")
+    if not out_path.is_dir():
+        raise CheckpointError(f"output: {out_path} is a file, not a directory; choose another --output")
+    cwd = Path.cwd().resolve()
+    source = Path(source).resolve()
+    if real == cwd or cwd.is_relative_to(real):
+        what = "is the current directory" if real == cwd else "contains the current directory"
+        raise CheckpointError(f"output: {out_path} {what}, which quantpack never replaces; choose another --output")
+    if real == source or source.is_relative_to(real):
+        what = "is the source checkpoint" if real == source else f"contains the source checkpoint {source}"
+        raise CheckpointError(f"output: {out_path} {what}, which quantpack never replaces; choose another --output")
+    if not any(out_path.iterdir()):
+        return
+    if not is_quantpack_output(out_path):
+        raise CheckpointError(f"output: {out_path} already exists and is not a quantpack output (no valid "
+                              f"{MANIFEST_NAME}); quantpack replaces only its own outputs: choose another --output")
+    if not overwrite:
+        raise CheckpointError(f"output: {out_path} already exists (a finished conversion); pass --overwrite to "
+                              f"replace it or choose another --output")
+
+
+def _publish(partial: Path, out_path: Path, source: Path, overwrite: bool) -> None:
+    """Rename the finished directory into place: an existing output is checked again (something may
+    have appeared while converting), then swapped out so that it survives a crash until the new one
+    is in place."""
+    check_output(out_path, source, overwrite)
+    if out_path.exists() and any(out_path.iterdir()):
         old = out_path.parent / f".{out_path.name}.qp-old"
-        if old.exists():
+        if old.exists() and is_quantpack_output(old):  # left by a crash between the renames below
             shutil.rmtree(old)
         os.rename(out_path, old)
         os.rename(partial, out_path)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        shutil.rmtree(old)
     else:
-        os.rename(partial, out_path)
+        os.rename(partial, out_path)  # replaces an empty directory atomically
     _fsync_dir(out_path.parent)

@@ -198,12 +198,58 @@ def test_bad_output_not_writable(tiny_llama_dir, tmp_path):
             locked.chmod(0o755)
 
 
-def test_bad_existing_output(tiny_llama_dir, tmp_path):
+def tree(path):
+    """Every file and folder under ``path`` with its bytes, to show that nothing changed."""
+    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None) for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_bad_existing_output_that_quantpack_did_not_write(tiny_llama_dir, tmp_path, overwrite):
+    out = tmp_path / "precious"
+    (out / "chapter").mkdir(parents=True)
+    (out / "thesis.txt").write_text("mine")
+    (out / "chapter" / "1.txt").write_text("also mine")
+    before = tree(out)
+    result = run_cli(tiny_llama_dir, "-o", out, *overwrite)
+    assert_usage_failure(result, "already exists and is not a quantpack output")
+    assert "--overwrite" not in result.stderr  # the flag would not help: never suggest it
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]
+
+
+def test_overwrite_refuses_the_current_directory(src, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    before = tree(work)
+    monkeypatch.chdir(work)
+    assert_usage_failure(run_cli(src, "-o", ".", "--overwrite"), "is the current directory")
+    monkeypatch.chdir(work / "sub")
+    assert_usage_failure(run_cli(src, "-o", "..", "--overwrite"), "contains the current directory")
+    assert tree(work) == before
+
+
+def test_overwrite_refuses_the_source_and_what_holds_it(tiny_llama_dir, tmp_path):
+    holder = tmp_path / "models"
+    source = shutil.copytree(tiny_llama_dir, holder / "llama")
+    (tmp_path / "link").symlink_to(source)
+    before = tree(tmp_path)
+    assert_usage_failure(run_cli(source, "-o", holder, "--overwrite"), f"contains the source checkpoint {source}")
+    assert_usage_failure(run_cli(tmp_path / "link", "-o", source, "--overwrite"), "is the source checkpoint")
+    assert_usage_failure(run_cli(source, "-o", tmp_path / "link", "--overwrite"), "is a symbolic link")
+    assert tree(tmp_path) == before
+
+
+def test_overwrite_replaces_a_previous_output_and_an_empty_folder_is_used(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out), "already exists (not a quantpack output); pass --overwrite")
-    assert (out / "keep.txt").read_text() == "mine"
+    assert run_cli(tiny_llama_dir, "-o", out, "--method", "rtn", "--json").exit_code == 0
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--bits", "8"),
+                         "already exists (a finished conversion); pass --overwrite")
+    result = run_cli(tiny_llama_dir, "-o", out, "--bits", "8", "--method", "rtn", "--overwrite", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_bad_options_are_one_line(tiny_llama_dir, tmp_path):
