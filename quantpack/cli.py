@@ -1,6 +1,7 @@
 """The ``quantpack`` command line: thin commands over the library API; ``--help`` is the documentation."""
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
@@ -49,6 +50,27 @@ def cli():
       quantpack verify Llama-3.1-8B-qp4g128
       quantpack tune Llama-3.1-8B-qp4g128
     """
+    _show_library_warnings(click.get_current_context())
+
+
+class _StderrLines(logging.Handler):
+    """The library's warnings (logger ``quantpack``) as ``warning: ...`` lines on stderr."""
+
+    def emit(self, record):
+        click.echo(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
+
+
+def _show_library_warnings(ctx: click.Context) -> None:
+    """Print the library's warnings while this command runs, and only through this handler."""
+    logger = logging.getLogger("quantpack")
+    handler, propagate = _StderrLines(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+
+    def restore():
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+    ctx.call_on_close(restore)
 
 
 def main(argv=None):

@@ -12,8 +12,10 @@ after them, producing a byte-identical result. See docs/format.md for everything
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -21,6 +23,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,12 +45,14 @@ from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES, dequantize_w
 from .reference import dequantize
 
 PARTIAL_SUFFIX = ".qp-partial"
+LOCK_SUFFIX = ".qp-lock"
 SCHEMES = WEIGHT_ONLY_SCHEMES + ("w8a8",)
 DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_METHOD = "hqq"
 PROGRESS_NAME = "progress.json"
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger(__name__)
 _ROUTER_NAME = re.compile(r"(^|\.)(gate|router)$")
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -550,6 +555,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
     resolved = resolve_source(source, revision=revision, token=token, allow_pickle=allow_pickle)
     src = SourceCheckpoint(resolved.path, allow_pickle=allow_pickle)
+    held = ExitStack()  # the output lock, once taken
     try:
         config_dict = src.config()
         if config_dict.get("quantization_config"):
@@ -712,11 +718,15 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             return summary
 
         try:
-            partial.mkdir(parents=True, exist_ok=True)
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(OutputLock(out_path))
+            check_output(out_path, resolved.path, overwrite)  # again: another run may have finished meanwhile
+            partial.mkdir(exist_ok=True)
             if not os.access(partial, os.W_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as e:
-            raise CheckpointError(f"output: cannot create {partial}: {e.strerror or e}; choose a writable --output") from None
+            raise CheckpointError(f"output: cannot create {e.filename or partial}: {e.strerror or e}; choose a writable "
+                                  f"--output") from None
 
         # -- inputs are hashed in the background while converting
         input_files = sorted(set(src.weight_files) | set(other_files) | {CONFIG_NAME} |
@@ -725,7 +735,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         input_hashes = {f: hasher.submit(sha256_file, resolved.path / f) for f in input_files}
 
         fingerprint = _fingerprint(resolved, src, settings, dev, names)
-        done = _resume_state(partial, fingerprint, names)
+        done = _resume_state(partial, fingerprint, names, summary.settings)
         summary.resumed_shards = len(done)
         try:
             _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype,
@@ -784,6 +794,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         summary.seconds = time.perf_counter() - t0
         return summary
     finally:
+        held.close()
         src.close()
 
 
@@ -799,14 +810,16 @@ def _fingerprint(resolved, src: SourceCheckpoint, settings: dict, dev: torch.dev
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _resume_state(partial: Path, fingerprint: str, names: list[str]) -> dict:
+def _resume_state(partial: Path, fingerprint: str, names: list[str], settings: dict) -> dict:
     """Finished shards of an interrupted run with the same fingerprint, re-hashed; anything else in
-    the partial directory is discarded."""
+    the partial directory is discarded (after saying so, when it is finished work made otherwise)."""
     progress_file = partial / PROGRESS_NAME
     done = {}
     try:
         state = json.loads(progress_file.read_text()) if progress_file.exists() else {}
     except ValueError:
+        state = {}
+    if not isinstance(state, dict):
         state = {}
     if state.get("fingerprint") == fingerprint:
         for name, entry in state.get("shards", {}).items():
@@ -815,14 +828,63 @@ def _resume_state(partial: Path, fingerprint: str, names: list[str]) -> dict:
             if (name in names and isinstance(entry.get("tensors"), dict) and f.is_file()
                     and f.stat().st_size == entry["size"] and sha256_file(f) == entry["sha256"]):
                 done[name] = entry
+    elif state.get("shards"):
+        before = state.get("settings")
+        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k)) \
+            if isinstance(before, dict) else []
+        what = (", ".join(f"{k} {before.get(k)!r} -> {settings.get(k)!r}" for k in changed) if changed
+                else "other settings, source files or quantpack version")
+        logger.warning(f"discarding the earlier partial conversion in {partial} ({len(state['shards'])} finished "
+                       f"shard(s)), made with {'other settings: ' if changed else ''}{what}")
     for f in partial.iterdir():
         if f.name not in done and f.name != PROGRESS_NAME:
             shutil.rmtree(f) if f.is_dir() else f.unlink()
     return done
 
 
-def _write_progress(partial: Path, fingerprint: str, done: dict) -> None:
-    write_json(partial / PROGRESS_NAME, {"fingerprint": fingerprint, "shards": done})
+def _write_progress(partial: Path, fingerprint: str, done: dict, settings: dict) -> None:
+    write_json(partial / PROGRESS_NAME, {"fingerprint": fingerprint, "settings": settings, "shards": done})
+
+
+class OutputLock:
+    """An exclusive lock on converting into one output directory: ``.<name>.qp-lock`` beside it,
+    holding the owner's pid. The lock is the kernel's (``flock``), so it ends with its process
+    and a crashed run never blocks the next one."""
+
+    def __init__(self, out_path: Path):
+        self.out_path = out_path
+        self.path = out_path.parent / f".{out_path.name}{LOCK_SUFFIX}"
+        self.fd: int | None = None
+
+    def __enter__(self):
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                raise CheckpointError(f"output: another conversion (pid {holder if holder.isdigit() else 'unknown'}) "
+                                      f"is writing {self.out_path}; wait for it to finish or choose another "
+                                      f"--output") from None
+            try:  # the holder before us unlinks the file on release: lock the file at the path, not an old one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.path.unlink(missing_ok=True)  # still held: a waiter's inode check sees it gone
+        finally:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype, progress,
@@ -873,7 +935,7 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
             timings["write"] += time.perf_counter() - t
             del tensors
             done[names[i]] = {"sha256": sha, "size": size, "tensors": dict(sorted(digests.items())), "layers": layers}
-            _write_progress(partial, fingerprint, done)
+            _write_progress(partial, fingerprint, done, summary.settings)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
         bar.close()

@@ -411,3 +411,50 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_partial(random_llama, tmp_path)
     assert "Interrupted: finished shards are kept; re-run the same command to resume." in stderr
     assert "Traceback" not in stderr
     assert not out.exists() and json.loads((partial / "progress.json").read_text())["shards"]
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, str(os.getpid()).encode())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_conversion_into_one_output_is_refused_until_the_first_ends(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.qp-lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--method", "rtn"),
+                             f"another conversion (pid {holder.pid}) is writing {out}", out=out)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without cleaning up: its lock file stays, but the lock went with the process.
+    assert lock.exists()
+    result = run_cli(tiny_llama_dir, "-o", out, "--method", "rtn", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_restart_with_other_settings_says_it_discards_the_earlier_work(tiny_llama_dir, tmp_path,
+                                                                         convert_interrupted):
+    out = tmp_path / "out"
+    convert_interrupted(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False, at=3)
+    result = run_cli(tiny_llama_dir, "-o", out, "--max-shard-size", "150KB", "--method", "rtn", "--bits", "8",
+                     "--no-progress")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if "discarding" in line]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("warning: discarding the earlier partial conversion in ")
+    assert "(2 finished shard(s)), made with other settings: bits 4 -> 8" in lines[0]
+    assert "discarding" not in result.stdout
+    # The same settings resume silently.
+    convert_interrupted(tiny_llama_dir, tmp_path / "again", max_shard_size="150KB", method="rtn", progress=False, at=3)
+    result = run_cli(tiny_llama_dir, "-o", tmp_path / "again", "--max-shard-size", "150KB", "--method", "rtn",
+                     "--no-progress")
+    assert result.exit_code == 0 and "discarding" not in result.stderr, result.output
