@@ -45,6 +45,7 @@ from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES, dequantize_w
 from .reference import dequantize
 
 PARTIAL_SUFFIX = ".qp-partial"
+GROUP_SIZE_MISFIT = "group size does not fit its shape"
 LOCK_SUFFIX = ".qp-lock"
 SCHEMES = WEIGHT_ONLY_SCHEMES + ("w8a8",)
 DEFAULT_BITS = 4
@@ -412,6 +413,35 @@ def _plan_experts(model, src, expert_sources, summary, quant_plan, bits_override
     return sorted(found)
 
 
+def _nothing_to_quantize(layers: list[LayerResult], bits: int, group_size: int | None, axis: int) -> str:
+    """Why no layer is quantized, naming the option to change and one layer it applies to."""
+    if not layers:
+        return "nothing to quantize: the model has no linear layers (nn.Linear, Conv1D) with weights in the checkpoint"
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.skipped] = counts.get(layer.skipped, 0) + 1
+    kept = "; ".join(f"{n} x {reason}" for reason, n in sorted(counts.items()))
+    misfit = next((layer for layer in layers if layer.skipped == GROUP_SIZE_MISFIT), None)
+    if misfit is not None:
+        length = misfit.shape[1] if axis == 1 else misfit.shape[0]
+        dim = "in_features" if axis == 1 else "out_features"
+        fits = []
+        for g in [2 ** i for i in range(MAX_GROUP_SIZE.bit_length() - 1, MIN_GROUP_SIZE.bit_length() - 2, -1)]:
+            try:
+                check_layout_args(misfit.shape, bits, g, axis)
+                fits.append(g)
+            except ValueError:
+                pass
+        hint = f"--group-size {fits[0]} (or none)" if fits else "--bits 8 --group-size none"
+        return (f"nothing to quantize: --group-size {group_size} fits no linear layer (e.g. {misfit.name}, "
+                f"{dim}={length}); {hint} fits it (layers kept: {kept})")
+    skipped = next((layer for layer in layers if layer.skipped.startswith("matches --skip ")), None)
+    if skipped is not None:
+        return (f"nothing to quantize: --skip leaves no linear layer (e.g. {skipped.name} {skipped.skipped}; layers "
+                f"kept: {kept}); narrow the --skip patterns (--dry-run lists the layers)")
+    return f"nothing to quantize: every linear layer is kept ({kept})"
+
+
 def _expert_count(config) -> int | None:
     for cfg in (config, getattr(config, "text_config", None)):
         for key in _EXPERT_COUNT_KEYS:
@@ -632,7 +662,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 message = f"{name}: {e}"
                 if strict:
                     raise ValueError(f"{message} (--strict); pass --skip for it or choose another group size") from None
-                layer.skipped = "group size does not fit its shape"
+                layer.skipped = GROUP_SIZE_MISFIT
                 summary.warnings.append(f"skipped {message}")
                 continue
             layer.bits, layer.group_size = layer_bits, gs
@@ -652,9 +682,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                                          f"(--dry-run lists them)")
                     summary.warnings.append(message)
         if not quant_plan:
-            raise ValueError(f"nothing to quantize: all {len(summary.layers)} linear layers are skipped "
-                             f"({summary.layers[0].skipped if summary.layers else 'no linear layers found'}); "
-                             f"check --skip and --group-size")
+            raise ValueError(_nothing_to_quantize(summary.layers, bits, group_size, axis))
 
         # -- units in source order, then shards
         units = []
@@ -696,7 +724,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
         # -- output location, disk space
         partial = out_path.parent / f".{out_path.name}{PARTIAL_SUFFIX}"
-        check_output(out_path, resolved.path, overwrite)
+        check_replaceable_output(out_path, resolved.path, overwrite)
         probe = out_path.parent
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
@@ -720,7 +748,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         try:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             held.enter_context(OutputLock(out_path))
-            check_output(out_path, resolved.path, overwrite)  # again: another run may have finished meanwhile
+            check_replaceable_output(out_path, resolved.path, overwrite)  # again: another run may have finished
             partial.mkdir(exist_ok=True)
             if not os.access(partial, os.W_OK):
                 raise PermissionError(13, "Permission denied")
@@ -988,7 +1016,7 @@ def is_quantpack_output(path: Path) -> bool:
     return isinstance(manifest, dict) and "manifest_version" in manifest and "quantpack_version" in manifest
 
 
-def check_output(out_path: Path, source: Path, overwrite: bool) -> None:
+def check_replaceable_output(out_path: Path, source: Path, overwrite: bool) -> None:
     """Refuse an existing ``out_path`` that a conversion may not replace (one-line CheckpointError).
 
     An empty directory is used as is; a finished quantpack output is replaced only with ``overwrite``;
@@ -1025,7 +1053,7 @@ def _publish(partial: Path, out_path: Path, source: Path, overwrite: bool) -> No
     """Rename the finished directory into place: an existing output is checked again (something may
     have appeared while converting), then swapped out so that it survives a crash until the new one
     is in place."""
-    check_output(out_path, source, overwrite)
+    check_replaceable_output(out_path, source, overwrite)
     if out_path.exists() and any(out_path.iterdir()):
         old = out_path.parent / f".{out_path.name}.qp-old"
         if old.exists() and is_quantpack_output(old):  # left by a crash between the renames below
