@@ -73,6 +73,19 @@ def _show_library_warnings(ctx: click.Context) -> None:
     ctx.call_on_close(restore)
 
 
+def _progress_wanted(*off: bool) -> bool:
+    """Progress bars only on a terminal: redirected to a file or a pipe, their redraws fill logs."""
+    return not any(off) and sys.stderr.isatty()
+
+
+def _echo_warnings(warnings) -> None:
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+
+
+QUIET_HELP = "Print no progress and no report; warnings and errors still go to stderr, and the exit code tells the result."
+
+
 def main(argv=None):
     cli.main(args=argv, prog_name="quantpack")
 
@@ -125,10 +138,11 @@ class GroupSize(click.ParamType):
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for private or gated repos.")
 @click.option("--allow-pickle", is_flag=True, help="Allow PyTorch .bin sources (loaded with weights_only=True).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
-@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars (shown only when stderr is a terminal).")
+@click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP.replace("report", "summary"))
 def convert_command(source, output, bits, group_size, axis, method, scheme, dtype, device, skip, bits_for,
                     quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle, as_json,
-                    no_progress):
+                    no_progress, quiet):
     """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
 
     \b
@@ -163,7 +177,7 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
                           skip=skip, bits_for=bits_for,
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
                           overwrite=overwrite, strict=strict, revision=revision, token=token,
-                          allow_pickle=allow_pickle, progress=not no_progress and not as_json)
+                          allow_pickle=allow_pickle, progress=_progress_wanted(no_progress, as_json, quiet))
     except click.ClickException:
         raise
     except ValueError as e:  # includes CheckpointError: bad input, already one line
@@ -173,10 +187,11 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
         sys.exit(130)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
-    else:
+    elif not quiet:
         if dry_run:
             click.echo(summary.format_plan() + "\n")
         click.echo(summary.format_table())
+    _echo_warnings(summary.warnings)
 
 
 @cli.command("demo", short_help="Build a small Llama, convert it and verify it, offline.")
@@ -197,11 +212,13 @@ def demo_command(workdir, bits, group_size, method, device):
     from .demo import run_demo
 
     try:
-        result = run_demo(workdir, bits=int(bits), group_size=group_size, method=method, device=device)
+        result = run_demo(workdir, bits=int(bits), group_size=group_size, method=method, device=device,
+                          progress=_progress_wanted())
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
     click.echo(result.conversion.format_table() + "\n")
     click.echo(result.report.format_table())
+    _echo_warnings(result.conversion.warnings + result.report.warnings)
     click.echo(f"\nsource model   {result.source}\npacked model   {result.packed}")
     if result.report.exit_code:
         sys.exit(result.report.exit_code)
@@ -217,7 +234,8 @@ def demo_command(workdir, bits, group_size, method, device):
               "adapters on the quantized model).")
 @click.option("--revision", help="Hub revision (branch, tag or commit) of SOURCE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def tune_command(source, batch_sizes, device, backward, revision, as_json):
+@click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP)
+def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet):
     """Tune the fused kernels for one packed model on this machine's GPU, once, ahead of use.
 
     \b
@@ -237,10 +255,11 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 
     try:
         report = tune(source, batch_sizes=parse_batch_sizes(batch_sizes), device=device, backward=backward,
-                      revision=revision, progress=not as_json)
+                      revision=revision, progress=_progress_wanted(as_json, quiet))
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
-    click.echo(report.to_json() if as_json else report.format_table())
+    if as_json or not quiet:
+        click.echo(report.to_json() if as_json else report.format_table())
 
 
 @cli.command("verify", short_help="Check a packed checkpoint's files and accuracy against its source.")
@@ -257,8 +276,10 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 @click.option("--max-tokens", type=int, default=8192, show_default=True, help="Most tokens of the text evaluated.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (auto: a GPU when present).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: docs/verify.md).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar (shown only when stderr is a terminal).")
+@click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP)
 def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1, min_cosine, max_layer_error,
-                   context_length, max_tokens, device, as_json):
+                   context_length, max_tokens, device, as_json, no_progress, quiet):
     """Check a packed checkpoint's files and measure what quantization cost against the original.
 
     \b
@@ -276,10 +297,13 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
     try:
         report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
                         device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
-                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens)
+                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens,
+                        progress=_progress_wanted(no_progress, as_json, quiet))
     except ValueError as e:  # bad input or an unavailable reference: already one line
         raise UsageFailure(" ".join(str(e).split())) from None
-    click.echo(report.to_json() if as_json else report.format_table())
+    if as_json or not quiet:
+        click.echo(report.to_json() if as_json else report.format_table())
+    _echo_warnings(report.warnings)
     if report.exit_code == 2:
         raise UsageFailure(" ".join(report.first_problem().split()))
     if report.exit_code == 1:

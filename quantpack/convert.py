@@ -156,7 +156,8 @@ class ConvertSummary:
         return "\n".join(lines)
 
     def format_table(self) -> str:
-        """The human summary printed at the end of ``quantpack convert``."""
+        """The human summary printed at the end of ``quantpack convert`` (``warnings`` are apart: the
+        command prints them on stderr)."""
         size = format_size
 
         rows = [("source", self.source + (f" @ {self.revision[:12]}" if self.revision else "")),
@@ -185,9 +186,7 @@ class ConvertSummary:
             if self.throughput:
                 rows.append(("throughput", f"{size(self.throughput)}/s of source weights"))
         width = max(len(k) for k, _ in rows)
-        lines = [f"{k:<{width}}  {v}" for k, v in rows]
-        lines += [f"warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,12 +94,45 @@ def test_cli_table_and_dry_run(tiny_llama_dir, tmp_path):
         assert re.search(rf"^{label} +\S", result.stdout, re.M), label
 
 
-def test_real_subprocess_with_progress(tiny_encoder_dir, tmp_path):
-    result = run_subprocess(tiny_encoder_dir, "-o", tmp_path / "enc", "--method", "rtn", "--dtype", "float16")
-    assert result.returncode == 0, result.stderr
-    assert "converting" in result.stderr and "B/s" in result.stderr  # tqdm byte bar
-    assert re.search(r"^layers quantized +13$", result.stdout, re.M)
-    assert (tmp_path / "enc" / "quantpack.json").exists()
+def run_on_a_terminal(args, timeout=300):
+    """Run the CLI with stderr on a pseudo-terminal (stdout a pipe); returns (code, stdout, stderr)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=sub, text=True)
+    os.close(sub)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: _read_pty(main), b"")), daemon=True)
+    reader.start()
+    stdout, _ = proc.communicate(timeout=timeout)
+    reader.join(timeout=10)
+    os.close(main)
+    return proc.returncode, stdout, b"".join(chunks).decode(errors="replace")
+
+
+def _read_pty(fd):
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # EIO: the other side closed
+        return b""
+
+
+def test_progress_only_on_a_terminal(tiny_encoder_dir, tmp_path):
+    result = run_cli(tiny_encoder_dir, "-o", tmp_path / "enc", "--method", "rtn", "--dtype", "float16")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""  # not a terminal: no bar, no redraws filling a log
+    code, stdout, stderr = run_on_a_terminal(["convert", tiny_encoder_dir, "-o", tmp_path / "tty", "--method", "rtn",
+                                              "--dtype", "float16"])
+    assert code == 0, stderr
+    assert "converting" in stderr and "B/s" in stderr  # tqdm byte bar
+    assert re.search(r"^layers quantized +13$", stdout, re.M)
+    code, stdout, stderr = run_on_a_terminal(["verify", tmp_path / "tty", "--no-reference"])
+    assert code == 0, stderr
+    assert "verifying" in stderr and "3/3" in stderr and "verdict    PASS" in stdout
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -168,7 +201,13 @@ def test_bad_group_size_strict(tmp_path):
                          "model.layers.0.mlp.down_proj: group_size=128 does not divide in_features K=192", out=out)
     result = run_cli(src, "-o", out, "--method", "rtn")  # without --strict: skipped with a listed warning
     assert result.exit_code == 0
-    assert "warning: skipped model.layers.0.mlp.down_proj: group_size=128 does not divide" in result.stdout
+    assert "warning: skipped model.layers.0.mlp.down_proj: group_size=128 does not divide" in result.stderr
+    assert "warning" not in result.stdout  # stdout is the summary only
+    # --quiet: no summary, no progress; the warnings still say what was skipped
+    result = run_cli(src, "-o", tmp_path / "quiet", "--method", "rtn", "--quiet")
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr.splitlines() == [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(result.stderr.splitlines()) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e5m2])
