@@ -83,7 +83,8 @@ def _echo_warnings(warnings) -> None:
         click.echo(f"warning: {w}", err=True)
 
 
-QUIET_HELP = "Print no progress and no report; warnings and errors still go to stderr, and the exit code tells the result."
+QUIET_HELP = ("Print no progress and no report; warnings and errors still go to stderr, and the exit code tells the "
+              "result.")
 
 
 def main(argv=None):
@@ -132,7 +133,8 @@ class GroupSize(click.ParamType):
 @click.option("--quantize-lm-head", is_flag=True, help="Also quantize the output embeddings (lm_head), unless tied.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and check free disk space; write nothing.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory that is a finished quantpack output (never any other folder).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing output directory that is a finished quantpack output (never any other folder).")
 @click.option("--strict", is_flag=True, help="Fail on layers the group size does not fit instead of skipping them.")
 @click.option("--revision", help="Hub branch, tag or commit.")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for private or gated repos.")

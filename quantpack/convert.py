@@ -752,8 +752,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             if not os.access(partial, os.W_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as e:
-            raise CheckpointError(f"output: cannot create {e.filename or partial}: {e.strerror or e}; choose a writable "
-                                  f"--output") from None
+            raise CheckpointError(f"output: cannot create {e.filename or partial}: {e.strerror or e}; choose a "
+                                  f"writable --output") from None
 
         # -- inputs are hashed in the background while converting
         input_files = sorted(set(src.weight_files) | set(other_files) | {CONFIG_NAME} |
