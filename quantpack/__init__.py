@@ -1,11 +1,51 @@
-"""quantpack: 4/8-bit packed checkpoints for Hugging Face models, run on fused Triton kernels."""
-from .format import LAYOUT_VERSION, PackedWeight, pack, unpack
-from .quantize import quantize
-from .reference import dequantize
+"""quantpack: 4/8-bit packed checkpoints for Hugging Face models, run on fused Triton kernels.
+
+The package imports torch (and transformers) only when one of its names is first used, so that
+``import quantpack`` and ``quantpack --help`` stay fast; ``import quantpack`` still lets
+``from_pretrained`` load packed checkpoints (the quantizer registers when transformers loads).
+"""
+import importlib
+import sys
+import types
+
+from ._registry_hook import register_when_transformers_loads
 
 __version__ = "0.1.0"
 
-from .loader import load  # noqa: E402
-from . import hf_integration  # noqa: E402,F401  registers "quantpack" with transformers' quantizer registry
+# public name -> the submodule that defines it
+_EXPORTS = {"LAYOUT_VERSION": "format", "PackedWeight": "format", "pack": "format", "unpack": "format",
+            "quantize": "quantize", "dequantize": "reference", "load": "loader"}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["LAYOUT_VERSION", "PackedWeight", "pack", "unpack", "quantize", "dequantize", "load", "__version__"]
+register_when_transformers_loads()
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):  # a submodule not imported yet, e.g. quantpack.hf_integration
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``quantpack.quantize`` sets the package attribute ``quantize``; it
+    stays the function of that name, as ``from .quantize import quantize`` made it."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and name in _EXPORTS and value.__name__ == f"{__name__}.{name}":
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

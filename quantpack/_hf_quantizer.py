@@ -2,7 +2,7 @@
 
 Kept apart because importing it imports transformers' quantizer registry (seconds): ``import
 quantpack`` registers these classes only once transformers loads that registry (see
-:func:`quantpack.hf_integration._register_when_transformers_loads`). Importing this module
+:func:`quantpack._registry_hook.register_when_transformers_loads`). Importing this module
 registers them.
 """
 from __future__ import annotations

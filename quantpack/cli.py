@@ -1,6 +1,7 @@
 """The ``quantpack`` command line: thin commands over the library API; ``--help`` is the documentation."""
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
@@ -49,6 +50,41 @@ def cli():
       quantpack verify Llama-3.1-8B-qp4g128
       quantpack tune Llama-3.1-8B-qp4g128
     """
+    _show_library_warnings(click.get_current_context())
+
+
+class _StderrLines(logging.Handler):
+    """The library's warnings (logger ``quantpack``) as ``warning: ...`` lines on stderr."""
+
+    def emit(self, record):
+        click.echo(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
+
+
+def _show_library_warnings(ctx: click.Context) -> None:
+    """Print the library's warnings while this command runs, and only through this handler."""
+    logger = logging.getLogger("quantpack")
+    handler, propagate = _StderrLines(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+
+    def restore():
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+    ctx.call_on_close(restore)
+
+
+def _progress_wanted(*off: bool) -> bool:
+    """Progress bars only on a terminal: redirected to a file or a pipe, their redraws fill logs."""
+    return not any(off) and sys.stderr.isatty()
+
+
+def _echo_warnings(warnings) -> None:
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+
+
+QUIET_HELP = ("Print no progress and no report; warnings and errors still go to stderr, and the exit code tells the "
+              "result.")
 
 
 def main(argv=None):
@@ -97,7 +133,8 @@ class GroupSize(click.ParamType):
 @click.option("--quantize-lm-head", is_flag=True, help="Also quantize the output embeddings (lm_head), unless tied.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and check free disk space; write nothing.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output directory.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing output directory that is a finished quantpack output (never any other folder).")
 @click.option("--strict", is_flag=True, help="Fail on layers the group size does not fit instead of skipping them.")
 @click.option("--revision", help="Hub branch, tag or commit.")
 @click.option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token for private or gated repos.")
@@ -105,10 +142,11 @@ class GroupSize(click.ParamType):
 @click.option("--trust-remote-code", is_flag=True, help="Run the Python code a checkpoint ships for its model "
               "(auto_map in config.json); only for repositories you trust.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
-@click.option("--no-progress", is_flag=True, help="Hide progress bars.")
+@click.option("--no-progress", is_flag=True, help="Hide progress bars (shown only when stderr is a terminal).")
+@click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP.replace("report", "summary"))
 def convert_command(source, output, bits, group_size, axis, method, scheme, dtype, device, skip, bits_for,
                     quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle,
-                    trust_remote_code, as_json, no_progress):
+                    trust_remote_code, as_json, no_progress, quiet):
     """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
 
     \b
@@ -143,7 +181,7 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
                           skip=skip, bits_for=bits_for,
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
                           overwrite=overwrite, strict=strict, revision=revision, token=token,
-                          allow_pickle=allow_pickle, progress=not no_progress and not as_json,
+                          allow_pickle=allow_pickle, progress=_progress_wanted(no_progress, as_json, quiet),
                           trust_remote_code=trust_remote_code)
     except click.ClickException:
         raise
@@ -156,10 +194,11 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
         from .checkpoint import finite_or_none
 
         click.echo(json.dumps(finite_or_none(summary.to_dict()), indent=2, allow_nan=False))
-    else:
+    elif not quiet:
         if dry_run:
             click.echo(summary.format_plan() + "\n")
         click.echo(summary.format_table())
+    _echo_warnings(summary.warnings)
 
 
 @cli.command("demo", short_help="Build a small Llama, convert it and verify it, offline.")
@@ -180,11 +219,13 @@ def demo_command(workdir, bits, group_size, method, device):
     from .demo import run_demo
 
     try:
-        result = run_demo(workdir, bits=int(bits), group_size=group_size, method=method, device=device)
+        result = run_demo(workdir, bits=int(bits), group_size=group_size, method=method, device=device,
+                          progress=_progress_wanted())
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
     click.echo(result.conversion.format_table() + "\n")
     click.echo(result.report.format_table())
+    _echo_warnings(result.conversion.warnings + result.report.warnings)
     click.echo(f"\nsource model   {result.source}\npacked model   {result.packed}")
     if result.report.exit_code:
         sys.exit(result.report.exit_code)
@@ -200,7 +241,8 @@ def demo_command(workdir, bits, group_size, method, device):
               "adapters on the quantized model).")
 @click.option("--revision", help="Hub revision (branch, tag or commit) of SOURCE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def tune_command(source, batch_sizes, device, backward, revision, as_json):
+@click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP)
+def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet):
     """Tune the fused kernels for one packed model on this machine's GPU, once, ahead of use.
 
     \b
@@ -220,10 +262,11 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 
     try:
         report = tune(source, batch_sizes=parse_batch_sizes(batch_sizes), device=device, backward=backward,
-                      revision=revision, progress=not as_json)
+                      revision=revision, progress=_progress_wanted(as_json, quiet))
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
-    click.echo(report.to_json() if as_json else report.format_table())
+    if as_json or not quiet:
+        click.echo(report.to_json() if as_json else report.format_table())
 
 
 @cli.command("verify", short_help="Check a packed checkpoint's files and accuracy against its source.")
@@ -244,8 +287,10 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json):
 @click.option("--trust-remote-code", is_flag=True, help="Run the Python code the checkpoints ship for their model "
               "and tokenizer (auto_map); only for repositories you trust.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema: docs/verify.md).")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar (shown only when stderr is a terminal).")
+@click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP)
 def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1, min_cosine, max_layer_error,
-                   context_length, max_tokens, device, allow_pickle, trust_remote_code, as_json):
+                   context_length, max_tokens, device, allow_pickle, trust_remote_code, as_json, no_progress, quiet):
     """Check a packed checkpoint's files and measure what quantization cost against the original.
 
     \b
@@ -264,10 +309,13 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
         report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
                         device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
                         max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens,
-                        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+                        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                        progress=_progress_wanted(no_progress, as_json, quiet))
     except ValueError as e:  # bad input or an unavailable reference: already one line
         raise UsageFailure(" ".join(str(e).split())) from None
-    click.echo(report.to_json() if as_json else report.format_table())
+    if as_json or not quiet:
+        click.echo(report.to_json() if as_json else report.format_table())
+    _echo_warnings(report.warnings)
     if report.exit_code == 2:
         raise UsageFailure(" ".join(report.first_problem().split()))
     if report.exit_code == 1:

@@ -12,8 +12,10 @@ after them, producing a byte-identical result. See docs/format.md for everything
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -21,6 +23,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from .card import CARD_NAME, write_model_card
 from .checkpoint import (
     CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, W8A8_CONFIG, WEIGHT_ONLY_SCHEMES,
     CheckpointError, SourceCheckpoint, dtype_name, is_disk_full, make_index, make_quantization_config, parse_size,
-    safetensors_size, sha256_file, shard_name, weight_only_scheme, write_json, write_safetensors,
+    read_manifest, safetensors_size, sha256_file, shard_name, weight_only_scheme, write_json, write_safetensors,
 )
 from .format import (
     LAYOUT_VERSION, MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes,
@@ -43,12 +46,15 @@ from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES, dequantize_w
 from .reference import dequantize
 
 PARTIAL_SUFFIX = ".qp-partial"
+GROUP_SIZE_MISFIT = "group size does not fit its shape"
+LOCK_SUFFIX = ".qp-lock"
 SCHEMES = WEIGHT_ONLY_SCHEMES + ("w8a8",)
 DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_METHOD = "hqq"
 PROGRESS_NAME = "progress.json"
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger(__name__)
 _ROUTER_NAME = re.compile(r"(^|\.)(gate|router)$")
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -151,7 +157,8 @@ class ConvertSummary:
         return "\n".join(lines)
 
     def format_table(self) -> str:
-        """The human summary printed at the end of ``quantpack convert``."""
+        """The human summary printed at the end of ``quantpack convert`` (``warnings`` are apart: the
+        command prints them on stderr)."""
         size = format_size
 
         rows = [("source", self.source + (f" @ {self.revision[:12]}" if self.revision else "")),
@@ -180,9 +187,7 @@ class ConvertSummary:
             if self.throughput:
                 rows.append(("throughput", f"{size(self.throughput)}/s of source weights"))
         width = max(len(k) for k, _ in rows)
-        lines = [f"{k:<{width}}  {v}" for k, v in rows]
-        lines += [f"warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,6 +447,35 @@ def _plan_experts(model, src, expert_sources, summary, quant_plan, bits_override
     return sorted(found)
 
 
+def _nothing_to_quantize(layers: list[LayerResult], bits: int, group_size: int | None, axis: int) -> str:
+    """Why no layer is quantized, naming the option to change and one layer it applies to."""
+    if not layers:
+        return "nothing to quantize: the model has no linear layers (nn.Linear, Conv1D) with weights in the checkpoint"
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.skipped] = counts.get(layer.skipped, 0) + 1
+    kept = "; ".join(f"{n} x {reason}" for reason, n in sorted(counts.items()))
+    misfit = next((layer for layer in layers if layer.skipped == GROUP_SIZE_MISFIT), None)
+    if misfit is not None:
+        length = misfit.shape[1] if axis == 1 else misfit.shape[0]
+        dim = "in_features" if axis == 1 else "out_features"
+        fits = []
+        for g in [2 ** i for i in range(MAX_GROUP_SIZE.bit_length() - 1, MIN_GROUP_SIZE.bit_length() - 2, -1)]:
+            try:
+                check_layout_args(misfit.shape, bits, g, axis)
+                fits.append(g)
+            except ValueError:
+                pass
+        hint = f"--group-size {fits[0]} (or none)" if fits else "--bits 8 --group-size none"
+        return (f"nothing to quantize: --group-size {group_size} fits no linear layer (e.g. {misfit.name}, "
+                f"{dim}={length}); {hint} fits it (layers kept: {kept})")
+    skipped = next((layer for layer in layers if layer.skipped.startswith("matches --skip ")), None)
+    if skipped is not None:
+        return (f"nothing to quantize: --skip leaves no linear layer (e.g. {skipped.name} {skipped.skipped}; layers "
+                f"kept: {kept}); narrow the --skip patterns (--dry-run lists the layers)")
+    return f"nothing to quantize: every linear layer is kept ({kept})"
+
+
 def _expert_count(config) -> int | None:
     for cfg in (config, getattr(config, "text_config", None)):
         for key in _EXPERT_COUNT_KEYS:
@@ -587,6 +621,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
     resolved = resolve_source(source, revision=revision, token=token, allow_pickle=allow_pickle)
     src = SourceCheckpoint(resolved.path, allow_pickle=allow_pickle)
+    held = ExitStack()  # the output lock, once taken
     try:
         config_dict = src.config()
         if config_dict.get("quantization_config"):
@@ -667,7 +702,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 message = f"{name}: {e}"
                 if strict:
                     raise ValueError(f"{message} (--strict); pass --skip for it or choose another group size") from None
-                layer.skipped = "group size does not fit its shape"
+                layer.skipped = GROUP_SIZE_MISFIT
                 summary.warnings.append(f"skipped {message}")
                 continue
             layer.bits, layer.group_size = layer_bits, gs
@@ -688,9 +723,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                                          f"(--dry-run lists them)")
                     summary.warnings.append(message)
         if not quant_plan:
-            raise ValueError(f"nothing to quantize: all {len(summary.layers)} linear layers are skipped "
-                             f"({summary.layers[0].skipped if summary.layers else 'no linear layers found'}); "
-                             f"check --skip and --group-size")
+            raise ValueError(_nothing_to_quantize(summary.layers, bits, group_size, axis))
 
         # -- units in source order, then shards
         units = []
@@ -732,10 +765,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
         # -- output location, disk space
         partial = out_path.parent / f".{out_path.name}{PARTIAL_SUFFIX}"
-        if out_path.exists() and not overwrite:
-            what = "a finished conversion" if (out_path / MANIFEST_NAME).exists() else "not a quantpack output"
-            raise CheckpointError(f"output: {out_path} already exists ({what}); pass --overwrite to replace it "
-                                  f"or choose another --output")
+        check_replaceable_output(out_path, resolved.path, overwrite)
         probe = out_path.parent
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
@@ -743,7 +773,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             raise CheckpointError(f"output: cannot create {out_path}: {probe} is not a directory; choose another --output")
         if not os.access(probe, os.W_OK | os.X_OK):
             raise CheckpointError(f"output: cannot create {out_path}: {probe} is not writable; choose another --output")
-        if resolved.local and out_path.is_relative_to(resolved.path):
+        if resolved.local and out_path.resolve().is_relative_to(resolved.path):
             raise CheckpointError(f"output: {out_path} is inside the source checkpoint {resolved.path}; "
                                   f"choose an --output outside it")
         summary.disk_free = shutil.disk_usage(probe).free
@@ -758,11 +788,15 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
         created = not partial.exists()
         try:
-            partial.mkdir(parents=True, exist_ok=True)
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(OutputLock(out_path))
+            check_replaceable_output(out_path, resolved.path, overwrite)  # again: another run may have finished
+            partial.mkdir(exist_ok=True)
             if not os.access(partial, os.W_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as e:
-            raise CheckpointError(f"output: cannot create {partial}: {e.strerror or e}; choose a writable --output") from None
+            raise CheckpointError(f"output: cannot create {e.filename or partial}: {e.strerror or e}; choose a "
+                                  f"writable --output") from None
 
         # -- inputs are hashed in the background while converting
         input_files = sorted(set(src.weight_files) | set(other_files) | {CONFIG_NAME} |
@@ -771,7 +805,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         input_hashes = {f: hasher.submit(sha256_file, resolved.path / f) for f in input_files}
 
         fingerprint = _fingerprint(resolved, src, settings, dev, names)
-        done = _resume_state(partial, fingerprint, names)
+        done = _resume_state(partial, fingerprint, names, summary.settings)
         summary.resumed_shards = len(done)
         try:
             _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype,
@@ -822,7 +856,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             (partial / PROGRESS_NAME).unlink(missing_ok=True)
             write_json(partial / MANIFEST_NAME, manifest)
             _fsync_dir(partial)
-            _publish(partial, out_path, overwrite)
+            _publish(partial, out_path, resolved.path, overwrite)
             summary.timings["finish"] = time.perf_counter() - t_finish
         except CheckpointError:  # a bad source value: nothing of this run is worth keeping for a resume
             if created:
@@ -838,6 +872,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         summary.seconds = time.perf_counter() - t0
         return summary
     finally:
+        held.close()
         src.close()
 
 
@@ -853,14 +888,16 @@ def _fingerprint(resolved, src: SourceCheckpoint, settings: dict, dev: torch.dev
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _resume_state(partial: Path, fingerprint: str, names: list[str]) -> dict:
+def _resume_state(partial: Path, fingerprint: str, names: list[str], settings: dict) -> dict:
     """Finished shards of an interrupted run with the same fingerprint, re-hashed; anything else in
-    the partial directory is discarded."""
+    the partial directory is discarded (after saying so, when it is finished work made otherwise)."""
     progress_file = partial / PROGRESS_NAME
     done = {}
     try:
         state = json.loads(progress_file.read_text()) if progress_file.exists() else {}
     except ValueError:
+        state = {}
+    if not isinstance(state, dict):
         state = {}
     if state.get("fingerprint") == fingerprint:
         for name, entry in state.get("shards", {}).items():
@@ -869,14 +906,63 @@ def _resume_state(partial: Path, fingerprint: str, names: list[str]) -> dict:
             if (name in names and isinstance(entry.get("tensors"), dict) and f.is_file()
                     and f.stat().st_size == entry["size"] and sha256_file(f) == entry["sha256"]):
                 done[name] = entry
+    elif state.get("shards"):
+        before = state.get("settings")
+        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k)) \
+            if isinstance(before, dict) else []
+        what = (", ".join(f"{k} {before.get(k)!r} -> {settings.get(k)!r}" for k in changed) if changed
+                else "other settings, source files or quantpack version")
+        logger.warning(f"discarding the earlier partial conversion in {partial} ({len(state['shards'])} finished "
+                       f"shard(s)), made with {'other settings: ' if changed else ''}{what}")
     for f in partial.iterdir():
         if f.name not in done and f.name != PROGRESS_NAME:
             shutil.rmtree(f) if f.is_dir() else f.unlink()
     return done
 
 
-def _write_progress(partial: Path, fingerprint: str, done: dict) -> None:
-    write_json(partial / PROGRESS_NAME, {"fingerprint": fingerprint, "shards": done})
+def _write_progress(partial: Path, fingerprint: str, done: dict, settings: dict) -> None:
+    write_json(partial / PROGRESS_NAME, {"fingerprint": fingerprint, "settings": settings, "shards": done})
+
+
+class OutputLock:
+    """An exclusive lock on converting into one output directory: ``.<name>.qp-lock`` beside it,
+    holding the owner's pid. The lock is the kernel's (``flock``), so it ends with its process
+    and a crashed run never blocks the next one."""
+
+    def __init__(self, out_path: Path):
+        self.out_path = out_path
+        self.path = out_path.parent / f".{out_path.name}{LOCK_SUFFIX}"
+        self.fd: int | None = None
+
+    def __enter__(self):
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                raise CheckpointError(f"output: another conversion (pid {holder if holder.isdigit() else 'unknown'}) "
+                                      f"is writing {self.out_path}; wait for it to finish or choose another "
+                                      f"--output") from None
+            try:  # the holder before us unlinks the file on release: lock the file at the path, not an old one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.path.unlink(missing_ok=True)  # still held: a waiter's inode check sees it gone
+        finally:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype, progress,
@@ -939,7 +1025,7 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
             timings["write"] += time.perf_counter() - t
             del tensors
             done[names[i]] = {"sha256": sha, "size": size, "tensors": dict(sorted(digests.items())), "layers": layers}
-            _write_progress(partial, fingerprint, done)
+            _write_progress(partial, fingerprint, done, summary.settings)
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
         bar.close()
@@ -994,17 +1080,60 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(partial: Path, out_path: Path, overwrite: bool) -> None:
-    """Rename the finished directory into place (replacing an old output only with ``overwrite``)."""
-    if out_path.exists():
-        if not overwrite:
-            raise CheckpointError(f"output: {out_path} appeared while converting; pass --overwrite to replace it")
+def is_quantpack_output(path: Path) -> bool:
+    """Whether ``path`` is a finished quantpack output: its manifest says so."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return False
+    return isinstance(manifest, dict) and "manifest_version" in manifest and "quantpack_version" in manifest
+
+
+def check_replaceable_output(out_path: Path, source: Path, overwrite: bool) -> None:
+    """Refuse an existing ``out_path`` that a conversion may not replace (one-line CheckpointError).
+
+    An empty directory is used as is; a finished quantpack output is replaced only with ``overwrite``;
+    anything else (a file, a symbolic link, a folder quantpack did not write, the current directory or
+    one above it, the source or a folder holding it) is never replaced: replacing deletes it.
+    """
+    if not out_path.exists() and not out_path.is_symlink():
+        return
+    real = out_path.resolve()
+    if out_path.is_symlink():
+        raise CheckpointError(f"output: {out_path} is a symbolic link (to {real}); pass a directory path, or "
+                              f"choose another --output")
+    if not out_path.is_dir():
+        raise CheckpointError(f"output: {out_path} is a file, not a directory; choose another --output")
+    cwd = Path.cwd().resolve()
+    source = Path(source).resolve()
+    if real == cwd or cwd.is_relative_to(real):
+        what = "is the current directory" if real == cwd else "contains the current directory"
+        raise CheckpointError(f"output: {out_path} {what}, which quantpack never replaces; choose another --output")
+    if real == source or source.is_relative_to(real):
+        what = "is the source checkpoint" if real == source else f"contains the source checkpoint {source}"
+        raise CheckpointError(f"output: {out_path} {what}, which quantpack never replaces; choose another --output")
+    if not any(out_path.iterdir()):
+        return
+    if not is_quantpack_output(out_path):
+        raise CheckpointError(f"output: {out_path} already exists and is not a quantpack output (no valid "
+                              f"{MANIFEST_NAME}); quantpack replaces only its own outputs: choose another --output")
+    if not overwrite:
+        raise CheckpointError(f"output: {out_path} already exists (a finished conversion); pass --overwrite to "
+                              f"replace it or choose another --output")
+
+
+def _publish(partial: Path, out_path: Path, source: Path, overwrite: bool) -> None:
+    """Rename the finished directory into place: an existing output is checked again (something may
+    have appeared while converting), then swapped out so that it survives a crash until the new one
+    is in place."""
+    check_replaceable_output(out_path, source, overwrite)
+    if out_path.exists() and any(out_path.iterdir()):
         old = out_path.parent / f".{out_path.name}.qp-old"
-        if old.exists():
+        if old.exists() and is_quantpack_output(old):  # left by a crash between the renames below
             shutil.rmtree(old)
         os.rename(out_path, old)
         os.rename(partial, out_path)
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        shutil.rmtree(old)
     else:
-        os.rename(partial, out_path)
+        os.rename(partial, out_path)  # replaces an empty directory atomically
     _fsync_dir(out_path.parent)

@@ -17,15 +17,12 @@ quantized base.
 """
 from __future__ import annotations
 
-import importlib.abc
-import sys
-
 import torch
 from torch import nn
 
+from ._registry_hook import register_when_transformers_loads
 from .nn import QuantLinear
 
-_REGISTRY_MODULE = "transformers.quantizers.auto"
 _TRANSFORMERS_CLASSES = ("QuantpackConfig", "QuantpackHfQuantizer")
 
 
@@ -40,58 +37,7 @@ def register() -> None:
     _hf_quantizer.register()
 
 
-def _register_from_hook() -> None:
-    module = sys.modules.get(__name__.rpartition(".")[0] + "._hf_quantizer")
-    if module is None:
-        from . import _hf_quantizer  # noqa: F401  registers itself on import
-    elif hasattr(module, "register"):
-        module.register()
-    # else: _hf_quantizer's own import loaded the registry; it registers itself when it finishes
-
-
-class _RegisterAfterExec(importlib.abc.Loader):
-    """Wraps the loader of transformers' quantizer registry: runs it, then :func:`register`."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        _register_from_hook()
-
-    def __getattr__(self, name):  # get_source, get_filename, ...: the real loader's
-        return getattr(self._inner, name)
-
-
-class _RegistryImportHook(importlib.abc.MetaPathFinder):
-    """One-shot finder: hands transformers' quantizer registry to its real finder, with
-    :class:`_RegisterAfterExec` around the loader."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _REGISTRY_MODULE:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisterAfterExec(spec.loader)
-                return spec
-        return None
-
-
-def _register_when_transformers_loads() -> None:
-    if _REGISTRY_MODULE in sys.modules:
-        _register_from_hook()
-    elif not any(isinstance(f, _RegistryImportHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegistryImportHook())
-
-
-_register_when_transformers_loads()
+register_when_transformers_loads()
 
 
 # --------------------------------------------------------------------------------------------------

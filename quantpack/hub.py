@@ -50,7 +50,10 @@ def resolve_source(source, *, revision: str | None = None, token: str | None = N
             raise CheckpointError(f"revision: --revision applies to hub repos, but {source} is a local directory")
         return ResolvedSource(path.resolve(), str(path.resolve()), None, True)
     if looks_like_path(source):
-        raise CheckpointError(f"source: no such directory {source}, and it is not a hub repo id (owner/name)")
+        raise CheckpointError(f"source: no such directory: {source}, and it is not a hub repo id (owner/name)")
+    if path.parent != Path(".") and path.parent.is_dir():  # `dir/name` with a local `dir`: a path, mistyped
+        raise CheckpointError(f"source: no such directory: {source} ({path.parent} exists but holds no {path.name}); "
+                              f"check the path")
     return _download(source, revision=revision, token=token, allow_pickle=allow_pickle)
 
 

@@ -15,6 +15,7 @@ on the first such call.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,6 +35,7 @@ class MergedProjections:
     product the first one computed for the others while they have not taken their columns."""
 
     def __init__(self, members: list[QuantLinear]):
+        _mark_merged_path_constant()
         self.members = tuple(members)
         self.widths = [m.out_features for m in members]  # each member's columns of the merged product, in order
         self.unmerged = False  # (set when the siblings were seen reading different inputs)
@@ -63,7 +65,7 @@ class MergedProjections:
             # decided at trace time, as a constant of the graph: the rows as a plain int (one graph per row count
             # under dynamic shapes), then the path a call of that size takes
             rows = next(r for r in range(1, MERGE_MAX_M + 1) if rows == r)
-            if not _merged_path_traced(rows, n, k, first.group_size, first.bits, x.device):
+            if not merged_path(rows, n, k, first.group_size, first.bits, x.device):
                 return None
         else:
             key = (rows, x.device, _plan_env(), _table_state())  # (what a launch plan's key holds of them)
@@ -90,8 +92,11 @@ class MergedProjections:
         return f"MergedProjections({len(self.members)} layers, out_features={self.widths})"
 
 
-# torch.compile calls this at trace time and puts its result in the graph as a constant
-_merged_path_traced = torch.compiler.assume_constant_result(merged_path)
+@functools.cache
+def _mark_merged_path_constant() -> None:
+    """Let torch.compile call ``merged_path`` at trace time and put its result in the graph as a constant. Done when
+    the first link is made, not on import: marking it imports torch._dynamo, a second of startup."""
+    torch.compiler.assume_constant_result(merged_path)
 
 
 def mergeable(members: list[nn.Module]) -> bool:

@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,7 +363,6 @@ class VerifyReport:
                 else:
                     value = "n/a" if c.value is None else f"{c.value:.5g}"
                     lines.append(f"check      {c.name} = {value} {c.op} {c.threshold:g}: {'ok' if c.passed else 'FAIL'}")
-        lines += [f"warning: {w}" for w in self.warnings]
         lines.append("")
         lines.append(f"verdict    {self.verdict.upper()} ({self.seconds:.1f} s)")
         return "\n".join(lines)
@@ -884,8 +884,9 @@ def _reference_weight(reference: checkpoint.SourceCheckpoint, ref_name: str, mod
 
 @torch.no_grad()
 def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manifest: dict | None,
-                 worst: int = WORST_LAYERS) -> dict:
-    """Relative error ``||W - dequantize(Q)||_F / ||W||_F`` (float32) of every quantized layer."""
+                 worst: int = WORST_LAYERS, on_layer: Callable[[str], None] | None = None) -> dict:
+    """Relative error ``||W - dequantize(Q)||_F / ||W||_F`` (float32) of every quantized layer
+    (``on_layer(name)`` is called after each one)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     recorded = {x["name"]: x for x in (manifest or {}).get("layers") or []}
     items, missing = [], []
@@ -907,6 +908,8 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
                       "group_size": getattr(module, "group_size", None), "rel_error": err,
                       "manifest_rel_error": rec.get("rel_error")})
         del deq, w
+        if on_layer is not None:
+            on_layer(name)
     if not items:
         return {"count": 0, "mean_rel_error": None, "max_rel_error": None, "worst": [], "items": [], "missing": missing}
     errors = [x["rel_error"] for x in items]
@@ -1126,8 +1129,8 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
            min_cosine: float | None = DEFAULT_MIN_COSINE, max_layer_error: float | None = None,
            context_length: int = DEFAULT_CONTEXT_LENGTH, max_tokens: int = DEFAULT_MAX_TOKENS,
            dtype: torch.dtype | None = None, end_to_end: bool = True, revision: str | None = None,
-           token: str | None = None, allow_pickle: bool = False,
-           trust_remote_code: bool = False) -> VerifyReport:
+           token: str | None = None, allow_pickle: bool = False, trust_remote_code: bool = False,
+           progress: bool = False) -> VerifyReport:
     """Check the packed checkpoint ``packed`` (directory or hub repo id) and measure what quantizing cost.
 
     * ``reference``: the original checkpoint (hub repo id or directory); default: the source
@@ -1147,6 +1150,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
       ``weights_only=True``), as ``convert(..., allow_pickle=True)`` does for a source.
     * ``trust_remote_code``: run the Python code the packed checkpoint, its reference and their
       tokenizers ship (``auto_map``). Off by default: such a checkpoint is refused, nothing prompts.
+    * ``progress``: a progress bar on stderr, one step per stage and per quantized layer.
 
     Problems in the files do not raise: they are in ``report.problems`` (verdict ``corrupt``). Bad
     arguments and an unavailable reference raise ``ValueError`` with a one-line message.
@@ -1180,6 +1184,25 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         root = resolve_checkpoint(packed, revision=revision, token=token)
     except CheckpointError as e:
         raise ValueError("packed" + str(e).removeprefix("path_or_repo_id")) from None
+    from tqdm.auto import tqdm
+
+    with tqdm(desc="verifying", unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        return _verify(root, bar, t0, reference=reference, text=text, text_desc=text_desc, dev=dev, max_kl=max_kl,
+                       min_top1=min_top1, min_cosine=min_cosine, max_layer_error=max_layer_error,
+                       context_length=context_length, max_tokens=max_tokens, dtype=dtype, end_to_end=end_to_end,
+                       token=token, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+
+
+def _verify(root: Path, bar, t0: float, *, reference, text, text_desc, dev, max_kl, min_top1, min_cosine,
+            max_layer_error, context_length, max_tokens, dtype, end_to_end, token, allow_pickle,
+            trust_remote_code) -> VerifyReport:
+    """:func:`verify` once its arguments are checked and the packed checkpoint found; ``bar`` shows
+    the stage (and layer) being checked."""
+    def stage(name: str) -> None:
+        bar.set_postfix_str(name, refresh=False)
+        bar.update()
+
+    bar.reset(total=2)
     report = VerifyReport(packed=str(root), device=str(dev),
                           thresholds={"max_kl": max_kl, "min_top1": min_top1, "min_cosine": min_cosine,
                                       "max_layer_error": max_layer_error})
@@ -1206,6 +1229,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         except CheckpointError:
             continue  # the integrity check (or loading the reference) reports it
         check_remote_code(where, config, trust_remote_code=trust_remote_code)
+    bar.set_postfix_str("integrity")
     summary, report.problems, qc = check_integrity(root, reference=ref_dir, allow_pickle=allow_pickle,
                                                   trust_remote_code=trust_remote_code)
     report.integrity = summary
@@ -1224,9 +1248,14 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
 
     from .loader import load
 
+    stage("loading")
     model = load(root, device=dev, dtype=dtype, verify=False,  # the files were just checked
                  trust_remote_code=trust_remote_code)
+    layers = len(quantized_modules(model))
+    bar.total = 3 + (layers + (1 if end_to_end else 0) if ref_dir is not None else 0)
+    stage("kernels")
     report.kernels = kernel_errors(model)
+    stage("layers" if ref_dir is not None else "done")
     for item in report.kernels["items"]:
         shape = "x".join(map(str, item["shape"]))
         report.checks.append(Check(f"kernel {item['module_type']} {shape} {item['dtype']}", item["rel_error"],
@@ -1238,7 +1267,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
 
     ref = checkpoint.SourceCheckpoint(ref_dir, allow_pickle=allow_pickle)
     try:
-        report.layers = layer_errors(model, ref, manifest)
+        report.layers = layer_errors(model, ref, manifest, on_layer=lambda name: stage(name))
     finally:
         ref.close()
     for item in report.layers["items"]:
@@ -1255,11 +1284,13 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         report.checks.append(Check("max_layer_error", value, max_layer_error, "<=", value <= max_layer_error))
 
     if end_to_end:
+        bar.set_postfix_str("end to end")
         report.end_to_end = _end_to_end(model, ref_dir, root, dev, text, text_desc, context_length, max_tokens,
                                         trust_remote_code)
         if report.end_to_end is None:
             report.skipped["end_to_end"] = (f"{type(model).__name__} is neither a causal LM nor an encoder with "
                                             f"last_hidden_state")
+        stage("done")
     else:
         report.skipped["end_to_end"] = "not requested"
     del model

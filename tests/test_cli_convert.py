@@ -94,12 +94,45 @@ def test_cli_table_and_dry_run(tiny_llama_dir, tmp_path):
         assert re.search(rf"^{label} +\S", result.stdout, re.M), label
 
 
-def test_real_subprocess_with_progress(tiny_encoder_dir, tmp_path):
-    result = run_subprocess(tiny_encoder_dir, "-o", tmp_path / "enc", "--method", "rtn", "--dtype", "float16")
-    assert result.returncode == 0, result.stderr
-    assert "converting" in result.stderr and "B/s" in result.stderr  # tqdm byte bar
-    assert re.search(r"^layers quantized +13$", result.stdout, re.M)
-    assert (tmp_path / "enc" / "quantpack.json").exists()
+def run_on_a_terminal(args, timeout=300):
+    """Run the CLI with stderr on a pseudo-terminal (stdout a pipe); returns (code, stdout, stderr)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([*CLI, *map(str, args)], stdout=subprocess.PIPE, stderr=sub, text=True)
+    os.close(sub)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: _read_pty(main), b"")), daemon=True)
+    reader.start()
+    stdout, _ = proc.communicate(timeout=timeout)
+    reader.join(timeout=10)
+    os.close(main)
+    return proc.returncode, stdout, b"".join(chunks).decode(errors="replace")
+
+
+def _read_pty(fd):
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # EIO: the other side closed
+        return b""
+
+
+def test_progress_only_on_a_terminal(tiny_encoder_dir, tmp_path):
+    result = run_cli(tiny_encoder_dir, "-o", tmp_path / "enc", "--method", "rtn", "--dtype", "float16")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""  # not a terminal: no bar, no redraws filling a log
+    code, stdout, stderr = run_on_a_terminal(["convert", tiny_encoder_dir, "-o", tmp_path / "tty", "--method", "rtn",
+                                              "--dtype", "float16"])
+    assert code == 0, stderr
+    assert "converting" in stderr and "B/s" in stderr  # tqdm byte bar
+    assert re.search(r"^layers quantized +13$", stdout, re.M)
+    code, stdout, stderr = run_on_a_terminal(["verify", tmp_path / "tty", "--no-reference"])
+    assert code == 0, stderr
+    assert "verifying" in stderr and "3/3" in stderr and "verdict    PASS" in stdout
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -168,7 +201,13 @@ def test_bad_group_size_strict(tmp_path):
                          "model.layers.0.mlp.down_proj: group_size=128 does not divide in_features K=192", out=out)
     result = run_cli(src, "-o", out, "--method", "rtn")  # without --strict: skipped with a listed warning
     assert result.exit_code == 0
-    assert "warning: skipped model.layers.0.mlp.down_proj: group_size=128 does not divide" in result.stdout
+    assert "warning: skipped model.layers.0.mlp.down_proj: group_size=128 does not divide" in result.stderr
+    assert "warning" not in result.stdout  # stdout is the summary only
+    # --quiet: no summary, no progress; the warnings still say what was skipped
+    result = run_cli(src, "-o", tmp_path / "quiet", "--method", "rtn", "--quiet")
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr.splitlines() == [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(result.stderr.splitlines()) == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e5m2])
@@ -198,12 +237,58 @@ def test_bad_output_not_writable(tiny_llama_dir, tmp_path):
             locked.chmod(0o755)
 
 
-def test_bad_existing_output(tiny_llama_dir, tmp_path):
+def tree(path):
+    """Every file and folder under ``path`` with its bytes, to show that nothing changed."""
+    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None) for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_bad_existing_output_that_quantpack_did_not_write(tiny_llama_dir, tmp_path, overwrite):
+    out = tmp_path / "precious"
+    (out / "chapter").mkdir(parents=True)
+    (out / "thesis.txt").write_text("mine")
+    (out / "chapter" / "1.txt").write_text("also mine")
+    before = tree(out)
+    result = run_cli(tiny_llama_dir, "-o", out, *overwrite)
+    assert_usage_failure(result, "already exists and is not a quantpack output")
+    assert "--overwrite" not in result.stderr  # the flag would not help: never suggest it
+    assert tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"]
+
+
+def test_overwrite_refuses_the_current_directory(src, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    before = tree(work)
+    monkeypatch.chdir(work)
+    assert_usage_failure(run_cli(src, "-o", ".", "--overwrite"), "is the current directory")
+    monkeypatch.chdir(work / "sub")
+    assert_usage_failure(run_cli(src, "-o", "..", "--overwrite"), "contains the current directory")
+    assert tree(work) == before
+
+
+def test_overwrite_refuses_the_source_and_what_holds_it(tiny_llama_dir, tmp_path):
+    holder = tmp_path / "models"
+    source = shutil.copytree(tiny_llama_dir, holder / "llama")
+    (tmp_path / "link").symlink_to(source)
+    before = tree(tmp_path)
+    assert_usage_failure(run_cli(source, "-o", holder, "--overwrite"), f"contains the source checkpoint {source}")
+    assert_usage_failure(run_cli(tmp_path / "link", "-o", source, "--overwrite"), "is the source checkpoint")
+    assert_usage_failure(run_cli(source, "-o", tmp_path / "link", "--overwrite"), "is a symbolic link")
+    assert tree(tmp_path) == before
+
+
+def test_overwrite_replaces_a_previous_output_and_an_empty_folder_is_used(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out), "already exists (not a quantpack output); pass --overwrite")
-    assert (out / "keep.txt").read_text() == "mine"
+    assert run_cli(tiny_llama_dir, "-o", out, "--method", "rtn", "--json").exit_code == 0
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--bits", "8"),
+                         "already exists (a finished conversion); pass --overwrite")
+    result = run_cli(tiny_llama_dir, "-o", out, "--bits", "8", "--method", "rtn", "--overwrite", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_bad_options_are_one_line(tiny_llama_dir, tmp_path):
@@ -365,3 +450,50 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_partial(random_llama, tmp_path)
     assert "Interrupted: finished shards are kept; re-run the same command to resume." in stderr
     assert "Traceback" not in stderr
     assert not out.exists() and json.loads((partial / "progress.json").read_text())["shards"]
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, str(os.getpid()).encode())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_conversion_into_one_output_is_refused_until_the_first_ends(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.qp-lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--method", "rtn"),
+                             f"another conversion (pid {holder.pid}) is writing {out}", out=out)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without cleaning up: its lock file stays, but the lock went with the process.
+    assert lock.exists()
+    result = run_cli(tiny_llama_dir, "-o", out, "--method", "rtn", "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_restart_with_other_settings_says_it_discards_the_earlier_work(tiny_llama_dir, tmp_path,
+                                                                         convert_interrupted):
+    out = tmp_path / "out"
+    convert_interrupted(tiny_llama_dir, out, max_shard_size="150KB", method="rtn", progress=False, at=3)
+    result = run_cli(tiny_llama_dir, "-o", out, "--max-shard-size", "150KB", "--method", "rtn", "--bits", "8",
+                     "--no-progress")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if "discarding" in line]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("warning: discarding the earlier partial conversion in ")
+    assert "(2 finished shard(s)), made with other settings: bits 4 -> 8" in lines[0]
+    assert "discarding" not in result.stdout
+    # The same settings resume silently.
+    convert_interrupted(tiny_llama_dir, tmp_path / "again", max_shard_size="150KB", method="rtn", progress=False, at=3)
+    result = run_cli(tiny_llama_dir, "-o", tmp_path / "again", "--max-shard-size", "150KB", "--method", "rtn",
+                     "--no-progress")
+    assert result.exit_code == 0 and "discarding" not in result.stderr, result.output

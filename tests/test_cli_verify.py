@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -64,6 +65,27 @@ def test_failed_threshold_exits_1(ckpt, text_file):
     r = run(ckpt("q4"), "--text-file", text_file, "--max-layer-error", "0.01", "--json", "--device", "cpu")
     assert r.exit_code == 1 and json.loads(r.stdout)["verdict"] == "fail"
     assert r.stderr.startswith("Failed: max_layer_error = ")
+
+
+def test_quiet_prints_nothing_but_what_failed(ckpt, text_file):
+    r = run(ckpt("q4"), "--no-reference", "--device", "cpu", "--quiet")
+    assert r.exit_code == 0 and r.stdout == "" and r.stderr == "", r.output
+    r = run(ckpt("q4"), "--text-file", text_file, "--max-kl", "1e-9", "--device", "cpu", "--quiet")
+    assert r.exit_code == 1 and r.stdout == ""
+    assert r.stderr.startswith("Failed: kl_mean = ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_warnings_go_to_stderr(ckpt, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(ckpt("llama"), other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-5 if config.get("rms_norm_eps") != 1e-5 else 1e-6
+    (other / "config.json").write_text(json.dumps(config))
+    r = run(ckpt("q8"), "--reference", other, "--device", "cpu", "--json")
+    assert json.loads(r.stdout)["warnings"]  # stdout stays valid JSON
+    assert r.stderr.startswith("warning: the reference differs from the files quantpack.json says"), r.stderr
+    r = run(ckpt("q8"), "--reference", other, "--device", "cpu")
+    assert "warning:" not in r.stdout and r.stderr.startswith("warning: the reference differs")
 
 
 def test_flipped_byte_exits_2_naming_the_tensor(ckpt, tmp_path):

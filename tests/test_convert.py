@@ -168,6 +168,20 @@ def test_group_size_not_dividing_is_skipped_or_strict_error(tmp_path):
     assert not (tmp_path / "strict").exists()
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"skip": [".*"]}, r"^nothing to quantize: --skip leaves no linear layer \(e.g. model.layers.0.mlp.down_proj "
+                       r"matches --skip \.\*; layers kept: 14 x matches --skip .*; 1 x output embeddings .*\); "
+                       r"narrow the --skip patterns"),
+    ({"group_size": 512}, r"^nothing to quantize: --group-size 512 fits no linear layer \(e.g. "
+                          r"model.layers.0.mlp.down_proj, in_features=256\); --group-size 256 \(or none\) fits it"),
+])
+def test_nothing_to_quantize_names_the_real_reason(tiny_llama_dir, tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        convert(tiny_llama_dir, tmp_path / "out", method="rtn", progress=False, **kwargs)
+    assert "output embeddings" not in str(info.value).split("(")[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_dry_run_writes_nothing_and_estimates_exactly(tiny_llama_dir, tmp_path):
     plan = convert(tiny_llama_dir, tmp_path / "d", max_shard_size="300KB", dry_run=True, progress=False)
     assert plan.dry_run and plan.disk_free > 0 and plan.num_shards >= 2

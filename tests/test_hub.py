@@ -30,3 +30,16 @@ def test_offline_cache_miss_is_one_line(hub_cache):
         resolve_source("nobody/not-cached")
     assert str(info.value) == ("source: nobody/not-cached (revision main) is not in the Hugging Face cache and "
                                "HF_HUB_OFFLINE is set; download it once online or unset HF_HUB_OFFLINE")
+
+
+@pytest.mark.parametrize("typo", ["./modle", "models/llama-typo", "ABS/models/llama"])
+def test_a_mistyped_local_path_is_no_such_directory_not_a_hub_lookup(tmp_path, monkeypatch, typo):
+    (tmp_path / "models" / "llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("asked the Hub for a local path")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    source = typo.replace("ABS", str(tmp_path)).replace("models/llama", "models/llama-typo")
+    with pytest.raises(CheckpointError, match=rf"^source: no such directory: {source}"):
+        resolve_source(source)
