@@ -271,7 +271,7 @@ def _tensors_of(obj) -> tuple:
     return tuple((t.data_ptr(), tuple(t.shape)) for t in _tensor_objects(obj))
 
 
-def _tensor_objects(obj, depth: int = 3) -> list[torch.Tensor]:
+def _tensor_objects(obj, depth: int = 4) -> list[torch.Tensor]:
     """The tensors ``obj`` holds in attributes, lists and dicts, ``depth`` levels down."""
     found = []
 
