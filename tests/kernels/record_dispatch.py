@@ -17,68 +17,8 @@ from pathlib import Path
 
 import torch
 
-import contextlib
-from dataclasses import dataclass
-from unittest import mock
-
-from quantpack.format import packed_shapes
-import importlib
-
-mm = importlib.import_module("quantpack.kernels.mixed_mm")  # (the module; the package exports its function)
-from quantpack.kernels.wgmma_mm import wgmma_usable
-from quantpack.kernels.mma_gemv import mma_usable
-
-
-@dataclass(frozen=True)
-class DeviceProps:
-    name: str
-    capability: tuple
-    sms: int
-
-
-@dataclass(frozen=True)
-class Flags:
-    mma: bool = True
-    wgmma: bool = True
-    pdl: bool = False
-
-
-@dataclass(frozen=True)
-class Decision:
-    config: mm.KernelConfig
-    pdl: bool
-
-
-def choose(props, m, n, k, bits, dtype, *, axis, group_size, transposed, flags):
-    """What mixed_mm decides for such a call, from its own steps in its order, on a GPU faked as ``props``."""
-    class Props:
-        multi_processor_count = props.sms
-    env = {"QUANTPACK_MMA": "1" if flags.mma else "0", "QUANTPACK_WGMMA": "1" if flags.wgmma else "0",
-           "QUANTPACK_PDL": "1" if flags.pdl else "0", "TRITON_INTERPRET": "0"}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(os.environ, env))
-        stack.enter_context(mock.patch.object(torch.cuda, "get_device_name", lambda index=None: props.name))
-        stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: Props()))
-        stack.enter_context(mock.patch.object(mm, "_major", lambda index: props.capability[0]))
-        stack.enter_context(mock.patch.object(mm, "_device_names", {}))
-        stack.enter_context(mock.patch.object(mm, "_tables", {}))
-        device = torch.device("cuda", 0)
-        shapes = packed_shapes((n, k), bits, group_size, axis)
-        x2 = torch.empty(m, n if transposed else k, dtype=dtype)
-        qw = torch.empty(shapes["qweight"], dtype=torch.uint8)
-        s, z = (torch.empty(shapes["scales"], dtype=torch.bfloat16) for _ in range(2))
-        config = mm.pick_config(transposed, bits, m, n, k, device)
-        config = mm._fix_config(config, transposed, m, axis, group_size)
-        if config.path == "wgmma" and not (mm.wgmma_device(device)
-                                           and wgmma_usable(x2, qw, s, z, n, k, group_size, bits, axis)):
-            config = mm._without_wgmma(transposed, m, n, k, device, axis, group_size)
-        pdl = False
-        if config.path == "mma":
-            if mm.mma_enabled() and mma_usable(x2, n, k, group_size, bits, axis):
-                pdl = m <= mm.PDL_MAX_M and mm.pdl_enabled(device)
-            else:
-                config = mm._fix_config(mm.gemv_config(m, n, k, device), transposed, m, axis, group_size)
-        return Decision(config, pdl)
+from quantpack.kernels.configs import KernelConfig
+from quantpack.kernels.dispatch import DeviceProps, Flags, choose
 
 OUT = Path(__file__).with_name("data") / "dispatch.json"
 
@@ -112,7 +52,7 @@ def case_key(gpu, flags, m, n, k, bits, dt, axis, gs, tr) -> str:
 
 def decide(gpu, flags, m, n, k, bits, dt, axis, gs, tr) -> dict:
     d = choose(GPUS[gpu], m, n, k, bits, DTYPES[dt], axis=axis, group_size=gs, transposed=tr, flags=FLAGS[flags])
-    default = asdict(mm.KernelConfig())
+    default = asdict(KernelConfig())
     config = {f: v for f, v in asdict(d.config).items() if f == "path" or v != default[f]}  # (short: the changes)
     return {"config": config, "pdl": d.pdl} if d.pdl else {"config": config}
 
