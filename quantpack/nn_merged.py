@@ -21,13 +21,13 @@ import math
 import torch
 from torch import nn
 
+from .kernels.caches import tensor_version
+from .kernels.configs import table_state
+from .kernels.dispatch import MERGE_MAX_M, read_env
 from .kernels.merged_mm import merged_mm, merged_path
-from .kernels.mixed_mm import _plan_env, _table_state, _version
 from .nn import QuantLinear
 
 MERGED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-MERGE_MAX_M = 16  # rows of x up to which siblings merge, where the stacked shape's tuned path is mma (the stacked
-# weight exists only in the mma layout; on Hopper that is every decode shape at M <= 8, q/k/v also at 9-16 rows)
 
 
 class MergedProjections:
@@ -47,7 +47,7 @@ class MergedProjections:
         compiling = torch.compiler.is_compiling()
         held = self._held
         if held is not None and index != 0:
-            if held[0] is x and (compiling or held[1] == _version(x)):
+            if held[0] is x and (compiling or held[1] == tensor_version(x)):
                 self._held = (held[0], held[1], held[2], held[3] - 1) if held[3] > 1 else None
                 return held[2][index]
             self._held, self.unmerged = None, True  # a sibling read another input: not siblings in this model
@@ -68,7 +68,7 @@ class MergedProjections:
             if not merged_path(rows, n, k, first.group_size, first.bits, x.device):
                 return None
         else:
-            key = (rows, x.device, _plan_env(), _table_state())  # (what a launch plan's key holds of them)
+            key = (rows, x.device, read_env(), table_state())  # (what a launch plan's key holds of them)
             known = self._paths.get(key)
             if known is None:
                 known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device)
@@ -85,7 +85,7 @@ class MergedProjections:
             if out is None:
                 return None
         columns = out.split_with_sizes(self.widths, -1)  # (one call for all the views: half the time of slicing)
-        self._held = (x, -1 if compiling else _version(x), columns, len(members) - 1)
+        self._held = (x, -1 if compiling else tensor_version(x), columns, len(members) - 1)
         return columns[0]
 
     def __repr__(self) -> str:

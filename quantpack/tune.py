@@ -10,7 +10,6 @@ which every later process reads on top of the shipped table.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -76,22 +75,23 @@ def tune(source, *, batch_sizes=DEFAULT_BATCH_SIZES, device="cuda", backward: bo
     from .loader import load
     from .nn import QuantLinear
 
-    mm = importlib.import_module("quantpack.kernels.mixed_mm")  # (the module; the package exports its function)
+    from .kernels import configs
+    from .kernels.dequant import interpreting
     sizes = _checked_batch_sizes(tuple(int(m) for m in batch_sizes), batch_sizes)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device {device!r}: give a CUDA device, e.g. cuda or cuda:1") from None
     # (the CPU only under Triton's interpreter, where the tests run the kernels; nothing there is worth timing)
-    if not ((dev.type == "cuda" and torch.cuda.is_available()) or (dev.type == "cpu" and mm.interpreting())):
+    if not ((dev.type == "cuda" and torch.cuda.is_available()) or (dev.type == "cpu" and interpreting())):
         raise ValueError("quantpack tune times the kernels on a CUDA GPU, and there is none here: run it on the "
                          "machine (and GPU model) that will serve the model")
     model = load(source, device=dev, revision=revision, token=token)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         raise ValueError(f"{source}: no quantized layers to tune (is it a quantpack checkpoint?)")
-    dev_key = mm.device_key(dev)
-    table = mm._table(dev_key)
+    dev_key = configs.device_key(dev)
+    table = configs.config_table(dev_key)
     before = set(table)
 
     previous = os.environ.get("QUANTPACK_AUTOTUNE")
@@ -127,4 +127,4 @@ def tune(source, *, batch_sizes=DEFAULT_BATCH_SIZES, device="cuda", backward: bo
             os.environ["QUANTPACK_AUTOTUNE"] = previous
     tuned = {key: table[key].path for key in sorted(set(table) - before)}
     return TuneReport(str(source), torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)",
-                      str(mm.tuned_cache_path(dev_key)), sizes, len(layers), tuned)
+                      str(configs.tuned_cache_path(dev_key)), sizes, len(layers), tuned)

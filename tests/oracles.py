@@ -113,3 +113,18 @@ def scripted_gpu_timing(monkeypatch, do_bench) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+
+
+def pretend_device(monkeypatch, key: str, *, capability=None, sms: int = 8, gpu: bool = False) -> None:
+    """Decisions (dispatch.py), the autotuner and ``quantpack tune`` see the device of every call as one named ``key``
+    (its config table's stem) with this compute capability and SM count; ``gpu=False``: as the interpreter's CPU."""
+    import importlib
+
+    from quantpack.kernels.dispatch import DeviceProps
+
+    props = DeviceProps(key, capability, sms, gpu)
+    for name in ("dispatch", "autotune", "mixed_mm"):
+        monkeypatch.setattr(importlib.import_module(f"quantpack.kernels.{name}"), "device_props", lambda device: props)
+    for name in ("configs", "autotune"):
+        monkeypatch.setattr(importlib.import_module(f"quantpack.kernels.{name}"), "device_key",
+                            lambda device=None: key)

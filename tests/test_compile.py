@@ -171,10 +171,10 @@ def test_compiled_first_call_builds_its_caches_outside_the_graph_pool(monkeypatc
     prompt did not already run those paths eagerly failed so)."""
     import importlib
 
-    from quantpack.kernels.mixed_mm import _mma_copies
+    from quantpack.kernels.caches import mma_copies as _mma_copies
 
     # (as in a new process: no counter ring yet; the module, not the function `quantpack.kernels.mixed_mm`)
-    monkeypatch.setattr(importlib.import_module("quantpack.kernels.mixed_mm"), "_counters", {})
+    monkeypatch.setattr(importlib.import_module("quantpack.kernels.caches"), "_counters", {})
     torch.manual_seed(0)
     layers = nn.Sequential(*(QuantLinear.from_linear(nn.Linear(4096, 4096, device="cuda"), group_size=128,
                                                      method="rtn", dtype=torch.bfloat16) for _ in range(2)))

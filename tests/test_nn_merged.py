@@ -15,15 +15,21 @@ from torch import nn
 from quantpack import reference
 from quantpack.kernels.merged_mm import _merged, merged_mm_op, merged_path
 from quantpack.kernels import KernelConfig
-from quantpack.kernels.mixed_mm import _mma_copies, mma_config
+from quantpack.kernels.caches import mma_copies
+from quantpack.kernels.dispatch import mma_config
 from quantpack.kernels.mma_gemv import mma_pack
 from quantpack.loader import load
 from quantpack.nn import QuantLinear
 from quantpack.nn_merged import MERGE_MAX_M, merge_projections, unmerge_projections
-from oracles import MIXED_MM, GraphRecorder, scripted_gpu_timing
+from oracles import MIXED_MM, GraphRecorder, pretend_device, scripted_gpu_timing
 from test_loader import llama_src, packed_llama, prompt_ids, rel_err  # noqa: F401
 
 MIXED_MM_MODULE = importlib.import_module("quantpack.kernels.mixed_mm")
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 MERGED = {torch.ops.quantpack.merged_mm.default, torch.ops.quantpack.merged_mm}
 
 
@@ -79,14 +85,14 @@ def _expected(block, x):
 def mma_launches(monkeypatch):
     """Counts the mma kernel's launches (launch plans off: every call launches through the launcher)."""
     monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
-    MIXED_MM_MODULE._mma_self_check(torch.device("cpu"))  # (its own launches, once per process)
+    caches_mod.mma_self_check(torch.device("cpu"))  # (its own launches, once per process)
     calls = []
-    real = MIXED_MM_MODULE.launch_mma_gemv
+    real = launcher_mod.launch_mma_gemv
 
     def counting(x2, *args, **kw):
         calls.append(x2.shape[0])
         return real(x2, *args, **kw)
-    monkeypatch.setattr(MIXED_MM_MODULE, "launch_mma_gemv", counting)
+    monkeypatch.setattr(launcher_mod, "launch_mma_gemv", counting)
     return calls
 
 
@@ -131,7 +137,7 @@ def test_members_mma_copies_become_views_of_the_merged_copy():
     merged = _merged[layers[0].qweight].mma
     start = 0
     for layer in layers:
-        copy = _mma_copies[layer.qweight][1]
+        copy = mma_copies[layer.qweight][1]
         assert copy.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
         assert torch.equal(copy, mma_pack(layer.qweight, layer.out_features, layer.in_features))
         assert torch.equal(copy, merged[start:start + layer.out_features // 16])
@@ -182,9 +188,9 @@ def test_shipped_hopper_tables_merge_qkv_up_to_16_rows(monkeypatch, qkv, gate_up
     up to 16 rows, so they merge, and give gate/up (28672 x 4096, 57344 x 8192) wgmma beyond 8 rows, so those run
     alone; 8-bit siblings merge at decode."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(MIXED_MM_MODULE, "wgmma_device", lambda device: True)
+    monkeypatch.setattr(dispatch_mod, "wgmma_device", lambda props, flags: True)
     for key in ("nvidia_h200", "nvidia_h100_80gb_hbm3"):
-        monkeypatch.setattr(MIXED_MM_MODULE, "device_key", lambda device, key=key: key)
+        pretend_device(monkeypatch, key)
         assert all(merged_path(rows, qkv, k, 128, 4, cpu) for rows in (1, 4, 8, 9, 12, 16)), key
         assert merged_path(8, gate_up, k, 128, 4, cpu) and not merged_path(9, gate_up, k, 128, 4, cpu), key
         assert merged_path(1, qkv, k, 128, 8, cpu) and not merged_path(16, qkv, k, 128, 8, cpu), key
@@ -197,8 +203,8 @@ def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path
     merged_module = importlib.import_module("quantpack.kernels.merged_mm")
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
-    monkeypatch.setattr(MIXED_MM_MODULE, "_tables", {})
-    table = MIXED_MM_MODULE._table(MIXED_MM_MODULE.device_key(torch.device("cpu")))
+    monkeypatch.setattr(configs_mod, "_tables", {})
+    table = configs_mod.config_table(MIXED_MM_MODULE.device_key(torch.device("cpu")))
     monkeypatch.setattr(merged_module, "tunes_on_first_use",  # (what a GPU would answer)
                         lambda x2, transposed, bits, n, k: MIXED_MM_MODULE.config_key(transposed, bits, n, k,
                                                                                       x2.shape[0]) not in table)
@@ -206,7 +212,7 @@ def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path
     monkeypatch.setattr(MIXED_MM_MODULE, "candidate_configs",
                         lambda *args, **kwargs: cands + [KernelConfig("dot", 16, 64, 32)])
     launched, timed = [], []
-    real_launch = MIXED_MM_MODULE._launch
+    real_launch = MIXED_MM_MODULE.launch
 
     def recording_launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype, cfg,
                          *rest):
@@ -218,7 +224,7 @@ def test_autotune_tunes_the_stacked_shape_over_mma_configs_on_first_use(tmp_path
         timed.append(launched[-1])
         return {1: 2.0, 2: 1.0}[launched[-1].split] / 1e3
 
-    monkeypatch.setattr(MIXED_MM_MODULE, "_launch", recording_launch)
+    monkeypatch.setattr(MIXED_MM_MODULE, "launch", recording_launch)
     scripted_gpu_timing(monkeypatch, fake_do_bench)
     block = _block("qkv")
     merge_projections(block)
@@ -443,7 +449,7 @@ def test_merged_autotune_on_gpu_tunes_the_stacked_shape(tmp_path, monkeypatch):
     stacked key, and every sibling's output is right."""
     monkeypatch.setenv("QUANTPACK_AUTOTUNE", "1")
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(MIXED_MM_MODULE, "_tables", {})
+    monkeypatch.setattr(configs_mod, "_tables", {})
     cands = [KernelConfig("mma", 8, 16, num_warps=1, split=1, num_stages=2, rawq=True, k_warps=4),
              KernelConfig("mma", 8, 16, num_warps=2, split=4, num_stages=2, rawq=True),
              KernelConfig("wgmma", 16, 64, 64, split=2, num_warps=4, num_stages=4, rawq=True, producer=True)]
@@ -454,6 +460,6 @@ def test_merged_autotune_on_gpu_tunes_the_stacked_shape(tmp_path, monkeypatch):
     x = torch.randn(2, 1536, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         got = [block(x) for _ in range(3)]
-    assert MIXED_MM_MODULE._table(MIXED_MM_MODULE.device_key(x.device))[key] in cands[:2]
+    assert configs_mod.config_table(MIXED_MM_MODULE.device_key(x.device))[key] in cands[:2]
     for g in got:
         assert all(rel_err(a, want) <= 1e-2 for a, want in zip(g, _expected(block, x)))

@@ -19,9 +19,14 @@ from quantpack.nn import QuantLinear
 from quantpack.tune import parse_batch_sizes, tune
 from quantpack.convert import convert
 from quantpack.tiny import make_tiny_llama
-from oracles import scripted_gpu_timing  # tests/oracles.py
+from oracles import pretend_device, scripted_gpu_timing  # tests/oracles.py
 
 MM = importlib.import_module("quantpack.kernels.mixed_mm")
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 MERGED = importlib.import_module("quantpack.kernels.merged_mm")
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -40,13 +45,13 @@ def scripted_tuning(tmp_path, monkeypatch):
     """A CPU standing in for a GPU named "test_gpu" with an empty table: kernels run in the interpreter, one
     candidate per path, a scripted timer; returns the configs each timing ran."""
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(MM, "_tables", {})
-    monkeypatch.setattr(MM, "device_key", lambda device=None: "test_gpu")
+    monkeypatch.setattr(configs_mod, "_tables", {})
+    pretend_device(monkeypatch, "test_gpu")
     monkeypatch.setattr(QuantLinear, "backend", "triton")
 
     def first_use(x2, transposed, bits, n, k):  # (what a GPU answers with QUANTPACK_AUTOTUNE=1)
         return (os.environ.get("QUANTPACK_AUTOTUNE") == "1"
-                and MM.config_key(transposed, bits, n, k, x2.shape[0]) not in MM._table("test_gpu"))
+                and MM.config_key(transposed, bits, n, k, x2.shape[0]) not in configs_mod.config_table("test_gpu"))
 
     monkeypatch.setattr(MM, "tunes_on_first_use", first_use)
     monkeypatch.setattr(MERGED, "tunes_on_first_use", first_use)
@@ -54,13 +59,13 @@ def scripted_tuning(tmp_path, monkeypatch):
         [KernelConfig("mma", 8, 16, num_warps=1, split=1, num_stages=2)] if m <= 16 else
         [KernelConfig("dot", 32, 64, 32, num_warps=4, num_stages=2)]))
     timed = []
-    real_launch = MM._launch
+    real_launch = MM.launch
 
     def recording_launch(*args):
         timed.append(args[12])  # (the config)
         return real_launch(*args)
 
-    monkeypatch.setattr(MM, "_launch", recording_launch)
+    monkeypatch.setattr(MM, "launch", recording_launch)
     scripted_gpu_timing(monkeypatch, lambda fn, **kwargs: 1e-3)
     return timed
 
@@ -82,7 +87,7 @@ def test_tune_times_each_new_key_once_and_keeps_it_for_later_runs(packed_llama, 
     cached = json.loads((MM.tuned_cache_path("test_gpu")).read_text())["configs"]
     assert set(cached) == expected and report.cache == str(MM.tuned_cache_path("test_gpu"))
 
-    monkeypatch.setattr(MM, "_tables", {})  # (a new process: the shipped table, then this machine's cache)
+    monkeypatch.setattr(configs_mod, "_tables", {})  # (a new process: the shipped table, then this machine's cache)
     scripted_tuning.clear()
     again = tune(packed_llama, batch_sizes=(1, 20), device="cpu", progress=False)
     assert again.tuned == {} and "already tuned" in again.format_table()
@@ -138,7 +143,7 @@ def test_tune_on_gpu_times_the_model_for_real_and_a_second_run_times_nothing(pac
     table, are tuned at 1 and 64 rows (merged stacks at 1; every candidate checked against the reference first), land
     in the cache, and a new process's run times nothing."""
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(MM, "_tables", {})
+    monkeypatch.setattr(configs_mod, "_tables", {})
     monkeypatch.setattr(MM, "candidate_configs", lambda transposed, m, *args, **kwargs: (
         [KernelConfig("mma", 8, 16, num_warps=1, split=1, num_stages=2),
          KernelConfig("mma", 8, 16, num_warps=2, split=2, num_stages=2, rawq=True)] if m <= 16 else
@@ -148,6 +153,6 @@ def test_tune_on_gpu_times_the_model_for_real_and_a_second_run_times_nothing(pac
     assert MM.config_key(False, 4, 64, 128, 64) in report.tuned  # (k and v alone at 64 rows)
     cached = json.loads(MM.tuned_cache_path(MM.device_key(torch.device("cuda"))).read_text())["configs"]
     assert set(report.tuned) <= set(cached)
-    monkeypatch.setattr(MM, "_tables", {})
-    monkeypatch.setattr(MM, "_tune", lambda *args, **kwargs: pytest.fail("tuned twice"))
+    monkeypatch.setattr(configs_mod, "_tables", {})
+    monkeypatch.setattr(MM, "sweep", lambda *args, **kwargs: pytest.fail("tuned twice"))
     assert tune(packed_llama, batch_sizes=(1, 64), device="cuda", progress=False).tuned == {}

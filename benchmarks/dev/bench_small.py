@@ -23,6 +23,7 @@ import torch.nn.functional as F
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]  # benchmarks/ (the harness), the repo
 from bench_kernels import GS, config_label, mm, random_packed, ref_weight, replicas  # noqa: E402
+from quantpack.kernels import configs  # noqa: E402
 from timing import graph_time  # noqa: E402
 
 SHAPES = "3072x2048,2048x2048,16384x2048,2048x8192,5120x3072,3072x3072,16384x3072,3072x8192,1024x4096"
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    other = mm._read_configs(Path(args.against) / f"{mm.device_key(dev)}.json") if args.against else None
+    other = configs.read_configs(Path(args.against) / f"{mm.device_key(dev)}.json") if args.against else None
     print(json.dumps({"device": torch.cuda.get_device_name(dev), "against": args.against or None}), flush=True)
     for bits in (int(b) for b in args.bits.split(",")):
         for n, k in (tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")):
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
                        "cublas": graph_time([lambda d=d: F.linear(x, d) for d in dense])[0] * 1e3,
                        "tinygemm": tinygemm_us(x, n, k, l2) if bits == 4 else None}
                 now = mm.pick_config(False, bits, m, n, k, dev)
-                before = mm._nearest(other, False, bits, n, k, m) if other is not None else None
+                before = configs.nearest(other, False, bits, n, k, m) if other is not None else None
                 # (alternated, each keeping its faster median: clocks drift between runs of one key)
                 for _ in range(2 if before is not None else 1):
                     row["now"] = min(row.get("now", float("inf")), quantpack_us(now))

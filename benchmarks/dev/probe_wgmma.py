@@ -27,6 +27,7 @@ sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
 from bench_kernels import L2, graph_time, random_packed, ref_weight, replicas  # noqa: E402
 import importlib  # noqa: E402
 mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
+launcher = importlib.import_module("quantpack.kernels.launcher")  # (what launches the kernels: patched to trace them)
 from quantpack.kernels import wgmma_mm as wg  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def run_wg(x, qw, s, z, gs, g):
 def trace_calls(x, qps, gs, calls_traced=2):
     """Timelines of two consecutive calls in the middle of a CUDA graph of one call per weight replica:
     (calls_traced, programs, 16) int64 (see wgmma_mm._stamp), after a few replays."""
-    real = mm.launch_wgmma
+    real = launcher.launch_wgmma
     mid = len(qps) // 2
     bufs = []
 
@@ -54,9 +55,9 @@ def trace_calls(x, qps, gs, calls_traced=2):
         bufs.clear()
         with ctx:
             for i, p in enumerate(qps):
-                mm.launch_wgmma = traced if mid <= i < mid + calls_traced else real
+                launcher.launch_wgmma = traced if mid <= i < mid + calls_traced else real
                 mm.mixed_mm(x, *p, group_size=gs)
-        mm.launch_wgmma = real
+        launcher.launch_wgmma = real
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
@@ -163,7 +164,7 @@ def main():
                     if errs.get((g, balanced), 0.0) is None:
                         continue
                     # mixed_mm splits a partial last wave of an unsplit grid; 'ub' times it without
-                    mm.balance_last_wave = wg.balance_last_wave if balanced else (lambda grid, *a: grid)
+                    launcher.balance_last_wave = wg.balance_last_wave if balanced else (lambda grid, *a: grid)
                     try:
                         out = run_wg(x, qw, s, z, gs, g)
                         err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -177,7 +178,7 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         print(f"  {g}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                         errs[(g, balanced)] = None
-                mm.balance_last_wave = wg.balance_last_wave
+                launcher.balance_last_wave = wg.balance_last_wave
             tb, tq = best.pop("cublas"), best.pop("shipped")
             print(f"\n== N={n} K={k} M={m} {args.dtype}: cuBLAS {tb*1e3:.1f} us; shipped {tq*1e3:.1f} us "
                   f"x{tb/tq:.2f} [{cfg.path}{'/P' if cfg.producer else ''} {cfg.block_m}x{cfg.block_n} s{cfg.split}]"

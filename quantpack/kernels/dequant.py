@@ -195,7 +195,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
     n_mask = n < N
     # every load is issued before the bytes are touched: unpacked first, the bytes went through a layout change (a
     # CTA barrier) before the scale and zero loads were issued, three memory round trips in a row instead of one
-    # (4-bit axis 0, 64 pair rows: 71% -> 86% of copy at 4096^2; NOTES.md v16)
+    # (4-bit axis 0, 64 pair rows: 71% -> 86% of copy at 4096^2)
     raw = load_pair_bytes(qw_ptr, r, n, r_mask, n_mask, N, K, BITS)
     if META_ROW:  # axis 1, tile inside one group: one row of scales/zeros
         g = (2 * r0) // G
@@ -235,7 +235,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, G, N_META, zero_scale, 
 
 
 # (pair rows, columns, warps) per program by (bits, axis, column block), the best of a block sweep on an H200
-# at all three benchmark shapes (BENCHMARKS.md run Z; NOTES.md v16; earlier sweeps: runs G and J). For axis 0 the
+# at all three benchmark shapes (BENCHMARKS.md run Z; earlier sweeps: runs G and J). For axis 0 the
 # column block must divide the group size so each row's scale/zero is one load (META_COL): the widest of 128,
 # 64, 32, 16 that does.
 DEQUANT_BLOCKS = {(4, 1, 128): (64, 128, 4), (8, 1, 128): (64, 128, 8),

@@ -15,8 +15,6 @@ as streaming the bytes, so both must overlap and neither may waste instructions:
 * split-K over programs: partial rows go to a float32 workspace and the last program of a column
   tile (an arrival counter, reset by that program) sums them in one 2-D load, so results are
   deterministic and one launch does everything (CUDA-graph friendly).
-
-benchmarks/NOTES.md (v4) has what each of these measured on an H200.
 """
 from __future__ import annotations
 

@@ -186,7 +186,7 @@ def _direct_launcher(compiled) -> tuple | None:
     exit hook, then the kernel's arguments) in Triton 3.6 through 3.9 (read in 3.6's and 3.9's sources, run on 3.6);
     other versions, and any replay while a launch hook is registered (a profiler), go through the runner. ``None``
     where the direct call does not apply."""
-    try:
+    try:  # (imported here: triton.knobs exists only in the Triton versions this applies to)
         import triton
         from triton import knobs
         from triton.runtime import driver

@@ -2,7 +2,7 @@
 
 A decoder layer's q, k and v projections (and gate and up) multiply one activation. At decode (a few rows of x)
 each is a latency-bound GEMV: on an H100 at M = 1, q, k and v of an 8B model take 7.6 + 4.9 + 4.9 us, where the
-bytes of all three at the rate of the larger GEMVs would take about 10 (benchmarks/NOTES.md v24). One launch over
+bytes of all three at the rate of the larger GEMVs would take about 10. One launch over
 the weights stacked along N reads them in one grid, and it is one launch and one host call instead of three.
 
 The stacked weight exists only in the ``mma`` layout (``(N/16, K/64, 32, 4)`` words, 16-row tiles of N first):
@@ -21,8 +21,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import launch_plan
 from .dequant import infer_layout, on_device
-from .mixed_mm import (MMA_MAX_M, _mma_copies, _mma_self_check, _outside_graph_pools, _version, autotune_mma,
-                       mixed_mm, mma_config, mma_mm, reference_product, tunes_on_first_use)
+from .autotune import reference_product, tunes_on_first_use
+from .caches import mma_copies, mma_self_check, outside_graph_pools, tensor_version
+from .dispatch import MMA_MAX_M, mma_config
+from .mixed_mm import autotune_mma, mixed_mm, mma_mm
 from .mma_gemv import CHUNK, mma_pack
 
 
@@ -63,29 +65,29 @@ def merged_weights(qweights, scales, zeros, biases, *, group_size: int, bits: in
         raise ValueError("merged projections need one in_features K (a multiple of 64), groups along K of a "
                          f"multiple of 64 and out_features multiples of 16; got (N, K) = {[d[:2] for d in dims]}, "
                          f"group_size={group_size}")
-    if not _mma_self_check(device):
+    if not mma_self_check(device):
         return None, False
 
     def build():
         copies = []
         for q, (n, _, _) in zip(qweights, dims):
-            have = _mma_copies.get(q)
-            copies.append(have[1] if have is not None and have[0] == _version(q) else mma_pack(q, n, k, bits))
+            have = mma_copies.get(q)
+            copies.append(have[1] if have is not None and have[0] == tensor_version(q) else mma_pack(q, n, k, bits))
         return torch.cat(copies)
 
     with on_device(qweights[0]):
-        mma = _outside_graph_pools(build, device)
-        scales_cat = _outside_graph_pools(lambda: torch.cat(scales, dim=1), device)
-        zeros_cat = _outside_graph_pools(lambda: torch.cat(zeros, dim=1), device)
+        mma = outside_graph_pools(build, device)
+        scales_cat = outside_graph_pools(lambda: torch.cat(scales, dim=1), device)
+        zeros_cat = outside_graph_pools(lambda: torch.cat(zeros, dim=1), device)
         bias = None
         if any(b is not None for b in biases):
             dtype = next(b for b in biases if b is not None).dtype
-            bias = _outside_graph_pools(lambda: torch.cat([
+            bias = outside_graph_pools(lambda: torch.cat([
                 b.to(dtype) if b is not None else torch.zeros(d[0], dtype=dtype, device=device)
                 for b, d in zip(biases, dims)]), device)
     start, planes = 0, 2 if bits == 8 else 1  # (mma_pack: one row per 16 output features and nibble plane)
     for q, (n, _, _) in zip(qweights, dims):  # each member's own copy becomes a view: no memory added
-        _mma_copies[q] = (_version(q), mma[start:start + n // 16 * planes])
+        mma_copies[q] = (tensor_version(q), mma[start:start + n // 16 * planes])
         start += n // 16 * planes
     refs = tuple(weakref.ref(t) if t is not None else None for t in sources)
     state = MergedWeights(refs, versions, mma, scales_cat, zeros_cat, bias, launch_plan.PlanCache())
@@ -98,7 +100,7 @@ def _versions(sources: tuple) -> tuple:
     try:
         return tuple([0 if t is None else t._version for t in sources])
     except RuntimeError:  # (an inference tensor: one by one)
-        return tuple(_version(t) if t is not None else 0 for t in sources)
+        return tuple(tensor_version(t) if t is not None else 0 for t in sources)
 
 
 def _refers_to(ref, t) -> bool:
@@ -109,7 +111,7 @@ def _refers_to(ref, t) -> bool:
 def merged_path(rows: int, n: int, k: int, group_size: int, bits: int, device: torch.device) -> bool:
     """Whether :func:`merged_mm` runs (rather than declines) ``rows`` rows of 16-bit x, suitably laid out, through
     stacked weights of ``n`` out-features on ``device``: what the caller can decide once per call shape."""
-    return mma_config(rows, n, k, group_size, bits, device) is not None and _mma_self_check(device)
+    return mma_config(rows, n, k, group_size, bits, device) is not None and mma_self_check(device)
 
 
 def merged_mm(x: torch.Tensor, qweights, scales, zeros, biases, *, group_size: int, bits: int = 4

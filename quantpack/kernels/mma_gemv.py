@@ -20,9 +20,8 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
 * rows 8-15 of x are a second B fragment on the same A; a program may take two 16-row blocks of x
   (``MmaGrid.blocks``), all four fragments multiplied with each A the warp unpacks; beyond its rows,
   the programs of one weight tile are adjacent, so the later ones read it from L2; a warp may take
-  two or four 16-row tiles of N that share x's fragments (four, half of x's reads per weight byte,
-  measured slower: registers halve the warps per SM, benchmarks/NOTES.md v10); split-K over programs as in ``gemv.py`` (partials +
-  the last-arriving program sums them);
+  two or four 16-row tiles of N that share x's fragments (four, half of x's reads per weight byte, measured
+  slower: registers halve the warps per SM); split-K over programs as in ``gemv.py``;
 * 8-bit weights ``q = 16 h + l`` are two nibble planes packed as two adjacent 4-bit tiles of the
   same 16 rows (``h`` then ``l``): a warp runs them as its two tiles in ``rawq`` mode and combines
   ``s (16 d_h + d_l - (z + 17 offset) sum(x))`` per group. bf16 has no 8-bit magic number (7
@@ -30,8 +29,7 @@ weights. For that every lane must hold exactly its MMA fragment, so the weight i
   overhead (addresses, loads, loop) spread over twice the bytes.
 
 Under TRITON_INTERPRET the inline PTX cannot run; the kernel then emulates the fragments with
-reshapes and ``tl.dot``-free sums (same packed layout, same arithmetic), which is what CI tests.
-"""
+reshapes and ``tl.dot``-free sums (same packed layout, same arithmetic), which is what CI tests."""
 from __future__ import annotations
 
 import functools
@@ -47,7 +45,7 @@ from .dequant import cdiv
 
 CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
 MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each)
-MAX_BLOCKS = 2  # 16-row blocks of x per program (four measured 1.4-1.8x slower: benchmarks/NOTES.md v9)
+MAX_BLOCKS = 2  # 16-row blocks of x per program (four measured 1.4-1.8x slower)
 PRELOAD_CHUNKS = 8  # the most chunks a depth-0 program loads before its first MMA (registers)
 
 
@@ -364,8 +362,8 @@ def _group_rescale(acc, d, sx, ss, zs, RAWQ: tl.constexpr, PLANES: tl.constexpr,
 @triton.jit
 def _ksum(acc, row, KSUM: tl.constexpr, KSUM_CONS: tl.constexpr):
     """The accumulators summed over the warps that split the program's K range, through shared memory with one
-    barrier (Triton's ``tl.sum`` of the reshape converts layouts there and back: four barriers, benchmarks/NOTES.md
-    v28); every warp gets its tile slot's sums."""
+    barrier (Triton's ``tl.sum`` of the reshape converts layouts there and back: four barriers);
+    every warp gets its tile slot's sums."""
     rows = tl.broadcast_to(row[:, None], acc[0].shape)
     return tl.inline_asm_elementwise(KSUM, KSUM_CONS, acc + (rows,), dtype=(tl.float32,) * len(acc), is_pure=False,
                                      pack=4)
@@ -374,8 +372,7 @@ def _ksum(acc, row, KSUM: tl.constexpr, KSUM_CONS: tl.constexpr):
 @triton.jit
 def _hold(aa, bb, metas, zero, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, NT: tl.constexpr):
     """The first chunk's A words, made to depend on every value loaded before the loop (``zero`` is 0, which
-    ptxas cannot know): ptxas otherwise sinks each load next to its first use, one round trip per chunk
-    (benchmarks/NOTES.md v25)."""
+    ptxas cannot know): ptxas otherwise sinks each load next to its first use, one round trip per chunk."""
     args = ()
     for t in tl.static_range(len(aa)):
         args = args + aa[t]
@@ -585,11 +582,15 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axis: int) -> bool:
-    """Whether this call fits the mma path: 4- or 8-bit, groups along K of a multiple of 64, N % 16 == 0,
-    at most 64 rows of 16-bit activations with 4-byte aligned rows."""
+def mma_layout_fits(m: int, n: int, k: int, group_size: int, bits: int, axis: int, dtype: torch.dtype) -> bool:
+    """Whether shapes fit the mma path: 4/8-bit, groups along K of 64k, N % 16 == 0, <= 64 rows of 16-bit x."""
     return (bits in (4, 8) and axis == 1 and group_size % CHUNK == 0 and n % 16 == 0 and k % group_size == 0
-            and x2.shape[0] <= MAX_M and x2.dtype in (torch.float16, torch.bfloat16) and x2.stride(1) == 1
+            and m <= MAX_M and dtype in (torch.float16, torch.bfloat16))
+
+
+def mma_usable(x2: torch.Tensor, n: int, k: int, group_size: int, bits: int, axis: int) -> bool:
+    """:func:`mma_layout_fits`, and x's rows 4-byte aligned."""
+    return (mma_layout_fits(x2.shape[0], n, k, group_size, bits, axis, x2.dtype) and x2.stride(1) == 1
             and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0)
 
 

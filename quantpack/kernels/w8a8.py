@@ -20,7 +20,8 @@ try:  # host-side tensor descriptors (TMA on Hopper); Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
     TensorDescriptor = None
 
-from ..quantize_w8a8 import ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, quantize_weight_w8a8  # noqa: F401
+from ..quantize_w8a8 import (ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, dequantize_w8a8,  # noqa: F401
+                             quantize_weight_w8a8)
 from .dequant import cdiv, interpreting, next_power_of_2, on_device
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -398,8 +399,6 @@ def _w8a8_linear_op_setup(ctx, inputs, output):
 
 
 def _w8a8_linear_op_backward(ctx, grad_out):
-    from ..quantize_w8a8 import dequantize_w8a8
-
     qweight, weight_scale = ctx.saved_tensors
     grad_x = grad_out @ dequantize_w8a8(qweight, weight_scale, grad_out.dtype) if ctx.needs_input_grad[0] else None
     return grad_x, None, None, None

@@ -22,7 +22,7 @@ acc += s (W_q-z x) (for few rows of x, where the dequant's instructions are a la
 
 The weight's rows reach the MMA permuted (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a thread's two
 rows are one 16-bit load); the epilogue undoes it. Triton's own pipeliner cannot overlap a dequantized
-operand with its MMA (benchmarks/NOTES.md v5); Gluon states the schedule explicitly. Split-K partials are
+operand with its MMA; Gluon states the schedule explicitly. Split-K partials are
 summed by the last program to arrive, as in the other paths. The kernel needs a GPU with wgmma (compute
 capability 9.x); the interpreter cannot run Gluon, so CI compiles it for sm_90 and the GPU tests check it
 against the reference.
@@ -111,7 +111,7 @@ if HAVE_GLUON:
     # RAWQ's zeros: (q + OFFSET) - OFFSET is q exactly, then - z rounds once to x's dtype, as dequantizing rounds (one
     # subtraction with OFFSET + z would round z to OFFSET's unit). $0, $1 from $2, $4 (q + OFFSET of two weight rows)
     # and $3, $5 (each row's z twice). Subtracting the zeros here instead of applying them to x's sums per step (a
-    # second MMA of ones) measured 2-7% faster at 16 rows on an H200 (benchmarks/NOTES.md v19).
+    # second MMA of ones) measured 2-7% faster at 16 rows on an H200.
     _ZERO_SUB = ("{{ .reg .b32 m; mov.b32 m, {magic}; sub.rn.{t}x2 $0, $2, m; sub.rn.{t}x2 $0, $0, $3; "
                  "sub.rn.{t}x2 $1, $4, m; sub.rn.{t}x2 $1, $1, $5; }}")
     _ZERO_SUB_BF16 = gl.constexpr(_ZERO_SUB.format(t="bf16", magic="0x43004300"))
@@ -299,7 +299,7 @@ if HAVE_GLUON:
         (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where
         each thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K
         divides it). Starting the next step's MMAs before adding this step's, or preparing its operand while this
-        step's MMA runs, measured no faster (benchmarks/NOTES.md v18, v19). Returns (accumulator in MMA-row order,),
+        step's MMA runs, measured no faster. Returns (accumulator in MMA-row order,),
         as _consume_ring."""
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
@@ -656,11 +656,17 @@ def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     scales and zeros in two places (the planes of one copy)."""
     aligned = (all(t.data_ptr() % 16 == 0 for t in (x2, qweight, scales, zeros))
                and zeros.data_ptr() != scales.data_ptr())
-    return (HAVE_GLUON and bits in (4, 8) and axis == 1 and (group_size == 64 or group_size % 128 == 0)
-            and k % group_size == 0 and k % 8 == 0 and n % 16 == 0 and aligned
-            and x2.dtype in (torch.bfloat16, torch.float16) and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
+    return (wgmma_layout_fits(n, k, group_size, bits, axis, x2.dtype) and aligned
+            and x2.stride(1) == 1 and x2.stride(0) % 8 == 0
             and scales.dtype == zeros.dtype and scales.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())
+
+
+def wgmma_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, dtype: torch.dtype) -> bool:
+    """The shape half of :func:`wgmma_usable` (Gluon in this Triton, 4/8-bit, groups along K of 64 or a multiple of
+    128, K % 8, N % 16, 16-bit activations): what a call with aligned, contiguous tensors needs."""
+    return (HAVE_GLUON and bits in (4, 8) and axis == 1 and (group_size == 64 or group_size % 128 == 0)
+            and k % group_size == 0 and k % 8 == 0 and n % 16 == 0 and dtype in (torch.bfloat16, torch.float16))
 
 
 @functools.lru_cache(maxsize=1024)  # (Gluon layout objects cost about 30 us a launch to build)

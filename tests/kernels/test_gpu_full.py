@@ -12,6 +12,11 @@ from quantpack.kernels import KernelConfig, dequantize, mixed_mm
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("poisoned_outputs")]  # (tests/conftest.py)
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
@@ -106,4 +111,4 @@ def test_split_k_repeatable_and_counters_reset():
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
     torch.cuda.synchronize()
-    assert int(mm_mod._counter_buffer(x.device).abs().sum()) == 0
+    assert int(caches_mod.counter_buffer(x.device).abs().sum()) == 0

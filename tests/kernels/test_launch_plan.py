@@ -19,6 +19,11 @@ from quantpack.kernels.launch_plan import Plan, PlanCache, Recording
 from quantpack.nn import QuantLinear
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 DEV = "cuda" if ON_GPU else "cpu"
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py; replayed buffers included)
@@ -144,7 +149,7 @@ def test_environment_switches_and_tuned_configs_make_new_plans(monkeypatch, repl
     for _ in range(2):
         assert rel_err(call(x, pw, plans), x.float() @ w.t()) < 2e-3
     assert len(plans) == 2
-    monkeypatch.setattr(mm_mod, "_table_changes", mm_mod._table_changes + 1)  # (as _remember does)
+    monkeypatch.setattr(configs_mod, "table_changes", configs_mod.table_changes + 1)  # (as _remember does)
     call(x, pw, plans)
     assert len(plans) == 3
 
@@ -154,18 +159,18 @@ def test_plan_env_follows_every_switch(monkeypatch, fast):
     """The switches the plan key reads (straight from os.environ's dict where CPython has one) change with the
     environment, and QUANTPACK_LAUNCH_PLANS=0 (only "0") turns plans off."""
     if not fast:
-        monkeypatch.setattr(mm_mod, "_ENV_KEYS", None)
-    names = mm_mod._ENV_NAMES
+        monkeypatch.setattr(dispatch_mod, "_ENV_KEYS", None)
+    names = dispatch_mod._ENV_NAMES
     for name in names:
         monkeypatch.delenv(name, raising=False)
-    assert mm_mod._plan_env() == (None,) * len(names) and mm_mod.launch_plans_enabled()
-    seen = {mm_mod._plan_env()}
+    assert dispatch_mod.read_env() == (None,) * len(names) and dispatch_mod.launch_plans_enabled()
+    seen = {dispatch_mod.read_env()}
     for name in names:
         monkeypatch.setenv(name, "0")
-        seen.add(mm_mod._plan_env())
-    assert len(seen) == len(names) + 1 and not mm_mod.launch_plans_enabled()
+        seen.add(dispatch_mod.read_env())
+    assert len(seen) == len(names) + 1 and not dispatch_mod.launch_plans_enabled()
     monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "1")
-    assert mm_mod.launch_plans_enabled()
+    assert dispatch_mod.launch_plans_enabled()
 
 
 @kernels_run
@@ -237,7 +242,7 @@ def _saved(module) -> bytes:
 def test_counter_slices_start_16_byte_aligned():
     """A replayed kernel was compiled for 16-byte aligned pointers; counters come as slices of one ring."""
     dev = torch.device(DEV)
-    slices = [mm_mod._counter_slice(dev, tiles) for tiles in (3, 1, 5, 4, 7)]
+    slices = [caches_mod.counter_slice(dev, tiles) for tiles in (3, 1, 5, 4, 7)]
     assert all(s.data_ptr() % 16 == 0 for s in slices)
 
 

@@ -11,8 +11,13 @@ from quantpack import reference
 from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, mixed_mm
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 from quantpack.quantize import quantize
-from oracles import scripted_gpu_timing  # tests/oracles.py
+from oracles import pretend_device, scripted_gpu_timing  # tests/oracles.py
 
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
                                  reason="needs TRITON_INTERPRET=1 or a GPU"),
@@ -162,7 +167,7 @@ def test_split_counters_reset_and_repeatable(cfg):
     first = run(x, pw, cfg)
     second = run(x, pw, cfg)
     assert torch.equal(first, second)
-    assert int(mm_mod._counter_buffer(x.device).abs().sum()) == 0
+    assert int(caches_mod.counter_buffer(x.device).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -182,9 +187,9 @@ def test_gemv_falls_back_where_the_layout_does_not_allow_it():
     for (n, k, gs, axis) in [(96, 80, 32, 0), (72, 160, 32, 1)]:
         pw, w = packed(n, k, 4, gs, axis=axis)
         x = torch.randn(1, k, dtype=torch.float16).to(DEV)
-        assert mm_mod._fix_config(cfg, False, 1, axis, gs).path == "fma"
+        assert dispatch_mod.fit_config(cfg, False, 1, axis, gs).path == "fma"
         assert rel_err(run(x, pw, cfg), x.float() @ w.t()) <= 1e-3
-    assert mm_mod._fix_config(cfg, True, 1, 1, 128).path == "dot"
+    assert dispatch_mod.fit_config(cfg, True, 1, 1, 128).path == "dot"
 
 
 def test_default_config_dispatch():
@@ -196,14 +201,14 @@ def test_default_config_dispatch():
             assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs), x.float() @ w.t()) <= 1e-3
     # untuned decode takes the tensor-core GEMV (mixed_mm falls back to the CUDA-core one where its
     # layout needs are not met: tests/kernels/test_mma_gemv.py)
-    cfg = mm_mod.heuristic_config(False, 1, 4096, 4096, torch.device(DEV))
-    assert cfg.path == "mma" and mm_mod._fix_config(cfg, False, 1, 1, 128).path == "mma"
-    assert mm_mod._fix_config(cfg, True, 1, 1, 128).path == "dot"
-    cfg16 = mm_mod.heuristic_config(False, 16, 4096, 4096, torch.device(DEV))  # two 8-row halves of x
-    assert cfg16.path == "mma" and mm_mod._fix_config(cfg16, False, 16, 1, 128).path == "mma"
-    assert mm_mod._fix_config(cfg16, False, 64, 1, 128).path == "mma"  # blocks of 16 rows of x, up to 64
-    assert mm_mod._fix_config(cfg16, False, 65, 1, 128).path == "dot"
-    assert mm_mod.gemv_config(1, 4096, 4096, torch.device(DEV)).path == "gemv"
+    cfg = dispatch_mod.heuristic_config(False, 1, 4096, 4096, dispatch_mod.device_props(torch.device(DEV)))
+    assert cfg.path == "mma" and dispatch_mod.fit_config(cfg, False, 1, 1, 128).path == "mma"
+    assert dispatch_mod.fit_config(cfg, True, 1, 1, 128).path == "dot"
+    cfg16 = dispatch_mod.heuristic_config(False, 16, 4096, 4096, dispatch_mod.device_props(torch.device(DEV)))  # two 8-row halves of x
+    assert cfg16.path == "mma" and dispatch_mod.fit_config(cfg16, False, 16, 1, 128).path == "mma"
+    assert dispatch_mod.fit_config(cfg16, False, 64, 1, 128).path == "mma"  # blocks of 16 rows of x, up to 64
+    assert dispatch_mod.fit_config(cfg16, False, 65, 1, 128).path == "dot"
+    assert dispatch_mod.gemv_config(1, 4096, 4096, dispatch_mod.device_props(torch.device(DEV)).sms).path == "gemv"
 
 
 def test_bad_input_is_refused():
@@ -263,9 +268,8 @@ def test_a_borrowed_wgmma_tile_shrinks_where_it_would_leave_most_sms_idle(monkey
     table = {mm_mod.config_key(False, 4, 4096, 4096, 1024): big,
              mm_mod.config_key(False, 4, 1024, 4096, 1024): big,
              mm_mod.config_key(False, 4, 4096, 4096, 1): KernelConfig("mma", 8, 16, num_warps=1, split=4)}
-    monkeypatch.setattr(mm_mod, "_tables", {"test_gpu": table})
-    monkeypatch.setattr(mm_mod, "device_key", lambda device=None: "test_gpu")
-    monkeypatch.setattr(mm_mod, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(configs_mod, "_tables", {"test_gpu": table})
+    pretend_device(monkeypatch, "test_gpu", capability=(9, 0), sms=132, gpu=True)
     cpu = torch.device("cpu")
 
     def pick(n, k, m):
@@ -287,9 +291,9 @@ def test_every_shipped_config_is_a_candidate_of_its_key(monkeypatch, table):
     """Every entry of a shipped table is one the tuner offers for that very key on that GPU (132 SMs, Hopper): tables
     merged from several tuning runs, or keeping an older pick where it timed faster, hold nothing outside the search
     space the kernels' tests and the tuner's reference check cover."""
-    monkeypatch.setattr(mm_mod, "wgmma_device", lambda device: True)
-    monkeypatch.setattr(mm_mod, "_num_sms", lambda device: 132)
-    entries = mm_mod._read_configs(mm_mod._CONFIG_DIR / f"{table}.json")
+    monkeypatch.setattr(autotune_mod, "wgmma_device", lambda props, flags: True)
+    pretend_device(monkeypatch, table, capability=(9, 0), sms=132, gpu=True)
+    entries = configs_mod.read_configs(configs_mod.CONFIG_DIR / f"{table}.json")
     assert len(entries) > 100
     outside = []
     for key, cfg in entries.items():
@@ -304,28 +308,28 @@ def test_shipped_tables_load_and_same_arch_fallback(monkeypatch):
     """The shipped H200 and H100 tables parse into configs (the H100's own M <= 16 picks differ), and a GPU
     without its own file but of the same compute capability uses the one whose name is closest (an H100 PCIe:
     the H100's) rather than untuned heuristics."""
-    monkeypatch.setattr(mm_mod, "_tables", {})
-    monkeypatch.setattr(mm_mod, "_capability", lambda key: [9, 0])
-    h200 = mm_mod._table("nvidia_h200")
-    h100 = mm_mod._table("nvidia_h100_80gb_hbm3")
+    monkeypatch.setattr(configs_mod, "_tables", {})
+    monkeypatch.setattr(configs_mod, "capability", lambda key: [9, 0])
+    h200 = configs_mod.config_table("nvidia_h200")
+    h100 = configs_mod.config_table("nvidia_h100_80gb_hbm3")
     for table in (h200, h100):
         assert table and all(isinstance(c, KernelConfig) for c in table.values())
         assert mm_mod.config_key(False, 4, 4096, 4096, 1) in table
     assert h100 != h200
-    assert mm_mod._table("nvidia_h100_pcie") == h100
-    monkeypatch.setattr(mm_mod, "_capability", lambda key: [8, 0])
-    assert mm_mod._table("nvidia_a100_sxm4_80gb") == {}
+    assert configs_mod.config_table("nvidia_h100_pcie") == h100
+    monkeypatch.setattr(configs_mod, "capability", lambda key: [8, 0])
+    assert configs_mod.config_table("nvidia_a100_sxm4_80gb") == {}
     # nearest tuned entry for an untuned shape/M: same direction and bits, closest M bucket first
     # (N = 4608: nearer to the table's 4096 than to its 6144, the merged q/k/v shape)
-    near = mm_mod._nearest(h200, False, 4, 4608, 4096, 2)
+    near = configs_mod.nearest(h200, False, 4, 4608, 4096, 2)
     assert near is not None and near == h200[mm_mod.config_key(False, 4, 4096, 4096, 1)]
-    assert mm_mod._nearest(h200, False, 4, 5632, 4096, 2) == h200[mm_mod.config_key(False, 4, 6144, 4096, 1)]
+    assert configs_mod.nearest(h200, False, 4, 5632, 4096, 2) == h200[mm_mod.config_key(False, 4, 6144, 4096, 1)]
     # but not across regimes: a decode entry (M = 1) says nothing about a batch of 64, which gets the heuristic, and
     # neither does any entry more than 4x away in M
     decode = {mm_mod.config_key(False, 8, 4096, 4096, 1): KernelConfig("mma")}
-    assert mm_mod._nearest(decode, False, 8, 4096, 4096, 4) == KernelConfig("mma")
-    assert mm_mod._nearest(decode, False, 8, 4096, 4096, 64) is None
-    assert mm_mod._nearest(decode, False, 8, 4096, 4096, 8) is None
+    assert configs_mod.nearest(decode, False, 8, 4096, 4096, 4) == KernelConfig("mma")
+    assert configs_mod.nearest(decode, False, 8, 4096, 4096, 64) is None
+    assert configs_mod.nearest(decode, False, 8, 4096, 4096, 8) is None
     # the shipped 8-bit batches run the fused kernels (or dequantize + cuBLAS), never a decode config
     for m in (64, 256, 1024, 4096):
         assert h200[mm_mod.config_key(False, 8, 14336, 4096, m)].path in ("wgmma", "dq")
@@ -335,20 +339,20 @@ def test_autotuned_configs_are_cached_for_later_processes(tmp_path, monkeypatch)
     """What QUANTPACK_AUTOTUNE=1 picks is kept in the machine's cache and read back by a new process
     (on top of the shipped table); a damaged cache is ignored, not fatal."""
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mm_mod, "_tables", {})
-    monkeypatch.setattr(mm_mod, "_capability", lambda key: None)
+    monkeypatch.setattr(configs_mod, "_tables", {})
+    monkeypatch.setattr(configs_mod, "capability", lambda key: None)
     first = (mm_mod.config_key(False, 4, 5120, 4096, 1), KernelConfig("gemv", block_n=64, block_r=16, split=8))
     second = (mm_mod.config_key(True, 4, 5120, 4096, 1024), KernelConfig("dq"))
-    mm_mod._remember("some_gpu", *first)
-    mm_mod._remember("some_gpu", *second)
+    configs_mod.remember("some_gpu", *first)
+    configs_mod.remember("some_gpu", *second)
     path = mm_mod.tuned_cache_path("some_gpu")
     assert path == tmp_path / "configs" / "some_gpu.json" and path.is_file()
-    monkeypatch.setattr(mm_mod, "_tables", {})  # as a new process sees it
-    assert mm_mod._table("some_gpu") == dict([first, second])
+    monkeypatch.setattr(configs_mod, "_tables", {})  # as a new process sees it
+    assert configs_mod.config_table("some_gpu") == dict([first, second])
     path.write_text("{not json")
-    monkeypatch.setattr(mm_mod, "_tables", {})
-    assert mm_mod._table("some_gpu") == {}
-    h200 = mm_mod._table("nvidia_h200")  # shipped entries stay underneath the cache
+    monkeypatch.setattr(configs_mod, "_tables", {})
+    assert configs_mod.config_table("some_gpu") == {}
+    h200 = configs_mod.config_table("nvidia_h200")  # shipped entries stay underneath the cache
     assert mm_mod.config_key(False, 4, 4096, 4096, 1) in h200
 
 
@@ -378,19 +382,19 @@ def test_autotune_never_picks_a_config_whose_output_is_wrong(tmp_path, monkeypat
     would be the fastest but computes the wrong product is never timed or picked; with no correct config,
     nothing is stored and the table's (or heuristic) pick stays, with a warning."""
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mm_mod, "_tables", {})
+    monkeypatch.setattr(configs_mod, "_tables", {})
     cands = [KernelConfig("dot", 16, 64, 32, split=s) for s in (1, 2, 4)]
     script = {cands[0]: [1.0] * 3, cands[1]: [2.0] * 3, cands[2]: [3.0] * 3}
     timed = []
     best, times = _scripted_autotune(monkeypatch, cands, script, timed, wrong={cands[0]})
     assert best == cands[1] and times[cands[0]] == float("inf") and cands[0] not in timed
     key = mm_mod.config_key(False, 4, 128, 256, 64)
-    assert mm_mod._table(mm_mod.device_key(torch.device("cpu")))[key] == cands[1]
-    monkeypatch.setattr(mm_mod, "_tables", {})
+    assert configs_mod.config_table(mm_mod.device_key(torch.device("cpu")))[key] == cands[1]
+    monkeypatch.setattr(configs_mod, "_tables", {})
     with pytest.warns(UserWarning, match="none of 3 configs"):
         best, times = _scripted_autotune(monkeypatch, cands, script, [], wrong=set(cands))
     assert all(t == float("inf") for t in times.values())
-    assert key not in mm_mod._table(mm_mod.device_key(torch.device("cpu")))
+    assert key not in configs_mod.config_table(mm_mod.device_key(torch.device("cpu")))
     assert best == mm_mod.pick_config(False, 4, 64, 128, 256, torch.device("cpu"))
 
 
@@ -399,7 +403,7 @@ def test_autotune_decides_among_the_fastest_by_timing_them_again(tmp_path, monke
     their mean times decide: a candidate that only looked fast because it ran first (the clock drifts over
     a sweep) loses; the others keep their sweep times. The timer is scripted; the GPU calls are stand-ins."""
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mm_mod, "_tables", {})
+    monkeypatch.setattr(configs_mod, "_tables", {})
     cands = [KernelConfig("dq")] + [KernelConfig("wgmma", 64, 64, 64, split=s) for s in (1, 2, 4)] + \
         [KernelConfig("dot", 16, 64, 32, split=s) for s in (1, 2)]
     script = dict(zip(cands, ([1.00, 1.30, 1.34], [1.10, 1.06, 1.04], [1.20, 1.25, 1.25], [1.30, 1.35, 1.35],
@@ -412,7 +416,7 @@ def test_autotune_decides_among_the_fastest_by_timing_them_again(tmp_path, monke
     assert best == cands[1] and times[cands[1]] == pytest.approx(1.05) and times[cands[0]] == pytest.approx(1.32)
     assert times[cands[4]] == pytest.approx(1.40) and times[cands[5]] == pytest.approx(2.00)
     key = mm_mod.config_key(False, 4, 128, 256, 64)  # (N = 128, K = 256 from the packed (K/2, N) weight)
-    assert mm_mod._table(mm_mod.device_key(torch.device("cpu")))[key] == best
+    assert configs_mod.config_table(mm_mod.device_key(torch.device("cpu")))[key] == best
 
 
 def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatch):
@@ -420,7 +424,7 @@ def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatc
     is launched again with fewer stages instead of failing."""
     from triton.runtime.errors import OutOfResources
 
-    real = mm_mod._fwd_kernel
+    real = launcher_mod.forward_kernel
     tried = []
 
     class TooBigAboveOneStage:
@@ -432,7 +436,7 @@ def test_config_too_large_for_shared_memory_retries_with_fewer_stages(monkeypatc
                 return real[grid](*args, num_stages=num_stages, **kwargs)
             return run
 
-    monkeypatch.setattr(mm_mod, "_fwd_kernel", TooBigAboveOneStage())
+    monkeypatch.setattr(launcher_mod, "forward_kernel", TooBigAboveOneStage())
     pw = quantize(torch.randn(40, 64), bits=8, group_size=32, dtype=torch.float16).to(DEV)
     x = torch.randn(3, 64, dtype=torch.float16).to(DEV)
     out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=32, bits=8,
@@ -451,7 +455,7 @@ def test_first_use_autotune_on_gpu_stores_a_correct_pick_and_runs_it(tmp_path, m
     cache and returns the right product; later calls run the stored pick without timing again."""
     monkeypatch.setenv("QUANTPACK_AUTOTUNE", "1")
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(mm_mod, "_tables", {})
+    monkeypatch.setattr(configs_mod, "_tables", {})
     n, k, m = 1536, 2560, 4  # (in no shipped table)
     cands = [KernelConfig("mma", 8, 16, num_warps=1, split=1, num_stages=2, rawq=True, k_warps=4),
              KernelConfig("mma", 8, 16, num_warps=2, split=4, num_stages=2, rawq=True),
@@ -460,12 +464,12 @@ def test_first_use_autotune_on_gpu_stores_a_correct_pick_and_runs_it(tmp_path, m
     monkeypatch.setattr(mm_mod, "candidate_configs", lambda *args, **kwargs: list(cands))
     pw, w = packed(n, k, 4, 128, dtype=torch.bfloat16)
     key = mm_mod.config_key(False, 4, n, k, m)
-    assert key not in mm_mod._table(mm_mod.device_key(torch.device(DEV)))
+    assert key not in configs_mod.config_table(mm_mod.device_key(torch.device(DEV)))
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128), x.float() @ w.t()) <= 1e-2
-    pick = mm_mod._table(mm_mod.device_key(torch.device(DEV)))[key]
+    pick = configs_mod.config_table(mm_mod.device_key(torch.device(DEV)))[key]
     assert pick in cands[:3]
     assert key in mm_mod.tuned_cache_path(mm_mod.device_key(torch.device(DEV))).read_text()
-    monkeypatch.setattr(mm_mod, "_tune", lambda *args, **kwargs: pytest.fail("tuned twice"))
+    monkeypatch.setattr(mm_mod, "sweep", lambda *args, **kwargs: pytest.fail("tuned twice"))
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     assert rel_err(mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128), x.float() @ w.t()) <= 1e-2

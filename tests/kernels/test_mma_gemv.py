@@ -12,6 +12,11 @@ from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_depth, mma_grid, mma_pack
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -180,15 +185,15 @@ def test_grid_rows_of_x(blocks, m, row_blocks, row_programs):
 
 def _spy(monkeypatch):
     """Record the mma kernel's launches (after its once-per-device self-check, which launches it too)."""
-    mm_mod._mma_self_check(torch.device(DEV))
+    caches_mod.mma_self_check(torch.device(DEV))
     calls = []
-    real = mm_mod.launch_mma_gemv
+    real = launcher_mod.launch_mma_gemv
 
     def spy(*a, **kw):
         calls.append((kw["grid"].split, kw["grid"].tiles_per_warp, kw["rawq"], kw["depth"], kw["bits"],
                       kw["grid"].blocks) + ((kw["grid"].kwarps,) if kw["grid"].kwarps > 1 else ()))
         return real(*a, **kw)
-    monkeypatch.setattr(mm_mod, "launch_mma_gemv", spy)
+    monkeypatch.setattr(launcher_mod, "launch_mma_gemv", spy)
     return calls
 
 
@@ -330,11 +335,11 @@ def test_mixed_mm_falls_back_where_mma_cannot_run(case, monkeypatch):
 
 def test_repacked_copy_is_cached_and_follows_in_place_changes():
     pw, _ = packed(32, 128, 64)
-    first, built = mm_mod._mma_weight(pw.qweight, 32, 128)
-    again, built = mm_mod._mma_weight(pw.qweight, 32, 128)
+    first, built = caches_mod.mma_weight_copy(pw.qweight, 32, 128)
+    again, built = caches_mod.mma_weight_copy(pw.qweight, 32, 128)
     assert again is first and not built
     pw.qweight[0, 0] ^= 0x11  # in place: the copy is rebuilt
-    second, built = mm_mod._mma_weight(pw.qweight, 32, 128)
+    second, built = caches_mod.mma_weight_copy(pw.qweight, 32, 128)
     assert built and second is not first and torch.equal(second, mma_pack(pw.qweight, 32, 128))
 
 
@@ -348,7 +353,7 @@ def test_weights_made_in_inference_mode_run_the_mma_path(monkeypatch):
         for _ in range(2):
             out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, config=cfg)
     assert rel_err(out, x.float() @ w.t()) <= 1e-3
-    assert len(calls) == 2 and mm_mod._mma_weight(pw.qweight, 64, 256)[0] is mm_mod._mma_weight(pw.qweight, 64, 256)[0]
+    assert len(calls) == 2 and caches_mod.mma_weight_copy(pw.qweight, 64, 256)[0] is caches_mod.mma_weight_copy(pw.qweight, 64, 256)[0]
 
 
 def test_kernel_compiles_for_hopper():
@@ -370,7 +375,7 @@ def test_kernel_compiles_for_hopper():
 
 @pytest.mark.gpu
 def test_self_check_passes_on_this_gpu():
-    assert mm_mod._mma_self_check(torch.device("cuda"))
+    assert caches_mod.mma_self_check(torch.device("cuda"))
 
 
 @pytest.mark.gpu
@@ -404,10 +409,10 @@ def test_full_size_on_gpu(n, k, gs, dtype, bits):
 def _spy_pdl(monkeypatch):
     """Record whether each mma launch asks for PDL (after the once-per-device self-check, which launches
     the kernel too)."""
-    mm_mod._mma_self_check(torch.device(DEV))
+    caches_mod.mma_self_check(torch.device(DEV))
     flags = []
-    real = mm_mod.launch_mma_gemv
-    monkeypatch.setattr(mm_mod, "launch_mma_gemv", lambda *a, **kw: flags.append(kw["pdl"]) or real(*a, **kw))
+    real = launcher_mod.launch_mma_gemv
+    monkeypatch.setattr(launcher_mod, "launch_mma_gemv", lambda *a, **kw: flags.append(kw["pdl"]) or real(*a, **kw))
     return flags
 
 
@@ -421,16 +426,15 @@ def test_pdl_is_opt_in(monkeypatch):
         mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=KernelConfig("mma", 8, split=2))
     assert flags == [False, False]
     # the gate itself, on a pretend GPU: on only with QUANTPACK_PDL=1 and compute capability 9 or later
-    monkeypatch.setattr(mm_mod, "interpreting", lambda: False)
-    gpu = torch.device("cuda", 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for env, major, want in ((None, 9, False), ("0", 9, False), ("1", 9, True), ("1", 8, False)):
         if env is None:
             monkeypatch.delenv("QUANTPACK_PDL", raising=False)
         else:
             monkeypatch.setenv("QUANTPACK_PDL", env)
-        monkeypatch.setattr(mm_mod, "_major", lambda index, major=major: major)
-        assert mm_mod.pdl_enabled(gpu) is want, (env, major)
-    assert not mm_mod.pdl_enabled(torch.device("cpu"))
+        gpu = dispatch_mod.DeviceProps("gpu", (major, 0), 132)
+        assert dispatch_mod.pdl_device(gpu, dispatch_mod.Flags.from_env()) is want, (env, major)
+    assert not dispatch_mod.pdl_device(dispatch_mod.INTERPRETER, dispatch_mod.Flags.from_env())
 
 
 @pytest.mark.gpu

@@ -13,6 +13,11 @@ from quantpack.kernels.wgmma_mm import (HAVE_GLUON, TRACE_EVENTS, _scale_zero_pl
                                         trace_buffer, wgmma_grid, wgmma_usable)
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -137,7 +142,7 @@ def test_forced_wgmma_config_falls_back_off_hopper():
 def test_tuner_offers_raw_weights_on_hopper_for_few_rows_and_4_bits(monkeypatch, m, raw):
     """RAWQ tiles (producer warp, from one row of x) are candidates at up to 32 rows of 4-bit weights on Hopper,
     never for 8-bit weights, and they clamp to a 16-row x tile at one row."""
-    monkeypatch.setattr(mm_mod, "wgmma_device", lambda device: True)
+    monkeypatch.setattr(autotune_mod, "wgmma_device", lambda props, flags: True)
     dev = torch.device("cpu")
     found = [c for c in mm_mod.candidate_configs(False, m, 4096, 4096, dev, bits=4) if c.path == "wgmma" and c.rawq]
     assert bool(found) == raw and all(c.producer for c in found)
@@ -149,8 +154,8 @@ def test_tuner_offers_raw_weights_on_hopper_for_few_rows_and_4_bits(monkeypatch,
 
 def test_heuristic_offers_wgmma_only_on_hopper():
     cpu = torch.device("cpu")
-    assert mm_mod.heuristic_config(False, 64, 4096, 4096, cpu).path != "wgmma"
-    assert not mm_mod.wgmma_device(cpu)
+    assert dispatch_mod.heuristic_config(False, 64, 4096, 4096, dispatch_mod.device_props(cpu), dispatch_mod.Flags.from_env()).path != "wgmma"
+    assert not dispatch_mod.wgmma_device(dispatch_mod.device_props(cpu), dispatch_mod.Flags.from_env())
 
 
 def test_sm90_compile_keeps_the_mmas_asynchronous():
@@ -184,8 +189,8 @@ needs_hopper = pytest.mark.skipif(not (HOPPER and HAVE_GLUON), reason="needs a H
 def spy_grids(monkeypatch) -> list:
     """The grids of the wgmma launches that follow (the launches still run)."""
     grids = []
-    real = mm_mod.launch_wgmma
-    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
+    real = launcher_mod.launch_wgmma
+    monkeypatch.setattr(launcher_mod, "launch_wgmma", lambda *a, **kw: grids.append(kw["grid"]) or real(*a, **kw))
     return grids
 
 
@@ -221,8 +226,8 @@ def test_kernel_matches_reference(monkeypatch, n, k, gs, bits, dtype, producer, 
     pw, w = packed(n, k, gs, dtype, bits=bits)
     bias = torch.randn(n, device="cuda", dtype=dtype)
     calls = []
-    real = mm_mod.launch_wgmma
-    monkeypatch.setattr(mm_mod, "launch_wgmma",
+    real = launcher_mod.launch_wgmma
+    monkeypatch.setattr(launcher_mod, "launch_wgmma",
                         lambda *a, **kw: calls.append((kw["bits"], kw["grid"])) or real(*a, **kw))
     for m in (1, 3, 17, 64, 100, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -295,8 +300,8 @@ def test_8bit_batches_run_the_kernel_when_dispatched(monkeypatch):
     kernel's with 8-bit tiles, and the products match."""
     pw, w = packed(4096, 4096, 128, torch.bfloat16, bits=8)
     bits = []
-    real = mm_mod.launch_wgmma
-    monkeypatch.setattr(mm_mod, "launch_wgmma", lambda *a, **kw: bits.append(kw["bits"]) or real(*a, **kw))
+    real = launcher_mod.launch_wgmma
+    monkeypatch.setattr(launcher_mod, "launch_wgmma", lambda *a, **kw: bits.append(kw["bits"]) or real(*a, **kw))
     for m in (16, 64, 256, 1024):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, bits=8)
@@ -323,7 +328,7 @@ def test_cuda_graph_replay_with_split_counters(producer):
 def test_balanced_last_wave_matches_reference(monkeypatch, resident, balanced, producer):
     """Whole tiles first, then the last wave's tiles split (made to happen at small sizes by claiming fewer
     resident programs): awkward M and N, 64-wide groups, bias, and a CUDA graph replaying the counters."""
-    monkeypatch.setattr(mm_mod, "resident_programs", lambda *a, **kw: resident)
+    monkeypatch.setattr(launcher_mod, "resident_programs", lambda *a, **kw: resident)
     grids = spy_grids(monkeypatch)
     pw, w = packed(1040, 640, 64, torch.bfloat16)
     bias = torch.randn(1040, device="cuda", dtype=torch.bfloat16)
@@ -406,14 +411,14 @@ def test_trace_build_computes_the_same_product_and_stamps_every_program(monkeypa
     x = torch.randn(100, 640, device="cuda", dtype=torch.bfloat16)
     cfg = KernelConfig("wgmma", 64, 64, 32, split=2, num_warps=4, num_stages=3, producer=producer, rawq=rawq)
     plain = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
-    real = mm_mod.launch_wgmma
+    real = launcher_mod.launch_wgmma
     traces = []
 
     def traced(*a, **kw):
         traces.append(trace_buffer(kw["grid"], a[0].shape[0], kw["n"], "cuda"))
         return real(*a, trace=traces[-1], **kw)
 
-    monkeypatch.setattr(mm_mod, "launch_wgmma", traced)
+    monkeypatch.setattr(launcher_mod, "launch_wgmma", traced)
     out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=64, config=cfg)
     assert torch.equal(out, plain)
     ns, cycles, sm = read_trace(traces[0].cpu())
