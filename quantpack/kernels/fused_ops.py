@@ -49,33 +49,40 @@ def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return f"x: shape {tuple(x.shape)}; the kernel takes a non-empty last dimension of at most {MAX_NORM_DIM}"
     if x.stride(-1) != 1:
         return "x: the last dimension must be contiguous"
+    if _row_stride(x) is None:
+        return "x: the leading dimensions do not flatten into rows of one stride without a copy"
     return None
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` as a (rows, N) view, or None where its leading dimensions do not collapse into one stride."""
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return None
+def _row_stride(x: torch.Tensor) -> int | None:
+    """The stride between consecutive rows of ``x`` flattened to (rows, last dim), or None where its leading
+    dimensions do not collapse into one stride (that would need a copy)."""
+    row = expected = None
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if expected is not None and stride != expected:
+            return None
+        row = stride if row is None else row
+        expected = stride * size
+    return x.shape[-1] if row is None else row
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension (computed in float32) in one
     launch, exactly transformers' ``LlamaRMSNorm.forward``. The result has ``x``'s shape and the dtype torch promotes
-    ``weight`` and ``x`` to. ``x`` may have any leading shape; its last dimension must be contiguous."""
+    ``weight`` and ``x`` to. ``x`` may have any leading shape whose dimensions flatten into rows of one stride; its
+    last dimension must be contiguous."""
     reason = rms_norm_unsupported(x, weight)
-    if reason is None:
-        x2 = _rows(x)
-        reason = None if x2 is not None else "x: the leading dimensions do not flatten into rows without a copy"
     if reason is not None:
         raise ValueError(f"rms_norm: {reason}")
     n = x.shape[-1]
-    y = _dq._alloc((x2.shape[0], n), torch.promote_types(weight.dtype, x.dtype), x.device)
+    rows = x.numel() // n
+    y = _dq._alloc((rows, n), torch.promote_types(weight.dtype, x.dtype), x.device)
     block = next_power_of_2(n)
     with on_device(x):
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), n, float(eps), BLOCK=block,
-                                         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+        _rms_norm_kernel[(rows,)](x, weight, y, _row_stride(x), n, n, float(eps), BLOCK=block,
+                                  num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return y.view(x.shape)
 
 
