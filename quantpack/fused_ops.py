@@ -80,7 +80,7 @@ def _norm_forward(module: nn.Module, previous, hidden_states: torch.Tensor) -> t
     weight = module.weight
     if (isinstance(hidden_states, torch.Tensor) and _kernel_wanted(hidden_states, weight)
             and _k.rms_norm_unsupported(hidden_states, weight) is None):
-        return _k.rms_norm(hidden_states, weight, module.variance_epsilon)
+        return _k.rms_norm_unchecked(hidden_states, weight, module.variance_epsilon)
     if previous is not None:
         return previous(hidden_states)
     return type(module).forward(module, hidden_states)
@@ -110,7 +110,7 @@ def _fused_rotary(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=default_dim):
         if (isinstance(q, torch.Tensor) and _kernel_wanted(q, k, cos, sin)
                 and _k.rotary_unsupported(q, k, cos, sin, unsqueeze_dim) is None):
-            return _k.rotary(q, k, cos, sin, unsqueeze_dim)
+            return _k.rotary_unchecked(q, k, cos, sin, unsqueeze_dim)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb._quantpack_original = original

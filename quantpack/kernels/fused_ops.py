@@ -40,7 +40,7 @@ def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return "x and weight must be tensors"
     if x.dtype not in DTYPES or weight.dtype not in DTYPES:
         return f"dtypes {x.dtype}/{weight.dtype}: the kernel takes float32, float16 and bfloat16"
-    if not triton_usable(x) or x.device != weight.device:
+    if not (x.is_cuda or triton_usable(x)) or x.device != weight.device:
         return f"x on {x.device}, weight on {weight.device}: the kernel needs both on one GPU (or TRITON_INTERPRET=1)"
     n = x.shape[-1] if x.dim() else 0
     if weight.dim() != 1 or weight.shape[0] != n or weight.stride(0) != 1:
@@ -57,6 +57,8 @@ def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 def _row_stride(x: torch.Tensor) -> int | None:
     """The stride between consecutive rows of ``x`` flattened to (rows, last dim), or None where its leading
     dimensions do not collapse into one stride (that would need a copy)."""
+    if x.is_contiguous():  # (a cached flag: the common case costs no loop)
+        return x.shape[-1]
     row = expected = None
     for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
         if size == 1:
@@ -76,6 +78,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     reason = rms_norm_unsupported(x, weight)
     if reason is not None:
         raise ValueError(f"rms_norm: {reason}")
+    return rms_norm_unchecked(x, weight, eps)
+
+
+def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` for inputs :func:`rms_norm_unsupported` passed (no second check on the hot path)."""
     n = x.shape[-1]
     rows = x.numel() // n
     y = _dq._alloc((rows, n), torch.promote_types(weight.dtype, x.dtype), x.device)
@@ -137,10 +144,8 @@ def _alloc_like(t: torch.Tensor) -> torch.Tensor:
     return out.permute([order.index(i) for i in range(t.dim())])
 
 
-def _head_seq_dims(unsqueeze_dim) -> tuple[int, int] | None:
-    """(heads dim, sequence dim) of q/k for cos/sin of shape (B, S, D) unsqueezed at ``unsqueeze_dim``."""
-    u = {1: 1, -3: 1, 2: 2, -2: 2}.get(unsqueeze_dim) if isinstance(unsqueeze_dim, int) else None
-    return None if u is None else (u, 3 - u)
+# unsqueeze_dim -> (heads dim, sequence dim) of q/k, for cos/sin of shape (B, S, D)
+_HEAD_SEQ_DIMS = {1: (1, 2), -3: (1, 2), 2: (2, 1), -2: (2, 1)}
 
 
 def _bhs(t: torch.Tensor, hd: int, sd: int) -> tuple[int, int, int]:
@@ -155,26 +160,29 @@ def _bs(t: torch.Tensor) -> tuple[int, int]:
 
 def rotary_unsupported(q, k, cos, sin, unsqueeze_dim=1) -> str | None:
     """Why ``rotary(q, k, cos, sin, unsqueeze_dim)`` cannot run the kernel, or ``None`` when it can."""
-    tensors = (q, k, cos, sin)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(cos, torch.Tensor)
+            and isinstance(sin, torch.Tensor)):
         return "q, k, cos and sin must be tensors"
-    dims = _head_seq_dims(unsqueeze_dim)
+    dims = _HEAD_SEQ_DIMS.get(unsqueeze_dim) if type(unsqueeze_dim) is int else None
     if dims is None:
         return f"unsqueeze_dim={unsqueeze_dim!r}: the kernel takes 1 (q/k as B,H,S,D) or 2 (B,S,H,D)"
-    if q.dtype not in DTYPES or any(t.dtype != q.dtype for t in tensors):
+    dt = q.dtype
+    if dt not in DTYPES or k.dtype != dt or cos.dtype != dt or sin.dtype != dt:
         return "q, k, cos and sin must share one dtype: float32, float16 or bfloat16"
-    if not triton_usable(q) or any(t.device != q.device for t in tensors):
+    dev = q.device
+    if not (q.is_cuda or triton_usable(q)) or k.device != dev or cos.device != dev or sin.device != dev:
         return "q, k, cos and sin must be on one GPU (or the CPU under TRITON_INTERPRET=1)"
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    if len(qs) != 4 or len(ks) != 4 or len(cs) != 3 or sin.shape != cs:
         return "expected 4-D q and k, and cos and sin of one 3-D shape (B, S, D)"
-    hd, sd = dims
-    b, seq, d = q.shape[0], q.shape[sd], q.shape[3]
-    if (k.shape[0], k.shape[sd], k.shape[3]) != (b, seq, d) or cos.shape[1:] != (seq, d) or cos.shape[0] not in (1, b):
-        return (f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not match "
-                f"(batch, sequence and head size must agree)")
+    sd = dims[1]
+    b, seq, d = qs[0], qs[sd], qs[3]
+    if ks[0] != b or ks[sd] != seq or ks[3] != d or cs[1] != seq or cs[2] != d or cs[0] not in (1, b):
+        return (f"shapes q {tuple(qs)}, k {tuple(ks)}, cos {tuple(cs)} do not match "
+                "(batch, sequence and head size must agree)")
     if d % 2 or not 0 < d <= MAX_HEAD_DIM or q.numel() == 0 or k.numel() == 0:
         return f"head size {d}: the kernel takes an even head size up to {MAX_HEAD_DIM} and non-empty q, k"
-    if any(t.stride(-1) != 1 for t in tensors):
+    if q.stride(3) != 1 or k.stride(3) != 1 or cos.stride(2) != 1 or sin.stride(2) != 1:
         return "q, k, cos and sin must be contiguous in the last dimension"
     return None
 
@@ -189,7 +197,13 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     reason = rotary_unsupported(q, k, cos, sin, unsqueeze_dim)
     if reason is not None:
         raise ValueError(f"rotary: {reason}")
-    hd, sd = _head_seq_dims(unsqueeze_dim)
+    return rotary_unchecked(q, k, cos, sin, unsqueeze_dim)
+
+
+def rotary_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary` for inputs :func:`rotary_unsupported` passed (no second check on the hot path)."""
+    hd, sd = _HEAD_SEQ_DIMS[unsqueeze_dim]
     b, seq, d = q.shape[0], q.shape[sd], q.shape[3]
     hq, hk, half = q.shape[hd], k.shape[hd], d // 2
     block_d = next_power_of_2(half)

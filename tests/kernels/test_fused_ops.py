@@ -133,7 +133,7 @@ def test_rotary_refuses_what_it_cannot_take(bad, match):
 def kernels_on_cpu(monkeypatch):
     """fused_ops' kernels run wherever Triton does (the interpreter here); counts their launches."""
     monkeypatch.setattr(fused_ops, "backend", "triton")
-    calls = {"rms_norm": 0, "rotary": 0}
+    calls = {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
     for name in calls:
         real = getattr(k, name)
 
@@ -170,7 +170,7 @@ def test_apply_keeps_logits_and_remove_undoes(kernels_on_cpu, undo):
         assert fused_ops.apply(model) == 5  # 2 layers x (input, post-attention) + the final norm
         assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_ROTARY
         out = model(ids).logits
-        assert kernels_on_cpu == {"rms_norm": 5, "rotary": 2}
+        assert kernels_on_cpu == {"rms_norm_unchecked": 5, "rotary_unchecked": 2}
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
         assert fused_ops.apply(model) == 5  # idempotent: nothing wrapped twice
@@ -201,7 +201,7 @@ def test_original_code_runs_where_the_kernels_do_not(kernels_on_cpu, undo, monke
     model.train()
     model(ids).logits.sum().backward()
     assert model.model.norm.weight.grad is not None
-    assert kernels_on_cpu == {"rms_norm": 0, "rotary": 0}
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
     model.zero_grad()
     monkeypatch.setattr(fused_ops, "backend", "reference")
     with torch.no_grad():
@@ -210,7 +210,7 @@ def test_original_code_runs_where_the_kernels_do_not(kernels_on_cpu, undo, monke
     if DEV == "cpu":
         with torch.no_grad():
             model(ids)
-    assert kernels_on_cpu == {"rms_norm": 0, "rotary": 0}
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
     monkeypatch.setattr(fused_ops, "backend", "gpu-please")
     with pytest.raises(ValueError, match="backend='gpu-please'"), torch.no_grad():
         model(ids)
@@ -231,7 +231,7 @@ def test_only_llama_norms_are_patched_and_earlier_forwards_kept(kernels_on_cpu, 
     x = _randn(3, 16, dtype=torch.float32)
     with torch.no_grad():
         model(x)
-        assert kernels_on_cpu["rms_norm"] == 1 and not seen
+        assert kernels_on_cpu["rms_norm_unchecked"] == 1 and not seen
         fused_ops.remove(model)
         assert llama.forward.func is hook
         model(x)
