@@ -6,12 +6,14 @@ launch gap and a tail on the GPU; :func:`apply` swaps in the one-launch kernels 
 rounding of its mean):
 
 * every norm module whose class's ``forward`` is transformers' ``LlamaRMSNorm.forward`` verbatim (Llama, Mistral,
-  Qwen2, Qwen3 and the other models that copy it; not Gemma's, which differs) gets an instance-level ``forward``;
+  Qwen2, Qwen3 and the other models that copy it; not Gemma's, which differs) gets an instance-level ``forward``
+  (an instance-level ``forward`` already there, such as accelerate's device hook, stays its fallback);
 * the modeling module (e.g. ``transformers.models.llama.modeling_llama``) of each module class of the model whose
   ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's verbatim gets its module-level ``apply_rotary_pos_emb``
   replaced. This is global: every model of that architecture in the process, patched or not, goes through the
   replacement, which is harmless as it computes the same values and runs the original wherever the kernel would not.
-  :func:`remove` puts the original back once no patched model uses it.
+  :func:`remove` puts the original back once no patched model uses it (a deep copy of a patched model keeps its
+  patched norms; call :func:`apply` on the copy too, so that it counts as a user).
 
 The kernels run where :attr:`backend` says (``"auto"``: CUDA tensors); everywhere else, while ``torch.compile``
 traces (inductor fuses these ops itself), and when autograd records (the kernels have no backward), the original
