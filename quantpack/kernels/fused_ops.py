@@ -1,0 +1,219 @@
+"""One-launch Triton versions of two small decode-step ops that torch runs as many tiny kernels.
+
+* :func:`rms_norm`: transformers' ``LlamaRMSNorm.forward`` (about 8 kernels in torch).
+* :func:`rotary`: transformers' ``apply_rotary_pos_emb`` for q and k together (about 10 kernels in torch).
+
+Both compute in float32 and round exactly where torch rounds, so results match torch's to the bit (rotary) or
+within a float32 rounding of the mean (RMSNorm). ``*_unsupported`` say why an input cannot take the kernel
+(``None`` when it can); the launchers raise ``ValueError`` with that reason.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dequant as _dq  # (module attribute lookups: tests swap ``_alloc`` for a NaN-filling one)
+from .dequant import cdiv, next_power_of_2, on_device, triton_usable
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_NORM_DIM = 16384  # one program holds a whole row in registers
+MAX_HEAD_DIM = 512
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    variance = tl.sum(h * h, axis=0) / N
+    # h.to(input dtype) before the weight multiplies, as in torch; the product is rounded once
+    h = (h * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why ``rms_norm(x, weight, eps)`` cannot run the kernel, or ``None`` when it can."""
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return "x and weight must be tensors"
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        return f"dtypes {x.dtype}/{weight.dtype}: the kernel takes float32, float16 and bfloat16"
+    if not (x.is_cuda or triton_usable(x)) or x.device != weight.device:
+        return f"x on {x.device}, weight on {weight.device}: the kernel needs both on one GPU (or TRITON_INTERPRET=1)"
+    n = x.shape[-1] if x.dim() else 0
+    if weight.dim() != 1 or weight.shape[0] != n or weight.stride(0) != 1:
+        return f"weight: expected a contiguous 1-D tensor of {n} elements, got shape {tuple(weight.shape)}"
+    if not 0 < n <= MAX_NORM_DIM or x.numel() == 0:
+        return f"x: shape {tuple(x.shape)}; the kernel takes a non-empty last dimension of at most {MAX_NORM_DIM}"
+    if x.stride(-1) != 1:
+        return "x: the last dimension must be contiguous"
+    if _row_stride(x) is None:
+        return "x: the leading dimensions do not flatten into rows of one stride without a copy"
+    return None
+
+
+def _row_stride(x: torch.Tensor) -> int | None:
+    """The stride between consecutive rows of ``x`` flattened to (rows, last dim), or None where its leading
+    dimensions do not collapse into one stride (that would need a copy)."""
+    if x.is_contiguous():  # (a cached flag: the common case costs no loop)
+        return x.shape[-1]
+    row = expected = None
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if expected is not None and stride != expected:
+            return None
+        row = stride if row is None else row
+        expected = stride * size
+    return x.shape[-1] if row is None else row
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension (computed in float32) in one
+    launch, exactly transformers' ``LlamaRMSNorm.forward``. The result has ``x``'s shape and the dtype torch promotes
+    ``weight`` and ``x`` to. ``x`` may have any leading shape whose dimensions flatten into rows of one stride; its
+    last dimension must be contiguous."""
+    reason = rms_norm_unsupported(x, weight)
+    if reason is not None:
+        raise ValueError(f"rms_norm: {reason}")
+    return rms_norm_unchecked(x, weight, eps)
+
+
+def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` for inputs :func:`rms_norm_unsupported` passed (no second check on the hot path)."""
+    n = x.shape[-1]
+    rows = x.numel() // n
+    y = _dq._alloc((rows, n), torch.promote_types(weight.dtype, x.dtype), x.device)
+    block = next_power_of_2(n)
+    with on_device(x):
+        _rms_norm_kernel[(rows,)](x, weight, y, _row_stride(x), n, n, float(eps), BLOCK=block,
+                                  num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+    return y.view(x.shape)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, x_base, o_base, x_sh, o_sh, h0, H, c1, c2, s1, s2, HALF,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads ``h0 .. h0 + BLOCK_H`` of one (batch, position): both halves of each head rotated."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < H)[:, None] & (d < HALF)[None, :]
+    xp = x_ptr + x_base + h.to(tl.int64)[:, None] * x_sh + d[None, :]
+    op = o_ptr + o_base + h.to(tl.int64)[:, None] * o_sh + d[None, :]
+    x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
+    dt = o_ptr.dtype.element_ty
+    # torch rounds each product and the sum to the dtype (rotate_half's negation is exact)
+    o1 = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(op, o1.to(dt), mask=mask)
+    tl.store(op + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, c_ptr, s_ptr, qo_ptr, ko_ptr, S, HQ, HK, HALF, NQB,
+                   q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, qo_sb, qo_sh, qo_ss, ko_sb, ko_sh, ko_ss, c_sb, c_ss, s_sb, s_ss,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // S).to(tl.int64)
+    s = (pid % S).to(tl.int64)
+    blk = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = (d < HALF)[None, :]
+    cp = c_ptr + b * c_sb + s * c_ss + d[None, :]
+    sp = s_ptr + b * s_sb + s * s_ss + d[None, :]
+    c1 = tl.load(cp, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cp + HALF, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sp, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sp + HALF, mask=dmask, other=0.0).to(tl.float32)
+    if blk < NQB:
+        _rotate_heads(q_ptr, qo_ptr, b * q_sb + s * q_ss, b * qo_sb + s * qo_ss, q_sh, qo_sh, blk * BLOCK_H, HQ,
+                      c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_D)
+    else:
+        _rotate_heads(k_ptr, ko_ptr, b * k_sb + s * k_ss, b * ko_sb + s * ko_ss, k_sh, ko_sh, (blk - NQB) * BLOCK_H,
+                      HK, c1, c2, s1, s2, HALF, BLOCK_H, BLOCK_D)
+
+
+def _alloc_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor like ``t`` in ``t``'s memory order (as ``torch.empty_like`` and torch's elementwise
+    ops give), through the kernels' allocator."""
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    out = _dq._alloc([t.shape[i] for i in order], t.dtype, t.device)
+    return out.permute([order.index(i) for i in range(t.dim())])
+
+
+# unsqueeze_dim -> (heads dim, sequence dim) of q/k, for cos/sin of shape (B, S, D)
+_HEAD_SEQ_DIMS = {1: (1, 2), -3: (1, 2), 2: (2, 1), -2: (2, 1)}
+
+
+def _bhs(t: torch.Tensor, hd: int, sd: int) -> tuple[int, int, int]:
+    """(batch, head, position) strides of q/k."""
+    return t.stride(0), t.stride(hd), t.stride(sd)
+
+
+def _bs(t: torch.Tensor) -> tuple[int, int]:
+    """(batch, position) strides of cos/sin; a batch of 1 broadcasts."""
+    return t.stride(0) if t.shape[0] > 1 else 0, t.stride(1)
+
+
+def rotary_unsupported(q, k, cos, sin, unsqueeze_dim=1) -> str | None:
+    """Why ``rotary(q, k, cos, sin, unsqueeze_dim)`` cannot run the kernel, or ``None`` when it can."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(cos, torch.Tensor)
+            and isinstance(sin, torch.Tensor)):
+        return "q, k, cos and sin must be tensors"
+    dims = _HEAD_SEQ_DIMS.get(unsqueeze_dim) if type(unsqueeze_dim) is int else None
+    if dims is None:
+        return f"unsqueeze_dim={unsqueeze_dim!r}: the kernel takes 1 (q/k as B,H,S,D) or 2 (B,S,H,D)"
+    dt = q.dtype
+    if dt not in DTYPES or k.dtype != dt or cos.dtype != dt or sin.dtype != dt:
+        return "q, k, cos and sin must share one dtype: float32, float16 or bfloat16"
+    dev = q.device
+    if not (q.is_cuda or triton_usable(q)) or k.device != dev or cos.device != dev or sin.device != dev:
+        return "q, k, cos and sin must be on one GPU (or the CPU under TRITON_INTERPRET=1)"
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    if len(qs) != 4 or len(ks) != 4 or len(cs) != 3 or sin.shape != cs:
+        return "expected 4-D q and k, and cos and sin of one 3-D shape (B, S, D)"
+    sd = dims[1]
+    b, seq, d = qs[0], qs[sd], qs[3]
+    if ks[0] != b or ks[sd] != seq or ks[3] != d or cs[1] != seq or cs[2] != d or cs[0] not in (1, b):
+        return (f"shapes q {tuple(qs)}, k {tuple(ks)}, cos {tuple(cs)} do not match "
+                "(batch, sequence and head size must agree)")
+    if d % 2 or not 0 < d <= MAX_HEAD_DIM or q.numel() == 0 or k.numel() == 0:
+        return f"head size {d}: the kernel takes an even head size up to {MAX_HEAD_DIM} and non-empty q, k"
+    if q.stride(3) != 1 or k.stride(3) != 1 or cos.stride(2) != 1 or sin.stride(2) != 1:
+        return "q, k, cos and sin must be contiguous in the last dimension"
+    return None
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin)`` with cos/sin unsqueezed at
+    ``unsqueeze_dim``: transformers' ``apply_rotary_pos_emb`` (Llama's), q and k in one launch and bit-exact to torch
+    (each product and the sum rounded to the dtype). q (B, Hq, S, D) and k (B, Hk, S, D) for ``unsqueeze_dim=1``
+    ((B, S, H, D) for 2) in any strides with a contiguous last dimension, as attention's view + transpose gives;
+    cos and sin (B or 1, S, D). The outputs are new tensors in q's and k's memory order."""
+    reason = rotary_unsupported(q, k, cos, sin, unsqueeze_dim)
+    if reason is not None:
+        raise ValueError(f"rotary: {reason}")
+    return rotary_unchecked(q, k, cos, sin, unsqueeze_dim)
+
+
+def rotary_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary` for inputs :func:`rotary_unsupported` passed (no second check on the hot path)."""
+    hd, sd = _HEAD_SEQ_DIMS[unsqueeze_dim]
+    b, seq, d = q.shape[0], q.shape[sd], q.shape[3]
+    hq, hk, half = q.shape[hd], k.shape[hd], d // 2
+    block_d = next_power_of_2(half)
+    block_h = min(next_power_of_2(max(hq, hk)), max(1, 2048 // block_d))
+    nqb = cdiv(hq, block_h)
+    qo, ko = _alloc_like(q), _alloc_like(k)
+    with on_device(q):
+        # no fused multiply-add: torch rounds the float32 products before adding them
+        _rotary_kernel[(b * seq, nqb + cdiv(hk, block_h))](
+            q, k, cos, sin, qo, ko, seq, hq, hk, half, nqb, *_bhs(q, hd, sd), *_bhs(k, hd, sd), *_bhs(qo, hd, sd),
+            *_bhs(ko, hd, sd), *_bs(cos), *_bs(sin),
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, enable_fp_fusion=False)
+    return qo, ko

@@ -1,0 +1,257 @@
+"""Fused RMSNorm and rotary kernels against transformers' Llama code, and quantpack.fused_ops.apply/remove on models.
+Kernel outputs are poisoned with NaN first."""
+import copy
+import functools
+import os
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from quantpack import fused_ops
+from quantpack.kernels import fused_ops as k
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+pytestmark = [pytest.mark.skipif(not INTERPRETING and not torch.cuda.is_available(),
+                                 reason="needs TRITON_INTERPRET=1 or a GPU"),
+              pytest.mark.usefixtures("poisoned_outputs")]  # (tests/conftest.py)
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRETING else "cpu"
+# (the interpreter rounds float32 -> bfloat16 toward zero: bfloat16 on the GPU only)
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+ORIGINAL_ROTARY = modeling_llama.apply_rotary_pos_emb
+
+
+def _randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEV)
+
+
+def _close(out, ref):
+    # the mean's float32 sum runs in another order than torch's and rsqrt may differ in its last bit: a few float32
+    # roundings apart, which in float16/bfloat16 moves a value by at most one rounding of the normalized value and
+    # one of the weighted product
+    eps = torch.finfo(ref.dtype).eps
+    tol = 4 * eps if ref.dtype == torch.float32 else 2 * eps
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (3, 96), (17, 4096), (2, 3, 96), (1, 1, 5000)])
+def test_rms_norm_matches_llama(shape, dtype):
+    norm = LlamaRMSNorm(shape[-1], eps=1e-5).to(DEV, dtype)
+    norm.weight.data = _randn(shape[-1], dtype=dtype, seed=1)
+    x = _randn(*shape, dtype=dtype) * 3
+    out = k.rms_norm(x, norm.weight, norm.variance_epsilon)
+    ref = norm(x)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _close(out, ref)
+
+
+def test_rms_norm_promotes_and_takes_row_strides():
+    # a float32 weight over float16 activations gives float32, as torch's promotion does
+    norm = LlamaRMSNorm(96).to(DEV)
+    norm.weight.data = _randn(96, dtype=torch.float32, seed=1)
+    x = _randn(5, 96, dtype=torch.float16)
+    out = k.rms_norm(x, norm.weight, 1e-6)
+    assert out.dtype == torch.float32
+    _close(out, norm(x))
+    # rows with a gap between them (a slice of a wider tensor): no copy needed
+    wide = _randn(2, 4, 128, dtype=torch.float32)[..., :96]
+    _close(k.rms_norm(wide, norm.weight, 1e-6), norm(wide))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda x, w: (x, w[:-1]), "contiguous 1-D tensor of 96"),
+    (lambda x, w: (x.transpose(0, 1), w[:4]), "last dimension must be contiguous"),
+    (lambda x, w: (x.view(2, 2, 96).transpose(0, 1), w), "flatten into rows"),
+    (lambda x, w: (x.to(torch.int32), w), "float32, float16 and bfloat16"),
+])
+def test_rms_norm_refuses_what_it_cannot_take(bad, match):
+    x, w = _randn(4, 96, dtype=torch.float32), _randn(96, dtype=torch.float32)
+    with pytest.raises(ValueError, match=match):
+        k.rms_norm(*bad(x, w), 1e-6)
+
+
+def _qkv(b, s, hq, hk, d, dtype, unsqueeze_dim=1):
+    """q and k as attention makes them (a projection's output viewed as heads, transposed for unsqueeze_dim=1)."""
+    q = _randn(b, s, hq * d, dtype=dtype, seed=2).view(b, s, hq, d)
+    k_ = _randn(b, s, hk * d, dtype=dtype, seed=3).view(b, s, hk, d)
+    if unsqueeze_dim == 1:
+        q, k_ = q.transpose(1, 2), k_.transpose(1, 2)
+    angles = _randn(b, s, d // 2, dtype=torch.float32, seed=4) * 10
+    emb = torch.cat((angles, angles), dim=-1)
+    return q, k_, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _order(t):
+    return [stride for stride, size in zip(t.stride(), t.shape) if size > 1]  # (a size-1 dimension's is arbitrary)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b, s, hq, hk, d", [(1, 1, 4, 2, 64), (2, 5, 6, 2, 128), (1, 5, 3, 3, 64), (3, 1, 32, 8, 128),
+                                             (1, 3, 2, 1, 96)])
+def test_rotary_matches_llama_bit_for_bit(b, s, hq, hk, d, dtype):
+    q, k_, cos, sin = _qkv(b, s, hq, hk, d, dtype)
+    qo, ko = k.rotary(q, k_, cos, sin)
+    qr, kr = ORIGINAL_ROTARY(q, k_, cos, sin)
+    assert torch.equal(qo, qr) and torch.equal(ko, kr)
+    assert _order(qo) == _order(qr) and _order(ko) == _order(kr)  # the memory order torch gives
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_other_layouts(dtype):
+    # q/k as (B, S, H, D) with unsqueeze_dim=2
+    q, k_, cos, sin = _qkv(2, 3, 4, 2, 64, dtype, unsqueeze_dim=2)
+    for got, want in zip(k.rotary(q, k_, cos, sin, unsqueeze_dim=2), ORIGINAL_ROTARY(q, k_, cos, sin, 2)):
+        assert torch.equal(got, want)
+    # contiguous q/k, and one row of cos/sin broadcast over the batch
+    q, k_, cos, sin = _qkv(2, 3, 4, 2, 64, dtype)
+    q, k_, cos, sin = q.contiguous(), k_.contiguous(), cos[:1], sin[:1]
+    for got, want in zip(k.rotary(q, k_, cos, sin), ORIGINAL_ROTARY(q, k_, cos, sin)):
+        assert torch.equal(got, want) and got.is_contiguous()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k_, c, s: (q[..., :63], k_[..., :63], c[..., :63], s[..., :63], 1), "even head size"),
+    (lambda q, k_, c, s: (q, k_, c, s, 0), "unsqueeze_dim=0"),
+    (lambda q, k_, c, s: (q, k_[:, :, :2], c, s, 1), "do not match"),
+    (lambda q, k_, c, s: (q, k_, c.double(), s.double(), 1), "share one dtype"),
+])
+def test_rotary_refuses_what_it_cannot_take(bad, match):
+    args = bad(*_qkv(1, 3, 2, 2, 64, torch.float32))
+    assert k.rotary_unsupported(*args) is not None
+    with pytest.raises(ValueError, match=match):
+        k.rotary(*args)
+
+
+# --- apply / remove -------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """fused_ops' kernels run wherever Triton does (the interpreter here); counts their launches."""
+    monkeypatch.setattr(fused_ops, "backend", "triton")
+    calls = {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
+    for name in calls:
+        real = getattr(k, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(k, name, spy)
+    return calls
+
+
+@pytest.fixture
+def undo():
+    """Models given to ``undo.append`` are unpatched afterwards, so no replacement outlives the test."""
+    models = []
+    yield models.append
+    for m in models:
+        fused_ops.remove(m)
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROTARY
+
+
+def _tiny_llama(dtype=torch.float32, device=DEV):
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device, dtype).eval()
+
+
+def test_apply_keeps_logits_and_remove_undoes(kernels_on_cpu, undo):
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.no_grad():
+        ref = model(ids).logits
+        undo(model)
+        assert fused_ops.apply(model) == 5  # 2 layers x (input, post-attention) + the final norm
+        assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_ROTARY
+        out = model(ids).logits
+        assert kernels_on_cpu == {"rms_norm_unchecked": 5, "rotary_unchecked": 2}
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+        assert fused_ops.apply(model) == 5  # idempotent: nothing wrapped twice
+        assert all(m.forward.args[1] is None for m in model.modules() if "forward" in m.__dict__)
+        # a copy's norms are bound to the copy; apply() on it registers it as a user of the rotary replacement
+        clone = copy.deepcopy(model)
+        undo(clone)
+        assert clone.model.norm.forward.args[0] is clone.model.norm
+        assert fused_ops.apply(clone) == 5
+        torch.testing.assert_close(clone(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+        assert fused_ops.remove(model) == 5
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_ROTARY  # (the clone still uses it)
+        assert fused_ops.remove(clone) == 5
+        assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_ROTARY
+        calls = dict(kernels_on_cpu)
+        torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
+        assert kernels_on_cpu == calls
+
+
+def test_original_code_runs_where_the_kernels_do_not(kernels_on_cpu, undo, monkeypatch):
+    model = _tiny_llama()
+    undo(model)
+    fused_ops.apply(model)
+    ids = torch.tensor([[1, 2, 3]], device=DEV)
+    # training: autograd records, the kernels have no backward
+    model.train()
+    model(ids).logits.sum().backward()
+    assert model.model.norm.weight.grad is not None
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
+    model.zero_grad()
+    monkeypatch.setattr(fused_ops, "backend", "reference")
+    with torch.no_grad():
+        model(ids)
+    monkeypatch.setattr(fused_ops, "backend", "auto")
+    if DEV == "cpu":
+        with torch.no_grad():
+            model(ids)
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
+    monkeypatch.setattr(fused_ops, "backend", "gpu-please")
+    with pytest.raises(ValueError, match="backend='gpu-please'"), torch.no_grad():
+        model(ids)
+
+
+def test_only_llama_norms_are_patched_and_earlier_forwards_kept(kernels_on_cpu, undo):
+    gemma, llama = GemmaRMSNorm(16).to(DEV), LlamaRMSNorm(16).to(DEV)
+    seen = []
+
+    def hook(module, x):  # an instance-level forward set before (as accelerate's device hooks are)
+        seen.append(x.shape)
+        return type(module).forward(module, x)
+    llama.forward = functools.partial(hook, llama)
+    model = nn.Sequential(gemma, llama)
+    undo(model)
+    assert fused_ops.apply(model) == 1
+    assert "forward" not in gemma.__dict__
+    x = _randn(3, 16, dtype=torch.float32)
+    with torch.no_grad():
+        model(x)
+        assert kernels_on_cpu["rms_norm_unchecked"] == 1 and not seen
+        fused_ops.remove(model)
+        assert llama.forward.func is hook
+        model(x)
+    assert seen == [(3, 16)]
+
+
+def test_apply_refuses_what_is_not_a_model():
+    with pytest.raises(ValueError, match="expected a torch.nn.Module"):
+        fused_ops.apply("meta-llama/Llama-3.1-8B")
+
+
+@pytest.mark.gpu
+def test_bf16_llama_on_gpu(undo):
+    if INTERPRETING:
+        pytest.skip("the GPU test runs the compiled kernels")
+    model = _tiny_llama(torch.bfloat16, "cuda")
+    ids = torch.randint(0, 64, (2, 7), device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        undo(model)
+        assert fused_ops.apply(model) == 5
+        out = model(ids).logits.float()
+    torch.testing.assert_close(out, ref, rtol=2 ** -6, atol=2 ** -6)
