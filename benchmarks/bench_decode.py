@@ -59,7 +59,7 @@ def build_model(args, device):
 @torch.no_grad()
 def quantize_in_place(model, *, bits: int, group_size: int, method: str) -> int:
     """Replace every decoder linear layer by a QuantLinear made from its weight; returns how many."""
-    from quantpack.nn import QuantLinear
+    from quantpack.modules.linear import QuantLinear
 
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     for name in names:
@@ -169,7 +169,7 @@ def graph_decode(model, prompt, new_tokens: int) -> float:
 @torch.no_grad()
 def kernel_vs_reference(model, prompt) -> float:
     """Max relative difference of the logits: fused kernel vs the reference path, same packed weights."""
-    from quantpack.nn import QuantLinear
+    from quantpack.modules.linear import QuantLinear
 
     fused = model(prompt).logits.float()
     QuantLinear.backend = "reference"
@@ -384,7 +384,7 @@ def main(argv=None) -> int:
     if args.unmerged:
         measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True)
     if args.merged:  # each layer's q/k/v and gate/up as one GEMV at decode, as quantpack.load links them
-        from quantpack.nn_merged import merge_projections
+        from quantpack.modules.merged import merge_projections
 
         results["merged_groups"] = merge_projections(model)
         one_token = prompts[min(args.batch_sizes)][:1, :1]  # (one row of x: the merged decode path)

@@ -1,4 +1,4 @@
-"""Merged decode projections (quantpack/nn_merged.py) against the same layers called one by one, on one GPU.
+"""Merged decode projections (quantpack/modules/merged.py) against the same layers called one by one, on one GPU.
 
 For the 8B model's q/k/v (4096 + 1024 + 1024 out of 4096) and gate/up (2 x 14336 out of 4096) at decode sizes,
 bf16, group size 128: GPU time of one block (CUDA-graph replay, weight replicas rotated past L2, random data),
@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from quantpack import reference  # noqa: E402
-from quantpack.nn import QuantLinear  # noqa: E402
-from quantpack.nn_merged import merge_projections, unmerge_projections  # noqa: E402
+from quantpack.modules.linear import QuantLinear  # noqa: E402
+from quantpack.modules.merged import merge_projections, unmerge_projections  # noqa: E402
 from timing import graph_time, host_us  # noqa: E402
 
 BLOCKS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}

@@ -55,7 +55,7 @@ def train(args, tmp: str) -> int:
     from transformers import AutoTokenizer
 
     import quantpack.loader
-    from quantpack.hf_integration import lora_config
+    from quantpack.integrations.peft import lora_config
     from quantpack.tiny import PASSAGE
 
     torch.manual_seed(args.seed)

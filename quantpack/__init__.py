@@ -25,7 +25,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
-    if not name.startswith("_"):  # a submodule not imported yet, e.g. quantpack.hf_integration
+    if not name.startswith("_"):  # a submodule not imported yet, e.g. quantpack.convert
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:

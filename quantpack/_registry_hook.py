@@ -1,5 +1,5 @@
 """The import hook that registers quantpack with transformers' quantizer registry when transformers
-loads it (see :mod:`quantpack.hf_integration`). Kept apart, with nothing heavy imported, so that
+loads it (see :mod:`quantpack.integrations.transformers`). Kept apart, with nothing heavy imported, so that
 ``import quantpack`` installs it without importing torch or transformers."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib.abc
 import sys
 
 _REGISTRY_MODULE = "transformers.quantizers.auto"
-_QUANTIZER_MODULE = __name__.rpartition(".")[0] + "._hf_quantizer"
+_QUANTIZER_MODULE = __name__.rpartition(".")[0] + ".integrations.transformers"
 
 
 def _register_from_hook() -> None:
@@ -17,7 +17,7 @@ def _register_from_hook() -> None:
         importlib.import_module(_QUANTIZER_MODULE)  # registers itself on import
     elif hasattr(module, "register"):
         module.register()
-    # else: _hf_quantizer's own import loaded the registry; it registers itself when it finishes
+    # else: the quantizer module's own import loaded the registry; it registers itself when it finishes
 
 
 class _RegisterAfterExec(importlib.abc.Loader):

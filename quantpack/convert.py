@@ -32,23 +32,22 @@ import torch
 from . import __version__
 from .card import CARD_NAME, write_model_card
 from .checkpoint import (
-    CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, W8A8_CONFIG, WEIGHT_ONLY_SCHEMES,
+    CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION, SAFE_INDEX_NAME, SHARD_METADATA, W8A8_CONFIG,
     CheckpointError, SourceCheckpoint, dtype_name, is_disk_full, make_index, make_quantization_config, parse_size,
     read_manifest, safetensors_size, sha256_file, shard_name, weight_only_scheme, write_json, write_safetensors,
 )
 from .format import (
-    LAYOUT_VERSION, MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args, packed_shapes,
+    LAYOUT_VERSION, MAX_GROUP_SIZE, MIN_GROUP_SIZE, SUPPORTED_AXES, SUPPORTED_BITS, check_layout_args,
 )
 from .hub import resolve_source
-from .nn import linear_dims
-from .quantize import METHODS, quantize, resolve_group_size
-from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8
-from .reference import dequantize
+from .modules.linear import linear_dims
+from .quantize import METHODS, resolve_group_size
+from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES
+from .schemes import SCHEMES
 
 PARTIAL_SUFFIX = ".qp-partial"
 GROUP_SIZE_MISFIT = "group size does not fit its shape"
 LOCK_SUFFIX = ".qp-lock"
-SCHEMES = WEIGHT_ONLY_SCHEMES + ("w8a8",)
 DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_METHOD = "hqq"
@@ -264,7 +263,7 @@ def _stored_base_model(model, names: set[str]):
     weights are all tied to the base (GPT-2's lm_head) leaves nothing to tell, so it is kept."""
     from transformers import PreTrainedModel
 
-    from .loader import _tied_targets
+    from .integrity import tied_targets
 
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = getattr(model, prefix, None) if prefix else None
@@ -272,7 +271,7 @@ def _stored_base_model(model, names: set[str]):
         return None
     if any(n.startswith(prefix + ".") for n in names):
         return None
-    tied = _tied_targets(model)
+    tied = tied_targets(model)
     head = [k for k in model.state_dict() if not k.startswith(prefix + ".") and k not in tied]
     if not head or any(k in names for k in head) or not names & set(base.state_dict()):
         return None
@@ -281,7 +280,7 @@ def _stored_base_model(model, names: set[str]):
 
 def _linear_modules(model, weight_names: set[str]) -> tuple[dict[str, tuple], set[str], list]:
     """The model's linear modules (``nn.Linear`` and GPT-2's ``Conv1D``, see
-    :func:`quantpack.nn.linear_dims`) with a weight in the checkpoint.
+    :func:`quantpack.modules.linear.linear_dims`) with a weight in the checkpoint.
 
     Returns (linears, output_embedding_names, absent): linears maps the model's module name to
     (module, the checkpoint's name for it: the same, or with/without ``base_model_prefix``);
@@ -322,11 +321,11 @@ _EXPERT_PROJ = {"w1": "gate_proj", "gate_proj": "gate_proj", "w3": "up_proj", "u
 
 def _expert_tensors(model, names) -> tuple[dict[str, tuple[str, str, int]], dict[str, str]]:
     """Checkpoint tensors that are one expert's matrix of a fused experts block of the model (see
-    :func:`quantpack.nn_experts.fused_experts_dims`): {tensor: (block path, projection, expert)},
+    :func:`quantpack.modules.experts.fused_experts_dims`): {tensor: (block path, projection, expert)},
     plus the renames of the blocks' parents ({``model.layers.0.block_sparse_moe.``:
     ``model.layers.0.mlp.``}) that the block's other tensors (the router) follow. A block is found
     by the decoder layer that holds it, so the checkpoint may name its parent differently."""
-    from .nn_experts import fused_experts_dims
+    from .modules.experts import fused_experts_dims
 
     by_layer: dict[str, list[str]] = {}
     for path, module in model.named_modules():
@@ -380,10 +379,10 @@ def _check_complete(model, canonical: dict[str, str], expert_blocks) -> None:
     """Every tensor the model needs is in the checkpoint (by the loader's rule: its persistent
     parameters and buffers, a shared tensor once, tied weights excepted); a packed checkpoint without
     one would be refused by ``quantpack.load`` and ``verify``."""
-    from .loader import _expected_tensors, _tied_targets
+    from .integrity import expected_tensors, tied_targets
 
-    expected, _ = _expected_tensors(model)
-    provided, tied = set(canonical.values()), _tied_targets(model)
+    expected, _ = expected_tensors(model)
+    provided, tied = set(canonical.values()), tied_targets(model)
     blocks = tuple(f"{b}." for b in expert_blocks)  # a quantized experts block: checked in _plan_experts
     missing = [n for n in expected if n not in provided and n not in tied and not n.startswith(blocks)]
     if missing:
@@ -407,7 +406,7 @@ def _plan_experts(model, src, expert_sources, summary, quant_plan, bits_override
     ``<block>.<projection>.<expert>``; returns the blocks. A block is quantized whole (its
     replacement holds packed matrices only), so a --skip that selects part of it, a group size that
     does not fit, or a missing matrix is an error."""
-    from .nn_experts import PROJECTIONS, fused_experts_dims
+    from .modules.experts import PROJECTIONS, fused_experts_dims
 
     found: dict[str, dict] = {}
     for tname, (block, proj, e) in expert_sources.items():
@@ -732,16 +731,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 continue  # dropped: the model ignores it
             out_name = canonical[tname]
             module = out_name[: -len(".weight")] if out_name.endswith(".weight") else None
-            if module in quant_plan and w8a8:
+            if module in quant_plan:
                 layer = quant_plan[module]
-                units.append(_Unit(tname, {f"{module}.qweight": (layer.shape, torch.int8),
-                                           f"{module}.weight_scale": ((layer.shape[0],), torch.float32)}, layer))
-            elif module in quant_plan:
-                layer = quant_plan[module]
-                shapes = packed_shapes(layer.shape, layer.bits, layer.group_size, axis)
-                units.append(_Unit(tname, {f"{module}.qweight": (shapes["qweight"], torch.uint8),
-                                           f"{module}.scales": (shapes["scales"], out_dtype),
-                                           f"{module}.zeros": (shapes["zeros"], out_dtype)}, layer))
+                stored = SCHEMES[scheme].stored(layer.shape, layer.bits, layer.group_size, axis, out_dtype)
+                units.append(_Unit(tname, {f"{module}.{suffix}": sd for suffix, sd in stored.items()}, layer))
             else:
                 out_t = out_dtype if info.dtype.is_floating_point else info.dtype
                 units.append(_Unit(tname, {out_name: (info.shape, out_t)}))
@@ -1005,9 +998,8 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
                 else:
                     t = time.perf_counter()
                     layer = unit.layer
-                    quantize_layer = _quantize_layer_w8a8 if scheme == "w8a8" else _quantize_layer
                     weight = tensor.t().contiguous() if layer.transposed else tensor  # stored as (out, in)
-                    packed = quantize_layer(weight, layer, axis, method, dev, out_dtype)
+                    packed = _quantize_layer(SCHEMES[scheme], weight, layer, axis, method, dev, out_dtype)
                     if not math.isfinite(layer.rel_error) or not all(bool(torch.isfinite(v).all()) for v in
                                                                     packed.values() if v.is_floating_point()):
                         raise CheckpointError(f"source: tensor {unit.source}: values up to "
@@ -1050,21 +1042,12 @@ def _rel_error(deq: torch.Tensor, w: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def _quantize_layer(weight, layer: LayerResult, axis, method, dev, out_dtype) -> dict[str, torch.Tensor]:
+def _quantize_layer(scheme, weight, layer: LayerResult, axis, method, dev, out_dtype) -> dict[str, torch.Tensor]:
     w = weight.to(dev, non_blocking=False)
-    pw = quantize(w, bits=layer.bits, group_size=layer.group_size, axis=axis, method=method, dtype=out_dtype)
-    layer.rel_error = _rel_error(dequantize(pw, torch.float32), w.float())
-    module = layer.name
-    return {f"{module}.qweight": pw.qweight.cpu(), f"{module}.scales": pw.scales.cpu(), f"{module}.zeros": pw.zeros.cpu()}
-
-
-@torch.no_grad()
-def _quantize_layer_w8a8(weight, layer: LayerResult, axis, method, dev, out_dtype) -> dict[str, torch.Tensor]:
-    """Symmetric int8 per output channel (docs/format.md, W8A8); the scale stays float32."""
-    w = weight.to(dev, non_blocking=False)
-    qweight, weight_scale = quantize_weight_w8a8(w)
-    layer.rel_error = _rel_error(dequantize_w8a8(qweight, weight_scale), w.float())
-    return {f"{layer.name}.qweight": qweight.cpu(), f"{layer.name}.weight_scale": weight_scale.cpu()}
+    stored, deq = scheme.quantize(w, bits=layer.bits, group_size=layer.group_size, axis=axis, method=method,
+                                  dtype=out_dtype)
+    layer.rel_error = _rel_error(deq, w.float())
+    return {f"{layer.name}.{suffix}": t.cpu() for suffix, t in stored.items()}
 
 
 def _fsync_dir(path: Path) -> None:

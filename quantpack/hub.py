@@ -7,6 +7,7 @@ Every failure is a one-line :class:`~quantpack.checkpoint.CheckpointError`.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,3 +93,14 @@ def _download(repo_id: str, *, revision, token, allow_pickle) -> ResolvedSource:
         raise CheckpointError(f"source: cannot download {repo_id}: {e.strerror or e}") from None
     folder = Path(folder)
     return ResolvedSource(folder, repo_id, folder.name if folder.parent.name == "snapshots" else revision, False)
+
+
+def resolve_checkpoint(path_or_repo_id, *, revision: str | None = None, token: str | None = None) -> Path:
+    """A local directory as is; otherwise a hub repository id, fetched (or found in the local cache,
+    e.g. with ``HF_HUB_OFFLINE=1``) by huggingface_hub."""
+    try:
+        return resolve_source(os.fspath(path_or_repo_id), revision=revision, token=token).path
+    except CheckpointError as exc:  # the resolver names its argument "source"; here it is path_or_repo_id
+        message = str(exc)
+        raise CheckpointError("path_or_repo_id" + message[len("source"):] if message.startswith("source:")
+                              else message) from None

@@ -24,7 +24,8 @@ def info(packed, *, revision: str | None = None, token: str | None = None) -> di
     Raises :class:`~quantpack.checkpoint.CheckpointError` (one line) when ``packed`` is not a packed
     checkpoint.
     """
-    from .loader import read_quantization_config, resolve_checkpoint
+    from .hub import resolve_checkpoint
+    from .schemes import read_quantization_config
 
     try:
         root = resolve_checkpoint(packed, revision=revision, token=token)

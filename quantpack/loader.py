@@ -1,7 +1,7 @@
 """Load a packed checkpoint as a ready-to-run transformers model: ``quantpack.load(path_or_repo_id)``.
 
 The model is built on the meta device, every converted linear layer is swapped for a
-:class:`~quantpack.nn.QuantLinear` (still on meta), then each tensor is read from its shard and
+:class:`~quantpack.modules.linear.QuantLinear` (still on meta), then each tensor is read from its shard and
 put on the device it belongs to, one tensor at a time. Full-precision linear weights never exist.
 
 Before any tensor data is read, the files are checked against ``config.json``, the shard index and
@@ -12,230 +12,22 @@ tensor, a file whose checksum differs, or an unsupported layout version raises
 from __future__ import annotations
 
 import copy
-import os
 import re
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 from . import checkpoint, generation
-from .checkpoint import CheckpointError, TensorInfo
-from .format import LAYOUT_VERSION
-from .nn import QuantLinear, linear_dims
-from .nn_merged import merge_projections
+from .hub import resolve_checkpoint
+from .integrity import (check_manifest_layers, check_tensors, digest_mismatch, expected_tensors, fail,
+                        read_checkpoint_files)
+from .modules.linear import QuantLinear
+from .modules.merged import merge_projections
+from .modules.replace import linear_modules_to_convert, replace_linear_layers
+from .schemes import read_quantization_config
 
 QUANT_METHOD = checkpoint.QUANT_METHOD
-
-
-def _fail(message: str) -> CheckpointError:
-    return CheckpointError(" ".join(str(message).split()))
-
-
-# --------------------------------------------------------------------------------------------------
-# Module construction by scheme: the one place that decides what replaces an nn.Linear.
-# --------------------------------------------------------------------------------------------------
-
-# A builder gets (module name, the nn.Linear (or Conv1D, see nn.linear_dims) being replaced (on meta), the validated
-# quantization_config, the compute dtype) and returns the replacement module on the meta device.
-# Its state-dict keys are the tensor names the checkpoint stores for that module.
-ModuleBuilder = Callable[[str, nn.Module, dict, torch.dtype], nn.Module]
-
-
-def build_weight_only(name: str, linear: nn.Module, qc: dict, dtype: torch.dtype) -> nn.Module:
-    """``w4a16`` / ``w8a16``: a :class:`QuantLinear` (packed weight; scales, zeros and bias in ``dtype``)."""
-    out_features, in_features, _ = linear_dims(linear)
-    return QuantLinear(in_features, out_features, bits=qc["bits_overrides"].get(name, qc["bits"]),
-                       group_size=qc["group_size"], axis=qc["axis"], bias=linear.bias is not None, dtype=dtype,
-                       device="meta")
-
-
-def build_w8a8(name: str, linear: nn.Linear, qc: dict, dtype: torch.dtype) -> nn.Module:
-    """``w8a8``: a :class:`~quantpack.nn_w8a8.W8A8Linear` (int8 ``qweight`` (N, K), float32
-    ``weight_scale`` (N,), bias in ``dtype``)."""
-    from .nn_w8a8 import W8A8Linear
-
-    out_features, in_features, _ = linear_dims(linear)
-    return W8A8Linear(in_features, out_features, bias=linear.bias is not None, dtype=dtype, device="meta")
-
-
-SCHEMES: dict[str, ModuleBuilder] = {"w4a16": build_weight_only, "w8a16": build_weight_only, "w8a8": build_w8a8}
-
-
-def register_scheme(scheme: str, builder: ModuleBuilder) -> None:
-    """Teach the loader (and the transformers integration) the ``quantization_config.scheme`` ``scheme``."""
-    SCHEMES[scheme] = builder
-
-
-def read_quantization_config(config: dict) -> dict:
-    """``checkpoint.read_quantization_config`` plus: the scheme must be one this quantpack can build."""
-    qc = checkpoint.read_quantization_config(config)
-    if qc["scheme"] not in SCHEMES:
-        raise _fail(f"config.json: quantization_config.scheme={qc['scheme']!r} is not supported by this quantpack "
-                    f"(known: {', '.join(sorted(SCHEMES))}); upgrade quantpack")
-    return qc
-
-
-def linear_modules_to_convert(model: nn.Module, qc: dict) -> list[str]:
-    """Names of the linear modules (``nn.Linear``, GPT-2's ``Conv1D``) a packed checkpoint stores
-    quantized: all but those in ``modules_not_converted`` and those whose weight is tied to another (a
-    tied ``lm_head`` is never quantized, nor stored)."""
-    skip = set(qc["modules_not_converted"]) | {n.removesuffix(".weight") for n in _tied_targets(model)}
-    return [n for n, m in model.named_modules() if linear_dims(m) is not None and n not in skip]
-
-
-def _tied_targets(model) -> set[str]:
-    """Parameters that ``tie_weights`` points at another parameter (e.g. ``lm_head.weight``)."""
-    keys = getattr(model, "all_tied_weights_keys", None)
-    if keys is None and hasattr(model, "get_expanded_tied_weights_keys"):
-        keys = model.get_expanded_tied_weights_keys(all_submodels=True)
-    return set(keys or {})
-
-
-def replace_linear_layers(model: nn.Module, qc: dict, names: list[str],
-                          dtype_for: Callable[[str], torch.dtype]) -> None:
-    """Swap each linear module in ``names`` for the module of ``qc``'s scheme, built on meta.
-    ``dtype_for(name)`` is that module's compute dtype (its scales/zeros/bias). A replaced ``Conv1D``
-    becomes the same ``x @ W.T + b`` module (the checkpoint stores W as (out, in) like any linear);
-    ``source_transposed`` on it records that the source stored (in, out)."""
-    builder = SCHEMES[qc["scheme"]]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        new = builder(name, old, qc, dtype_for(name))
-        new.source_transposed = linear_dims(old)[2]
-        setattr(parent, child, new)
-    for name in qc.get("quantized_experts") or []:
-        _replace_experts(model, name, qc, dtype_for(f"{name}.gate_proj.0"))
-
-
-def _replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -> None:
-    """Swap the experts block ``name`` for a :class:`~quantpack.nn_experts.QuantExperts` on meta."""
-    from .nn_experts import PROJECTIONS, QuantExperts, fused_experts_dims
-
-    try:
-        old = model.get_submodule(name)
-    except AttributeError:
-        old = None
-    dims = fused_experts_dims(old) if old is not None else None
-    if dims is None:
-        raise _fail(f"config.json: quantization_config.quantized_experts lists {name}, which is not an experts "
-                    f"block of {type(model).__name__}; the checkpoint does not match its config: re-convert")
-    new = QuantExperts(*dims, old.act_fn, bits=qc["bits"], group_size=qc["group_size"], axis=qc["axis"],
-                       dtype=dtype, device="meta")
-    for proj in PROJECTIONS:
-        for e, layer in enumerate(getattr(new, proj)):
-            bits = qc["bits_overrides"].get(f"{name}.{proj}.{e}")
-            if bits is not None and bits != layer.bits:
-                getattr(new, proj)[e] = QuantLinear(layer.in_features, layer.out_features, bits=bits,
-                                                    group_size=qc["group_size"], axis=qc["axis"], bias=False,
-                                                    dtype=dtype, device="meta")
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
-# --------------------------------------------------------------------------------------------------
-# Files
-# --------------------------------------------------------------------------------------------------
-
-def resolve_checkpoint(path_or_repo_id, *, revision: str | None = None, token: str | None = None) -> Path:
-    """A local directory as is; otherwise a hub repository id, fetched (or found in the local cache,
-    e.g. with ``HF_HUB_OFFLINE=1``) by huggingface_hub."""
-    from .hub import resolve_source
-
-    try:
-        return resolve_source(os.fspath(path_or_repo_id), revision=revision, token=token).path
-    except CheckpointError as exc:  # the resolver names its argument "source"; here it is path_or_repo_id
-        message = str(exc)
-        raise _fail("path_or_repo_id" + message[len("source"):] if message.startswith("source:") else message) from None
-
-
-def read_checkpoint_files(root: Path, *, verify: bool = True) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Every tensor of a packed checkpoint from the shard headers (no tensor data read), after checking
-    the shards against the index, their layout version, and (``verify``) the manifest: sizes, and the
-    sha256 of each file that the manifest has no per-tensor digests for. Returns the tensors and the
-    per-tensor digests still to check ({name: sha256}); the loader checks those as it reads each
-    tensor, so a verified load reads every byte once and a mismatch names the tensor."""
-    if not (root / checkpoint.SAFE_INDEX_NAME).exists() and not (root / checkpoint.SAFE_SINGLE_NAME).exists():
-        raise _fail(f"{root}: no {checkpoint.SAFE_INDEX_NAME} or {checkpoint.SAFE_SINGLE_NAME}; "
-                    f"not a packed checkpoint directory")
-    outputs = {}
-    if verify:
-        manifest = checkpoint.read_manifest(root)
-        if manifest.get("layout_version") != LAYOUT_VERSION:
-            raise _fail(f"{checkpoint.MANIFEST_NAME}: layout_version={manifest.get('layout_version')!r}; this "
-                        f"quantpack reads layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert")
-        outputs = manifest.get("files", {}).get("outputs") or {}
-        for rel, entry in outputs.items():
-            f = root / rel
-            if not f.is_file():
-                raise _fail(f"file {rel}: listed in {checkpoint.MANIFEST_NAME} but missing; download it again")
-            if f.stat().st_size != entry["size"]:
-                raise _fail(f"file {rel}: {f.stat().st_size} bytes, {checkpoint.MANIFEST_NAME} says {entry['size']}; "
-                            f"the file is truncated or modified: download it again")
-            if not isinstance(entry.get("tensors"), dict) and checkpoint.sha256_file(f) != entry["sha256"]:
-                raise _fail(f"file {rel}: sha256 differs from {checkpoint.MANIFEST_NAME}; the file is corrupt or "
-                            f"modified: download it again (or pass verify=False to skip checksums)")
-    tensors = checkpoint.check_index(root)
-    digests = {}
-    for fname in sorted({info.file.name for info in tensors.values()}):
-        _, meta = checkpoint.read_safetensors_header(root / fname)
-        version = meta.get("quantpack_layout_version")
-        if version is not None and version != str(LAYOUT_VERSION):
-            raise _fail(f"file {fname}: quantpack_layout_version={version!r} in its metadata; this quantpack reads "
-                        f"layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert")
-        recorded = (outputs.get(fname) or {}).get("tensors")
-        if isinstance(recorded, dict):
-            stored = {n for n, info in tensors.items() if info.file.name == fname}
-            for name in sorted(stored ^ set(recorded)):
-                where = "is in the file but not" if name in stored else "is missing from the file but listed"
-                raise _fail(f"tensor {name} in {fname}: {where} in {checkpoint.MANIFEST_NAME}; the file is corrupt "
-                            f"or modified: download it again")
-            digests.update(recorded)
-    return tensors, digests
-
-
-def _digest_mismatch(name: str, info: TensorInfo) -> CheckpointError:
-    return _fail(f"tensor {name} in {info.file.name}: its data's sha256 differs from the one {checkpoint.MANIFEST_NAME} "
-                 f"records; the file is corrupt or modified: download it again (or pass verify=False to skip checksums)")
-
-
-def check_tensor_digests(tensors: dict[str, TensorInfo], digests: dict[str, str]) -> None:
-    """Hash each tensor's stored bytes against the digest :func:`read_checkpoint_files` returned for it, for a
-    reader that does not read the data itself (transformers' ``from_pretrained``); a mismatch names the tensor."""
-    handles: dict[Path, object] = {}
-    try:
-        for name in sorted(digests, key=lambda n: (str(tensors[n].file), tensors[n].offset) if n in tensors else ("", 0)):
-            info = tensors.get(name)
-            if info is None:
-                continue  # read_checkpoint_files already refused a tensor the manifest lists but the file lacks
-            f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
-            if checkpoint.sha256_tensor_data(info, f) != digests[name]:
-                raise _digest_mismatch(name, info)
-    finally:
-        for f in handles.values():
-            f.close()
-
-
-def _check_manifest_layers(root: Path, qc: dict, tensors: dict[str, TensorInfo]) -> None:
-    """Each layer the manifest lists is stored quantized with the bits and shape it records."""
-    for layer in checkpoint.read_manifest(root).get("layers") or []:
-        name = layer["name"]
-        if name + ".qweight" not in tensors:
-            raise _fail(f"tensor {name}.qweight: missing, but {checkpoint.MANIFEST_NAME} lists {name} as quantized")
-        bits = qc["bits_overrides"].get(name, qc["bits"])
-        if "bits" in layer and layer["bits"] != bits:
-            raise _fail(f"module {name}: {checkpoint.MANIFEST_NAME} says bits={layer['bits']} but "
-                        f"quantization_config gives bits={bits}")
-        n, k = layer.get("shape", (None, None))
-        qshape = tensors[name + ".qweight"].shape
-        # W8A8 keeps nn.Linear's (N, K); the weight-only layouts store (K/2, N) or (K, N).
-        want = (n, k) if qc["scheme"] == "w8a8" else (k // 2, n) if bits == 4 else (k, n)
-        if n is not None and qshape != want:
-            raise _fail(f"tensor {name}.qweight: shape {list(qshape)} does not match the layer shape [{n}, {k}] "
-                        f"in {checkpoint.MANIFEST_NAME}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,56 +39,6 @@ def model_class_for(config, *, trust_remote_code: bool = False):
     from .hf_config import model_class
 
     return model_class(config, trust_remote_code=trust_remote_code)
-
-
-def _expected_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """(persistent parameters and buffers by state-dict name with each shared tensor once, the other names
-    of shared tensors)."""
-    seen, out, aliases = set(), {}, set()
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            aliases.add(name)
-        else:
-            seen.add(id(t))
-            out[name] = t
-    return out, aliases
-
-
-def _check_tensors(model, expected: dict[str, torch.Tensor], aliases: set[str], tensors: dict[str, TensorInfo],
-                   quantized: set[str], qc: dict) -> None:
-    for name, info in tensors.items():
-        module = name.rpartition(".")[0]
-        if name not in expected:
-            if name in aliases:
-                continue  # a second copy of a tied weight
-            if module in quantized:
-                stores = sorted(k.rpartition(".")[2] for k in expected if k.rpartition(".")[0] == module)
-                hint = f"; {module} is quantized, which stores {stores}"
-            elif name.endswith((".qweight", ".scales", ".zeros")) and module in qc["modules_not_converted"]:
-                hint = f"; config.json's quantization_config lists {module} in modules_not_converted"
-            else:
-                hint = ""
-            raise _fail(f"tensor {name} in {info.file.name}: not a tensor of {type(model).__name__}{hint}")
-        want = expected[name]
-        if tuple(info.shape) != tuple(want.shape):
-            raise _fail(f"tensor {name} in {info.file.name}: shape {list(info.shape)}, expected {list(want.shape)} "
-                        f"from config.json and quantization_config")
-        if want.is_floating_point():
-            if not info.dtype.is_floating_point:
-                raise _fail(f"tensor {name} in {info.file.name}: dtype {checkpoint.dtype_name(info.dtype)}, "
-                            f"expected a floating-point dtype")
-        elif info.dtype != want.dtype:
-            raise _fail(f"tensor {name} in {info.file.name}: dtype {checkpoint.dtype_name(info.dtype)}, expected "
-                        f"{checkpoint.dtype_name(want.dtype)}")
-    tied = _tied_targets(model)
-    missing = [n for n in expected if n not in tensors and n not in tied]
-    if missing:
-        module = missing[0].rpartition(".")[0]
-        hint = ""
-        if module in quantized and module + ".weight" in tensors:
-            hint = f"; the file stores {module}.weight, so add {module} to quantization_config.modules_not_converted"
-        raise _fail(f"tensor {missing[0]}: missing from the checkpoint{hint}" +
-                    (f" (and {len(missing) - 1} more missing)" if len(missing) > 1 else ""))
 
 
 def _device_of(placement: dict, name: str) -> torch.device:
@@ -372,7 +114,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     * ``verify``: check every tensor's bytes against the manifest's sha256 as it is read (whole files
       for manifests without per-tensor digests); shapes and dtypes are always checked.
     * ``merge``: link each block's sibling projections (q/k/v, gate/up) so that at decode they run as one
-      GEMV (:func:`~quantpack.nn_merged.merge_projections`); ``False`` keeps every layer separate.
+      GEMV (:func:`~quantpack.modules.merged.merge_projections`); ``False`` keeps every layer separate.
     * ``decode``: how ``model.generate`` decodes on a GPU (:mod:`quantpack.generation`): ``"graphs"`` (default: a
       static KV cache, each decode step captured once as a CUDA graph and replayed), ``"compile"`` (a static cache
       and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged).
@@ -405,13 +147,13 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         _check_device(device_map, "device_map")
     root = resolve_checkpoint(path_or_repo_id, revision=revision, token=token)
     if not (root / checkpoint.CONFIG_NAME).is_file():
-        raise _fail(f"{root}: no config.json; not a packed checkpoint directory")
+        raise fail(f"{root}: no config.json; not a packed checkpoint directory")
     config_dict = checkpoint.read_config(root)
     qc = read_quantization_config(config_dict)
     config = auto_config(root, trust_remote_code=trust_remote_code, config=config_dict)
     tensors, digests = read_checkpoint_files(root, verify=verify)
     if verify:
-        _check_manifest_layers(root, qc, tensors)
+        check_manifest_layers(root, qc, tensors)
 
     # The skeleton on meta. Buffers computed in __init__ (rotary tables) are real, on the CPU.
     stored_floats = [i.dtype for n, i in tensors.items() if i.dtype.is_floating_point
@@ -433,8 +175,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     quantized = linear_modules_to_convert(model, qc)
     replace_linear_layers(model, qc, quantized, compute_dtype)
     quantized = set(quantized) | {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}  # + experts
-    expected, aliases = _expected_tensors(model)
-    _check_tensors(model, expected, aliases, tensors, quantized, qc)
+    expected, aliases = expected_tensors(model)
+    check_tensors(model, expected, aliases, tensors, quantized, qc)
 
     if device_map is None:
         placement = {"": device if device is not None else
@@ -454,7 +196,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
             f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
             tensor = checkpoint.read_tensor(info, f)
             if name in digests and checkpoint.sha256_of(tensor) != digests[name]:
-                raise _digest_mismatch(name, info)
+                raise digest_mismatch(name, info)
             module = name.rpartition(".")[0]
             if tensor.is_floating_point():
                 to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)
@@ -469,7 +211,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
             _set_tensor(model, name, buf.to(_device_of(placement, name)))
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if still_meta:
-        raise _fail(f"tensor {still_meta[0]}: missing from the checkpoint")
+        raise fail(f"tensor {still_meta[0]}: missing from the checkpoint")
     if len({str(_device_of(placement, n)) for n in expected}) > 1:
         from accelerate import dispatch_model
 
@@ -477,7 +219,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
 
     # The same quantization bookkeeping as transformers' from_pretrained route, so Trainer and peft
     # treat the model as a quantized base that supports adapter training.
-    from .hf_integration import QuantpackConfig, QuantpackHfQuantizer
+    from .integrations.transformers import QuantpackConfig, QuantpackHfQuantizer
 
     stored_qc = config_dict["quantization_config"]
     model.config.quantization_config = QuantpackConfig.from_dict(stored_qc)

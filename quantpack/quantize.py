@@ -35,7 +35,7 @@ def resolve_group_size(group_size: int | None, shape, axis: int) -> int:
     return group_size
 
 
-def _grouped(w: torch.Tensor, group_size: int, axis: int) -> torch.Tensor:
+def grouped(w: torch.Tensor, group_size: int, axis: int) -> torch.Tensor:
     """View of ``w`` (N, K) as (groups, group_size), one group per row, in storage order."""
     n, k = w.shape
     if axis == 1:
@@ -43,7 +43,7 @@ def _grouped(w: torch.Tensor, group_size: int, axis: int) -> torch.Tensor:
     return w.t().reshape(k * (n // group_size), group_size)  # group index = k * (N/g) + n // g
 
 
-def _ungrouped(g: torch.Tensor, shape, axis: int) -> torch.Tensor:
+def ungrouped(g: torch.Tensor, shape, axis: int) -> torch.Tensor:
     n, k = shape
     return g.reshape(n, k) if axis == 1 else g.reshape(k, n).t()
 
@@ -76,7 +76,7 @@ def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 12
     check_layout_args(shape, bits, group_size, axis)
 
     qmax = (1 << bits) - 1
-    wg = _grouped(weight.float(), group_size, axis)
+    wg = grouped(weight.float(), group_size, axis)
     wmin = wg.amin(dim=1, keepdim=True)
     wmax = wg.amax(dim=1, keepdim=True)
     # Inverse scale, as hqq works with it. The scale is range/qmax, with two floors and no absolute
@@ -103,7 +103,7 @@ def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 12
     scale = (1.0 / inv_scale).to(dtype)
     zero = zero.to(dtype)
     q = torch.round(wg / scale.float() + zero.float()).clamp_(0, qmax).to(torch.uint8)
-    q = _ungrouped(q, shape, axis)
+    q = ungrouped(q, shape, axis)
     return PackedWeight(
         qweight=pack(q, bits),
         scales=_meta_layout(scale, shape, group_size, axis),

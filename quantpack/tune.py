@@ -73,7 +73,7 @@ def tune(source, *, batch_sizes=DEFAULT_BATCH_SIZES, device="cuda", backward: bo
     ``QuantLinear`` layers only (4- and 8-bit weights; not W8A8 layers or fused mixture-of-experts tensors). Raises
     ValueError (one line) when there is no GPU to time on or the checkpoint cannot be loaded."""
     from .loader import load
-    from .nn import QuantLinear
+    from .modules.linear import QuantLinear
 
     from .kernels import configs
     from .kernels.dequant import interpreting

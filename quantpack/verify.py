@@ -22,9 +22,9 @@ Thresholds turn numbers into a verdict: ``pass`` (exit code 0), ``fail`` (a chec
 ``corrupt`` (problems in the files: 2). docs/verify.md documents the JSON schema
 (:data:`REPORT_SCHEMA`).
 
-Schemes plug in through :func:`register_module_type`: a quantized module class says how to
-dequantize it, what float32 result its forward must match, with what tolerance, and (optionally)
-how to find which of its stored tensors changed.
+Each scheme's :class:`~quantpack.schemes.ModuleCheck` (see :mod:`quantpack.schemes`) says how to dequantize its
+modules, what float32 result their forward must match, with what tolerance, and (optionally) how to find which of
+their stored tensors changed.
 """
 from __future__ import annotations
 
@@ -42,11 +42,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import __version__, checkpoint
+from . import __version__, checkpoint, schemes
 from .checkpoint import CheckpointError, TensorInfo
-from .format import LAYOUT_VERSION, unpack
-from .nn import QuantLinear
-from .nn_w8a8 import W8A8Linear
+from .format import LAYOUT_VERSION
 from .tiny import quiet_transformers
 
 SCHEMA_VERSION = 1
@@ -369,185 +367,11 @@ class VerifyReport:
 
 
 # ----------------------------------------------------------------------------------------------
-# Quantized module types: how each scheme is verified
-
-
-@dataclass(frozen=True)
-class ModuleType:
-    """How :func:`verify` handles one class of quantized module.
-
-    * ``layout(module)``: the fields besides (out, in) features and dtype that select a kernel
-      (bits, group size, ...); modules with equal shape, dtype and layout are kernel-checked once.
-    * ``dequantize(module)``: the (N, K) float32 weight the module represents.
-    * ``oracle(module, x)``: the float32 result its forward must match.
-    * ``tolerance(module, dtype)``: the largest relative error of the forward (in ``dtype``).
-    * ``locate(read, name, module, reference_weight, settings)``: which of the module's stored
-      tensors differ from what converting ``reference_weight`` with the manifest's ``settings``
-      would have stored: a list of (tensor name, reason). ``read(tensor_name)`` returns a stored
-      tensor; ``module`` is the module as the loader builds it, on the meta device (its layout
-      without data). ``None``: the scheme cannot tell, and the file is named instead.
-    * ``stored_dtypes``: floating-point tensors the scheme always stores in one dtype, by
-      state-dict key (W8A8's float32 ``weight_scale``); other floating-point tensors must have
-      the conversion's output dtype.
-    """
-
-    layout: Callable[[nn.Module], dict]
-    dequantize: Callable[[nn.Module], torch.Tensor]
-    oracle: Callable[[nn.Module, torch.Tensor], torch.Tensor]
-    tolerance: Callable[[nn.Module, torch.dtype], float]
-    locate: Callable | None = None
-    stored_dtypes: dict = field(default_factory=dict)
-
-
-MODULE_TYPES: dict[type, ModuleType] = {}
-
-
-def register_module_type(cls: type, module_type: ModuleType) -> None:
-    """Teach :func:`verify` a quantized module class (one per scheme)."""
-    MODULE_TYPES[cls] = module_type
-
-
-def _dequantized_oracle(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T + b`` in float32 with the module's dequantized weight."""
-    w = MODULE_TYPES[type(module)].dequantize(module)
-    out = x.float() @ w.t()
-    bias = getattr(module, "bias", None)
-    return out + bias.float() if bias is not None else out
-
-
-def _half_tolerance(module: nn.Module, dtype: torch.dtype) -> float:
-    # The output is rounded to `dtype` and (on a GPU) the dot runs on `dtype` operands, float32 as
-    # tf32: a relative error of a few units of that precision's epsilon, never more.
-    eps = torch.finfo(dtype).eps if dtype in (torch.float16, torch.bfloat16) else torch.finfo(torch.float16).eps
-    return 2.0 * eps
-
-
-def _locate_quant_linear(read: Callable[[str], torch.Tensor], name: str, module: QuantLinear, weight: torch.Tensor,
-                         settings: dict) -> list[tuple[str, str]]:
-    """Which of ``<name>.qweight/.scales/.zeros`` changed since conversion from ``weight``.
-
-    The codes are a pure function of the weight and the stored scales and zeros
-    (``round(W / scale + zero)`` clamped, see :func:`quantpack.quantize.quantize`), so codes that
-    disagree mean one of the three changed. Re-quantizing the weight with the recorded settings tells
-    which: on the kind of device the conversion ran on (not recorded in the manifests that need this
-    fallback, those without per-tensor digests: each available one is tried) it reproduces the
-    untouched tensors bit for bit. When no re-quantization does, the layer is named.
-    """
-    from .format import PackedWeight
-    from .quantize import _grouped, _ungrouped, quantize
-    from .reference import expand_meta
-
-    pw = PackedWeight(read(f"{name}.qweight"), read(f"{name}.scales"), read(f"{name}.zeros"), module.bits,
-                      module.group_size, module.axis, (module.out_features, module.in_features))
-    pw.validate()
-    qmax = (1 << pw.bits) - 1
-    scale = expand_meta(pw.scales.float(), pw.shape, pw.group_size, pw.axis)
-    zero = expand_meta(pw.zeros.float(), pw.shape, pw.group_size, pw.axis)
-    w = _ungrouped(_grouped(weight.float(), pw.group_size, pw.axis), pw.shape, pw.axis)
-    expected = torch.round(w / scale + zero).clamp_(0, qmax).to(torch.uint8)
-    codes = unpack(pw.qweight, pw.bits)
-    differing = int((codes != expected).sum())
-
-    def differing_bytes(a: torch.Tensor, b: torch.Tensor) -> int:
-        return int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
-
-    best = None  # (changed tensors, re-quantization) closest to what is stored
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    for device in devices:
-        try:
-            again = quantize(weight.to(device), bits=pw.bits, group_size=pw.group_size, axis=pw.axis,
-                             method=settings.get("method", "hqq"), dtype=pw.scales.dtype).to("cpu")
-        except (ValueError, RuntimeError, ImportError):
-            continue
-        changed = [sfx for sfx in ("qweight", "scales", "zeros") if differing_bytes(getattr(pw, sfx), getattr(again, sfx))]
-        if best is None or len(changed) < len(best[0]):
-            best = (changed, again)
-    if best is not None and 0 < len(best[0]) < 3:
-        changed, again = best
-        return [(f"{name}.{sfx}", f"{differing_bytes(getattr(pw, sfx), getattr(again, sfx))} of "
-                                  f"{getattr(pw, sfx).numel() * getattr(pw, sfx).element_size()} bytes differ from a "
-                                  f"re-quantization of the reference weight") for sfx in changed]
-    if differing:
-        return [(name, f"{differing} of {codes.numel()} codes disagree with the reference weight and the stored "
-                       f"scales and zeros: one of {name}.qweight, .scales, .zeros changed")]
-    return []
-
-
-register_module_type(QuantLinear, ModuleType(
-    layout=lambda m: {"bits": m.bits, "group_size": m.group_size, "axis": m.axis},
-    dequantize=lambda m: m.dequantize(torch.float32),
-    oracle=_dequantized_oracle,
-    tolerance=_half_tolerance,
-    locate=_locate_quant_linear,
-))
-
-
-def _w8a8_oracle(module: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The exact result on the same quantized values, as float32: per-token int8 activations
-    (:func:`quantize_activations_reference`, the definition the kernel reproduces bit for bit) times
-    the int8 weight with exact integer accumulation, scaled in float64. The forward may differ from
-    it only by its float32 epilogue and the final cast."""
-    from .quantize_w8a8 import int8_matmul_exact, quantize_activations_reference
-
-    x_q, x_scale = quantize_activations_reference(x.reshape(-1, x.shape[-1]))
-    out = int8_matmul_exact(x_q, module.qweight).double() * x_scale.double()[:, None]
-    out = out * module.weight_scale.double()[None, :]
-    if module.bias is not None:
-        out = out + module.bias.double()
-    return out.float().reshape(*x.shape[:-1], module.out_features)
-
-
-def _w8a8_tolerance(module: nn.Module, dtype: torch.dtype) -> float:
-    # The output is cast to `dtype` (half an ulp) after a float32 epilogue of at most four roundings
-    # (int32 -> float32, two scale products, the bias): for a float32 output 4 * 2**-24 = 2 eps.
-    if dtype in (torch.float16, torch.bfloat16):
-        return torch.finfo(dtype).eps / 2 + 2 * torch.finfo(torch.float32).eps
-    return 2 * torch.finfo(torch.float32).eps
-
-
-def _locate_w8a8(read: Callable[[str], torch.Tensor], name: str, module: W8A8Linear, weight: torch.Tensor,
-                 settings: dict) -> list[tuple[str, str]]:
-    """Which of ``<name>.qweight`` / ``<name>.weight_scale`` changed since conversion from ``weight``.
-
-    Both are pure functions of the weight, computed with correctly rounded float32 operations on
-    every device (``weight_scale = max |W[n]| / 127``, ``qweight = clamp(round(W / weight_scale),
-    -127, 127)``), so re-quantizing the reference weight reproduces the untouched one bit for bit.
-    When both differ, the layer is named.
-    """
-    from .quantize_w8a8 import quantize_weight_w8a8
-
-    qweight, weight_scale = read(f"{name}.qweight"), read(f"{name}.weight_scale")
-    n, k = module.out_features, module.in_features
-    if qweight.dtype != torch.int8 or tuple(qweight.shape) != (n, k) or weight_scale.dtype != torch.float32 \
-            or tuple(weight_scale.shape) != (n,):
-        return []  # the shape and dtype checks report it
-    want_q, want_scale = quantize_weight_w8a8(weight)
-    bad_codes = int((qweight != want_q).sum())
-    bad_scales = int((weight_scale.view(torch.uint8) != want_scale.view(torch.uint8)).sum())
-    if bad_scales and not bad_codes:
-        return [(f"{name}.weight_scale", f"{bad_scales} of {weight_scale.numel() * 4} bytes differ from "
-                                         f"max |W| / 127 of the reference weight")]
-    if bad_codes and not bad_scales:
-        return [(f"{name}.qweight", f"{bad_codes} of {qweight.numel()} codes differ from round(W / weight_scale) "
-                                    f"of the reference weight")]
-    if bad_codes:
-        return [(name, f"{bad_codes} of {qweight.numel()} codes and {bad_scales} scale bytes disagree with the "
-                       f"reference weight: {name}.qweight and .weight_scale changed")]
-    return []
-
-
-register_module_type(W8A8Linear, ModuleType(
-    layout=lambda m: {"scheme": "w8a8", "bits": 8},
-    dequantize=lambda m: m.dequantize(torch.float32),
-    oracle=_w8a8_oracle,
-    tolerance=_w8a8_tolerance,
-    locate=_locate_w8a8,
-    stored_dtypes={"weight_scale": torch.float32},
-))
+# Quantized modules: each scheme says how its modules are checked (quantpack.schemes)
 
 
 def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if type(m) in MODULE_TYPES]
+    return [(n, m) for n, m in model.named_modules() if schemes.module_check(m) is not None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -560,7 +384,9 @@ def _skeleton(root: Path, qc: dict, tensors: dict[str, TensorInfo], trust_remote
     from accelerate import init_empty_weights
 
     from .hf_config import auto_config
-    from .loader import _expected_tensors, _tied_targets, linear_modules_to_convert, model_class_for, replace_linear_layers
+    from .integrity import expected_tensors, tied_targets
+    from .loader import model_class_for
+    from .modules.replace import linear_modules_to_convert, replace_linear_layers
 
     config = auto_config(root, trust_remote_code=trust_remote_code)
     plain = copy.deepcopy(config)
@@ -575,8 +401,8 @@ def _skeleton(root: Path, qc: dict, tensors: dict[str, TensorInfo], trust_remote
 
     names = linear_modules_to_convert(model, qc)
     replace_linear_layers(model, qc, names, compute_dtype)
-    expected, aliases = _expected_tensors(model)
-    return model, expected, aliases | _tied_targets(model), set(names)
+    expected, aliases = expected_tensors(model)
+    return model, expected, aliases | tied_targets(model), set(names)
 
 
 def _file_list(root: Path) -> tuple[list[str], dict[str, str] | None, list[Problem]]:
@@ -606,7 +432,7 @@ def check_integrity(root, *, reference: Path | None = None,
     that changed (in a reference holding only PyTorch .bin weights when ``allow_pickle``). ``trust_remote_code``: let transformers run the
     checkpoint's own code to build its model (off: such a checkpoint is a config problem).
     """
-    from .loader import read_quantization_config
+    from .schemes import read_quantization_config
 
     root = Path(root)
     problems: list[Problem] = []
@@ -712,7 +538,7 @@ def check_integrity(root, *, reference: Path | None = None,
     if expected is not None:
         out_dtype = ((manifest or {}).get("settings") or {}).get("dtype")
         fixed_dtypes = {f"{name}.{key}": dt for name, module in quantized_modules(skeleton)
-                        for key, dt in MODULE_TYPES[type(module)].stored_dtypes.items()}
+                        for key, dt in schemes.module_check(module).stored_dtypes.items()}
         held_by_missing = {t for f in missing_files for t in in_file.get(f, [])}
         for tname, info in sorted(tensors.items()):
             want = expected.get(tname)
@@ -858,7 +684,7 @@ def _locate_changes(skeleton: nn.Module, fname: str, tensors: dict[str, TensorIn
             if not same:
                 located[tname] = "differs from the reference tensor it was converted from"
         for name, (module, names) in sorted(modules.items()):
-            locate = MODULE_TYPES[type(module)].locate
+            locate = schemes.module_check(module).locate
             ref_name = _reference_name(ref, name + ".weight", prefix)
             if locate is None or ref_name is None or not all(n in tensors for n in names if not n.endswith(".bias")):
                 continue
@@ -896,14 +722,14 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
         if ref_name is None:
             missing.append(name)
             continue
-        deq = MODULE_TYPES[type(module)].dequantize(module).float()
+        deq = schemes.module_check(module).dequantize(module).float()
         w = _reference_weight(reference, ref_name, module).to(deq.device, torch.float32)
         if tuple(w.shape) != tuple(deq.shape):
             raise ValueError(f"reference: {ref_name} has shape {list(w.shape)} but the packed layer {name} is "
                              f"{list(deq.shape)}; pass the checkpoint it was converted from")
         err = float(torch.linalg.vector_norm(deq - w) / torch.linalg.vector_norm(w).clamp_min(1e-30))
         rec = recorded.get(name, {})
-        bits = getattr(module, "bits", None) or MODULE_TYPES[type(module)].layout(module).get("bits")
+        bits = getattr(module, "bits", None) or schemes.module_check(module).layout(module).get("bits")
         items.append({"name": name, "shape": list(deq.shape), "bits": bits,
                       "group_size": getattr(module, "group_size", None), "rel_error": err,
                       "manifest_rel_error": rec.get("rel_error")})
@@ -925,7 +751,7 @@ def kernel_errors(model: nn.Module, rows=KERNEL_ROWS, seed: int = KERNEL_SEED) -
     groups: dict[tuple, list[tuple[str, nn.Module]]] = {}
     model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     for name, module in quantized_modules(model):
-        mt = MODULE_TYPES[type(module)]
+        mt = schemes.module_check(module)
         dtype = _module_dtype(module, model_dtype)
         key = (type(module).__name__, module.out_features, module.in_features, str(dtype),
                tuple(sorted(mt.layout(module).items())), getattr(module, "bias", None) is not None)
@@ -934,7 +760,7 @@ def kernel_errors(model: nn.Module, rows=KERNEL_ROWS, seed: int = KERNEL_SEED) -
     items, path = [], "reference"
     for key, members in groups.items():
         name, module = members[0]
-        mt = MODULE_TYPES[type(module)]
+        mt = schemes.module_check(module)
         dtype = _module_dtype(module, model_dtype)
         device = next(t.device for t in module.buffers())
         if device.type == "cuda":
@@ -1178,7 +1004,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         raise ValueError("text: is empty; pass some text to evaluate on")
     dev = _resolve_device(device)
 
-    from .loader import resolve_checkpoint
+    from .hub import resolve_checkpoint
 
     try:
         root = resolve_checkpoint(packed, revision=revision, token=token)

@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 
 from quantpack import checkpoint
-from quantpack.nn import linear_dims
-from quantpack.nn_experts import PROJECTIONS
+from quantpack.modules.linear import linear_dims
+from quantpack.modules.experts import PROJECTIONS
 from quantpack.quantize import quantize
 from quantpack.reference import dequantize
 

@@ -64,10 +64,10 @@ def test_help_is_fast_and_imports_nothing_heavy():
 
 
 def test_the_package_names_load_on_first_use():
-    probe = ("import sys, quantpack, quantpack.convert; "
+    probe = ("import sys, quantpack, quantpack.convert, quantpack.integrations.peft; "
              "assert callable(quantpack.quantize), quantpack.quantize  # the function, not its submodule\n"
              "assert quantpack.load.__module__ == 'quantpack.loader' and quantpack.LAYOUT_VERSION >= 1\n"
-             "assert quantpack.hf_integration.lora_config and 'torch._dynamo' not in sys.modules\n"
+             "assert quantpack.integrations.peft.lora_config and 'torch._dynamo' not in sys.modules\n"
              "print('ok')")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip() == "ok", proc.stderr[-2000:]

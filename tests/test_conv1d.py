@@ -8,7 +8,7 @@ import torch
 
 from quantpack import checkpoint, load
 from quantpack.convert import convert
-from quantpack.nn import QuantLinear, linear_dims
+from quantpack.modules.linear import QuantLinear, linear_dims
 from quantpack.tiny import make_tiny_gpt2
 from quantpack.verify import verify
 
@@ -121,7 +121,7 @@ def test_hub_gpt2_layout_is_stored_under_the_models_names(gpt2, tmp_path):
 def test_w8a8_scheme_on_conv1d(gpt2, tmp_path):
     """The int8 scheme takes the same (out, in) orientation: its logits track the source model."""
     from transformers import GPT2LMHeadModel
-    from quantpack.nn_w8a8 import W8A8Linear
+    from quantpack.modules.w8a8 import W8A8Linear
 
     src, _, _ = gpt2
     convert(src, tmp_path / "w8a8", scheme="w8a8")

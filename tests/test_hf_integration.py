@@ -7,11 +7,12 @@ import shutil
 import pytest
 import torch
 
-import quantpack.hf_integration as hf_integration
+import quantpack.integrations.peft as peft_integration
+import quantpack.integrations.transformers as hf_integration
 from quantpack import checkpoint
 from quantpack.checkpoint import CheckpointError
 from quantpack.loader import load
-from quantpack.nn import QuantLinear
+from quantpack.modules.linear import QuantLinear
 from test_loader import (RTOL, _flip_data_byte, _refresh_manifest, dequantized_source, encoder_src,  # noqa: F401
                          llama_src, packed_encoder, packed_llama, packed_tied, prompt_ids, rel_err)
 
@@ -187,7 +188,7 @@ def test_lora_adapters_train_on_the_frozen_quantized_base(packed_llama):
 
     model = load(packed_llama, device="cpu", dtype=torch.float32)
     before = {n: b.clone() for n, b in model.named_buffers() if n.endswith((".qweight", ".scales", ".zeros"))}
-    config = hf_integration.lora_config(r=4, lora_alpha=8, lora_dropout=0.0,
+    config = peft_integration.lora_config(r=4, lora_alpha=8, lora_dropout=0.0,
                                         target_modules=["q_proj", "v_proj", "down_proj"])
     peft_model = get_peft_model(model, config)
     q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
@@ -224,7 +225,7 @@ def test_trainer_accepts_adapters_on_a_loaded_model(packed_llama):
     assert model.hf_quantizer.is_trainable
     with pytest.raises(ValueError, match="purely quantized"):
         validate_quantization_for_training(model)
-    validate_quantization_for_training(get_peft_model(model, hf_integration.lora_config(target_modules=["q_proj"])))
+    validate_quantization_for_training(get_peft_model(model, peft_integration.lora_config(target_modules=["q_proj"])))
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ def _run(code: str) -> str:
 def test_import_quantpack_and_its_cli_do_not_import_transformers():
     out = _run("""
         import sys
-        import quantpack, quantpack.cli, quantpack.hf_integration
+        import quantpack, quantpack.cli, quantpack.integrations.peft
         print(sorted(m for m in sys.modules if m == "transformers" or m.startswith("transformers.")))
     """)
     assert out.strip() == "[]"
@@ -33,7 +33,7 @@ def test_quantpack_first_then_from_pretrained(packed_llama):
         import quantpack
         assert "transformers" not in sys.modules
         from transformers import AutoModelForCausalLM
-        from quantpack.nn import QuantLinear
+        from quantpack.modules.linear import QuantLinear
         model = AutoModelForCausalLM.from_pretrained({str(packed_llama)!r})
         print(type(model.config.quantization_config).__name__,
               sum(isinstance(m, QuantLinear) for m in model.modules()))
@@ -46,7 +46,7 @@ def test_transformers_registry_first_then_quantpack():
     out = _run("""
         from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
         assert "quantpack" not in AUTO_QUANTIZER_MAPPING
-        import quantpack.hf_integration as hf
+        import quantpack.integrations.transformers as hf
         assert AUTO_QUANTIZER_MAPPING["quantpack"] is hf.QuantpackHfQuantizer
         assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantpack"] is hf.QuantpackConfig
         print("ok")
@@ -55,9 +55,9 @@ def test_transformers_registry_first_then_quantpack():
 
 
 @pytest.mark.parametrize("first", [
-    "from quantpack.hf_integration import QuantpackConfig",
-    "import quantpack.hf_integration as hf; hf.register(); hf.register()",
-    "import quantpack._hf_quantizer",
+    "from quantpack.integrations.transformers import QuantpackConfig",
+    "import quantpack.integrations.transformers as hf; hf.register(); hf.register()",
+    "import quantpack; import quantpack.integrations.transformers",
 ])
 def test_first_use_in_a_fresh_interpreter_registers(first):
     """Whatever loads transformers' registry first (including quantpack's own quantizer module,
@@ -65,7 +65,7 @@ def test_first_use_in_a_fresh_interpreter_registers(first):
     out = _run(f"""
         {first}
         from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
-        import quantpack.hf_integration as hf
+        import quantpack.integrations.transformers as hf
         assert AUTO_QUANTIZER_MAPPING["quantpack"] is hf.QuantpackHfQuantizer
         assert AUTO_QUANTIZATION_CONFIG_MAPPING["quantpack"] is hf.QuantpackConfig
         print("ok")

@@ -20,7 +20,7 @@ from quantpack import checkpoint
 from quantpack.checkpoint import CheckpointError
 from quantpack.convert import convert
 from quantpack.loader import load
-from quantpack.nn import QuantLinear
+from quantpack.modules.linear import QuantLinear
 from quantpack.tiny import make_tiny_encoder, make_tiny_llama
 
 from oracles import dequantized_source
@@ -499,7 +499,7 @@ def test_fused_kernel_matches_dequantized_source_on_gpu(packed_llama, llama_src,
 
 @pytest.mark.gpu
 def test_device_map_auto_and_from_pretrained_on_gpu(packed_llama):
-    import quantpack.hf_integration  # noqa: F401
+    import quantpack.integrations.transformers  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     ids = prompt_ids(packed_llama).to("cuda")
@@ -517,7 +517,7 @@ def test_device_map_auto_and_from_pretrained_on_gpu(packed_llama):
 def test_device_map_across_two_gpus(packed_llama):
     """A device map over two GPUs (accelerate moves activations between them): same logits and greedy
     tokens as on one GPU, for load and for from_pretrained."""
-    import quantpack.hf_integration  # noqa: F401
+    import quantpack.integrations.transformers  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     split = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,

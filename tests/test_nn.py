@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from quantpack import reference
-from quantpack.nn import QuantLinear
+from quantpack.modules.linear import QuantLinear
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 needs_triton = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),

@@ -8,7 +8,7 @@ import torch
 
 from quantpack import checkpoint, load
 from quantpack.convert import convert
-from quantpack.nn_experts import QuantExperts, fused_experts_dims
+from quantpack.modules.experts import QuantExperts, fused_experts_dims
 from quantpack.tiny import make_tiny_mixtral
 from quantpack.verify import verify
 
@@ -118,7 +118,7 @@ def test_compiled_static_cache_generate_matches_eager(mixtral, monkeypatch):
     rest (attention projections through the kernel's custom op) compiles."""
     from transformers import AutoTokenizer, CompileConfig
 
-    from quantpack.nn import QuantLinear
+    from quantpack.modules.linear import QuantLinear
 
     _, packed, _ = mixtral
     monkeypatch.setattr(QuantLinear, "backend", "triton")

@@ -1,4 +1,4 @@
-"""Merged decode projections (quantpack/nn_merged.py, quantpack/kernels/merged_mm.py).
+"""Merged decode projections (quantpack/modules/merged.py, quantpack/kernels/merged_mm.py).
 
 Oracles: each layer run alone on the same packed weights (the unmerged model), and the float64 product with the
 reference dequantization. In CI the kernels run in Triton's interpreter on small shapes; the GPU tests use the
@@ -19,8 +19,8 @@ from quantpack.kernels.caches import mma_copies
 from quantpack.kernels.dispatch import mma_config
 from quantpack.kernels.mma_gemv import mma_pack
 from quantpack.loader import load
-from quantpack.nn import QuantLinear
-from quantpack.nn_merged import MERGE_MAX_M, merge_projections, unmerge_projections
+from quantpack.modules.linear import QuantLinear
+from quantpack.modules.merged import MERGE_MAX_M, merge_projections, unmerge_projections
 from oracles import MIXED_MM, GraphRecorder, pretend_device, scripted_gpu_timing
 from test_loader import llama_src, packed_llama, prompt_ids, rel_err  # noqa: F401
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantpack.nn_w8a8 import W8A8Linear
+from quantpack.modules.w8a8 import W8A8Linear
 from quantpack.quantize_w8a8 import (
     MAX_IN_FEATURES, dequantize_w8a8, quantize_activations_reference, quantize_weight_w8a8,
     w8a8_linear_reference,
@@ -153,7 +153,7 @@ def _swap_linears(model: nn.Module, make) -> None:
 def test_w8a8_tiny_llama_kl_below_4bit():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from quantpack.nn import QuantLinear
+    from quantpack.modules.linear import QuantLinear
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from quantpack.cli import cli
 from quantpack.kernels import KernelConfig
-from quantpack.nn import QuantLinear
+from quantpack.modules.linear import QuantLinear
 from quantpack.tune import parse_batch_sizes, tune
 from quantpack.convert import convert
 from quantpack.tiny import make_tiny_llama

@@ -19,9 +19,9 @@ import torch
 
 from quantpack import checkpoint
 from quantpack.convert import convert
-from quantpack.nn import QuantLinear
+from quantpack.modules.linear import QuantLinear
 from quantpack.verify import (
-    DEFAULT_TEXT, REPORT_SCHEMA, VerifyReport, compare_causal_lm, kernel_errors, register_module_type, verify,
+    DEFAULT_TEXT, REPORT_SCHEMA, VerifyReport, compare_causal_lm, kernel_errors, verify,
 )
 
 TRAIN_TOKENS = 128
@@ -391,11 +391,11 @@ def test_kernel_check_catches_a_wrong_forward(ckpt, monkeypatch):
     assert all(not c.passed for c in r.checks if c.name.startswith("kernel"))
 
 
-def test_a_scheme_plugs_in_through_register_module_type(ckpt):
-    """A module class registered with its own oracle is found, grouped by its layout and checked."""
+def test_a_scheme_plugs_in_through_the_scheme_registry(ckpt):
+    """A scheme registered with its own module class and check is found, grouped by its layout and checked."""
     import dataclasses
 
-    from quantpack import verify as verify_mod
+    from quantpack import schemes
     from quantpack.loader import load
 
     class OtherQuantLinear(QuantLinear):
@@ -404,13 +404,13 @@ def test_a_scheme_plugs_in_through_register_module_type(ckpt):
     model = load(ckpt("q4"), device="cpu")
     module = model.model.layers[0].mlp.down_proj
     module.__class__ = OtherQuantLinear
-    base = verify_mod.MODULE_TYPES[QuantLinear]
-    register_module_type(OtherQuantLinear, dataclasses.replace(base, layout=lambda m: {"scheme": "other"},
-                                                               tolerance=lambda m, d: 0.0))
+    base = schemes.get("w4a16")
+    schemes.register(dataclasses.replace(base, name="other", module_class=OtherQuantLinear, check=dataclasses.replace(
+        base.check, layout=lambda m: {"scheme": "other"}, tolerance=lambda m, d: 0.0)))
     try:
         out = kernel_errors(model)
     finally:
-        verify_mod.MODULE_TYPES.pop(OtherQuantLinear)
+        schemes.SCHEMES.pop("other")
     other = [x for x in out["items"] if x["module_type"] == "OtherQuantLinear"]
     assert len(other) == 1 and other[0]["layout"] == {"scheme": "other"} and other[0]["layers"] == 1
     assert other[0]["example"] == "model.layers.0.mlp.down_proj" and not other[0]["passed"]

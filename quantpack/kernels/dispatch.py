@@ -39,7 +39,7 @@ __all__ = ["DeviceProps", "Flags", "Decision", "choose", "explain", "device_prop
 
 WGMMA_MAX_M = 4096  # up to which Hopper may run the wgmma kernel (the tuner still times dq + cuBLAS too)
 PDL_MAX_M = 8  # up to which the mma path may launch with PDL (H200: M = 16 measured up to 10% slower)
-MERGE_MAX_M = 16  # up to which sibling projections merge (nn_merged.py), where the stacked shape's tuned path is mma
+MERGE_MAX_M = 16  # up to which sibling projections merge (modules/merged.py), where the stacked shape's tuned path is mma
 # (on Hopper: every decode shape at M <= 8, q/k/v at 9-16 rows)
 GEMV_MAX_M = 8  # up to which the CUDA-core GEMV runs (beyond, its config becomes the general CUDA-core tiles)
 SMALL_M = 16  # heuristic: the tensor-core GEMV (forward) or 16-row tiles up to here; beyond, wgmma on Hopper

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and rotary kernels against transformers' Llama code, and quantpack.fused_ops.apply/remove on models.
+"""Fused RMSNorm and rotary kernels against transformers' Llama code, and quantpack.modules.fused.apply/remove on models.
 Kernel outputs are poisoned with NaN first."""
 import copy
 import functools
@@ -12,7 +12,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from quantpack import fused_ops
+from quantpack.modules import fused as fused_ops
 from quantpack.kernels import fused_ops as k
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

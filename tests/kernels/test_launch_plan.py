@@ -16,7 +16,7 @@ from oracles import packed_weight, rel_err  # tests/oracles.py
 from quantpack.kernels import KernelConfig, MixedMatmul, mixed_mm
 from quantpack.kernels import launch_plan
 from quantpack.kernels.launch_plan import Plan, PlanCache, Recording
-from quantpack.nn import QuantLinear
+from quantpack.modules.linear import QuantLinear
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 configs_mod = importlib.import_module("quantpack.kernels.configs")

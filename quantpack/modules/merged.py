@@ -21,11 +21,11 @@ import math
 import torch
 from torch import nn
 
-from .kernels.caches import tensor_version
-from .kernels.configs import table_state
-from .kernels.dispatch import MERGE_MAX_M, read_env
-from .kernels.merged_mm import merged_mm, merged_path
-from .nn import QuantLinear
+from ..kernels.caches import tensor_version
+from ..kernels.configs import table_state
+from ..kernels.dispatch import MERGE_MAX_M, read_env
+from ..kernels.merged_mm import merged_mm, merged_path
+from .linear import QuantLinear
 
 MERGED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

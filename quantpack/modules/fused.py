@@ -28,8 +28,8 @@ import weakref
 import torch
 from torch import nn
 
-from .kernels import fused_ops as _k
-from .kernels.dequant import triton_usable
+from ..kernels import fused_ops as _k
+from ..kernels.dequant import triton_usable
 
 # "auto": the kernels on CUDA tensors; "triton": also on the CPU under TRITON_INTERPRET=1 (slow, for tests);
 # "reference": never (the original torch code always).
@@ -47,7 +47,7 @@ def _kernel_wanted(*tensors: torch.Tensor) -> bool:
     elif backend == "reference":
         return False
     else:
-        raise ValueError(f"quantpack.fused_ops.backend={backend!r}; use 'auto', 'triton' or 'reference'")
+        raise ValueError(f"quantpack.modules.fused.backend={backend!r}; use 'auto', 'triton' or 'reference'")
     if not wanted or torch.compiler.is_compiling():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

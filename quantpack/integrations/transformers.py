@@ -1,9 +1,18 @@
-"""The transformers side of :mod:`quantpack.hf_integration`: the quantization config and quantizer.
+"""transformers integration: ``from_pretrained`` on a quantpack checkpoint just works.
 
-Kept apart because importing it imports transformers' quantizer registry (seconds): ``import
-quantpack`` registers these classes only once transformers loads that registry (see
-:func:`quantpack._registry_hook.register_when_transformers_loads`). Importing this module
-registers them.
+This module holds the ``quantpack`` quantization method of transformers' quantizer registry
+(``AutoHfQuantizer``): :class:`QuantpackConfig` and :class:`QuantpackHfQuantizer`. After ``import quantpack``::
+
+    model = AutoModelForCausalLM.from_pretrained("Llama-3.1-8B-qp4g128", device_map="auto")
+
+builds the model with :class:`~quantpack.modules.linear.QuantLinear` layers
+(:class:`~quantpack.modules.w8a8.W8A8Linear` for ``w8a8`` checkpoints: the same ones :func:`quantpack.load`
+builds) and transformers' own loader fills them from the shards.
+
+Importing this module imports transformers' quantizer registry (seconds) and registers the method
+(idempotent). ``import quantpack`` does not import it: it installs an import hook
+(:func:`quantpack._registry_hook.register_when_transformers_loads`) that imports this module the moment
+transformers loads that registry, so ``import quantpack`` (and ``quantpack --help``) stay fast.
 """
 from __future__ import annotations
 
@@ -21,13 +30,16 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from pathlib import Path
 
-from . import checkpoint, generation
-from .checkpoint import CheckpointError, TensorInfo
-from .loader import (QUANT_METHOD, _check_manifest_layers, _check_tensors, _expected_tensors, _fail,
-                     check_tensor_digests, linear_modules_to_convert, read_checkpoint_files, read_quantization_config,
-                     replace_linear_layers)
-from .nn import QuantLinear
-from .nn_merged import merge_projections
+from .. import checkpoint, generation
+from ..checkpoint import CheckpointError, TensorInfo
+from ..checkpoint import QUANT_METHOD
+from ..hub import resolve_checkpoint
+from ..integrity import (check_manifest_layers, check_tensors, check_tensor_digests, expected_tensors, fail,
+                         read_checkpoint_files)
+from ..modules.linear import QuantLinear
+from ..modules.merged import merge_projections
+from ..modules.replace import linear_modules_to_convert, replace_linear_layers
+from ..schemes import read_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +94,7 @@ class QuantpackConfig(QuantizationConfigMixin):
 
 class QuantpackHfQuantizer(HfQuantizer):
     """Loads pre-quantized quantpack checkpoints: swaps converted linear layers for
-    :class:`~quantpack.nn.QuantLinear` before transformers reads the weights."""
+    :class:`~quantpack.modules.linear.QuantLinear` before transformers reads the weights."""
 
     requires_calibration = True  # quantpack checkpoints come from `quantpack convert`, not on-the-fly quantization
     quantization_config: QuantpackConfig
@@ -101,7 +113,7 @@ class QuantpackHfQuantizer(HfQuantizer):
         root = _checkpoint_root(model, kwargs.get("checkpoint_files"))
         tensors, digests = read_checkpoint_files(root, verify=config.verify)
         if config.verify:
-            _check_manifest_layers(root, qc, tensors)
+            check_manifest_layers(root, qc, tensors)
         dtype = kwargs.get("dtype") or getattr(model.config, "dtype", None) or torch.float32
         # transformers casts each stored scale to the dtype of the module buffer it fills; build the
         # buffers in the dtype the checkpoint stores them in, so that a float32 model keeps its bf16
@@ -110,8 +122,8 @@ class QuantpackHfQuantizer(HfQuantizer):
         names = linear_modules_to_convert(model, qc)
         replace_linear_layers(model, qc, names, lambda name: scales_dtypes.get(name, dtype))
         quantized = set(names) | {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}  # + experts
-        expected, aliases = _expected_tensors(model)
-        _check_tensors(model, expected, aliases, tensors, quantized, qc)
+        expected, aliases = expected_tensors(model)
+        check_tensors(model, expected, aliases, tensors, quantized, qc)
         if config.verify:
             check_tensor_digests(tensors, digests)
         # A parent's _init_weights may re-initialize its linear children's `.weight` by attribute (GPT-2
@@ -123,7 +135,7 @@ class QuantpackHfQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
         if still_meta:
-            raise _fail(f"tensor {still_meta[0]}: missing from the checkpoint")
+            raise fail(f"tensor {still_meta[0]}: missing from the checkpoint")
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
         generation.enable(model)  # (and generate() replays its decode steps from CUDA graphs)
         return model
@@ -155,15 +167,13 @@ class QuantpackHfQuantizer(HfQuantizer):
 def _checkpoint_root(model, checkpoint_files) -> Path:
     """The packed checkpoint directory whose shards transformers is about to read. For a hub repository
     transformers fetches only the config and shards: the rest (manifest, tokenizer) comes into the same
-    snapshot through :func:`quantpack.loader.resolve_checkpoint`, at the commit being loaded."""
+    snapshot through :func:`quantpack.hub.resolve_checkpoint`, at the commit being loaded."""
     files = [Path(f) for f in checkpoint_files or []]
     if not files or not all(f.name.endswith(".safetensors") for f in files):
-        raise _fail("from_pretrained: a quantpack checkpoint loads from its safetensors shards; pass the packed "
+        raise fail("from_pretrained: a quantpack checkpoint loads from its safetensors shards; pass the packed "
                     "checkpoint's directory or hub repo id (not a state_dict or other weight files)")
     root = files[0].parent
     if not (root / checkpoint.MANIFEST_NAME).is_file() and root.parent.name == "snapshots":
-        from .loader import resolve_checkpoint
-
         repo_id = getattr(model.config, "name_or_path", None)
         if repo_id and not Path(repo_id).exists():
             resolve_checkpoint(repo_id, revision=root.name)  # the same snapshot, now with every file
@@ -183,7 +193,8 @@ def _stored_scales_dtypes(infos: dict[str, TensorInfo]) -> dict[str, torch.dtype
 
 
 def register() -> None:
-    """Write the ``quantpack`` entries into transformers' quantizer registry (idempotent)."""
+    """Register the ``quantpack`` quantization method with transformers (safe to call repeatedly; importing this
+    module already did)."""
     # transformers' register_* decorators refuse a second registration: write the mappings directly.
     AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = QuantpackConfig
     AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = QuantpackHfQuantizer

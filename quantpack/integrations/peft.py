@@ -1,48 +1,15 @@
-"""transformers (and peft) integration: ``from_pretrained`` on a quantpack checkpoint just works.
+"""peft integration: LoRA adapters on a frozen quantized base.
 
-Importing this module registers the ``quantpack`` quantization method with transformers'
-quantizer registry (``AutoHfQuantizer``), so after ``import quantpack``::
-
-    model = AutoModelForCausalLM.from_pretrained("Llama-3.1-8B-qp4g128", device_map="auto")
-
-builds the model with :class:`~quantpack.nn.QuantLinear` layers (:class:`~quantpack.nn_w8a8.W8A8Linear`
-for ``w8a8`` checkpoints: the same ones :func:`quantpack.load` builds) and transformers' own loader
-fills them from the shards.
-Registration is idempotent, and lazy: importing transformers' quantizer registry takes seconds, so
-when it is not loaded yet the entries are written the moment it is (an import hook), and
-``import quantpack`` (and ``quantpack --help``) stay fast. :class:`QuantpackConfig` and
-:class:`QuantpackHfQuantizer` (in :mod:`quantpack._hf_quantizer`) are attributes of this module
-as before. :class:`QuantLinearLora` and :func:`lora_config` let peft put LoRA adapters on a frozen
-quantized base.
+:func:`lora_config` is a ``peft.LoraConfig`` that wraps :class:`~quantpack.modules.linear.QuantLinear` layers in
+:class:`QuantLinearLora` (built on first use: importing peft takes seconds).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ._registry_hook import register_when_transformers_loads
-from .nn import QuantLinear
+from ..modules.linear import QuantLinear
 
-_TRANSFORMERS_CLASSES = ("QuantpackConfig", "QuantpackHfQuantizer")
-
-
-def register() -> None:
-    """Register the ``quantpack`` quantization method with transformers (safe to call repeatedly).
-
-    Imports transformers' quantizer registry; ``import quantpack`` does this for you when (and
-    only when) transformers loads it.
-    """
-    from . import _hf_quantizer
-
-    _hf_quantizer.register()
-
-
-register_when_transformers_loads()
-
-
-# --------------------------------------------------------------------------------------------------
-# peft: LoRA adapters on a frozen quantized base
-# --------------------------------------------------------------------------------------------------
 
 def _lora_layer_class():
     from peft.tuners.lora import LoraLayer
@@ -109,12 +76,8 @@ _LORA_CLASS = None
 
 
 def __getattr__(name: str):
-    # transformers' registry and peft load slowly: import them on first use only.
+    # peft loads slowly: the class is built on first use only
     global _LORA_CLASS
-    if name in _TRANSFORMERS_CLASSES:  # importing them registers them too
-        from . import _hf_quantizer
-
-        return getattr(_hf_quantizer, name)
     if name == "QuantLinearLora":
         if _LORA_CLASS is None:
             _LORA_CLASS = _lora_layer_class()

@@ -1,6 +1,6 @@
 """``QuantExperts``: the mixture-of-experts block of transformers 5 (``MixtralExperts``,
 ``Qwen3MoeExperts``, ...: 3-D ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)) over packed
-weights, one :class:`~quantpack.nn.QuantLinear` per expert and projection.
+weights, one :class:`~quantpack.modules.linear.QuantLinear` per expert and projection.
 
 Checkpoints store those experts one matrix per expert and projection (``experts.<e>.w1`` or
 ``experts.<e>.gate_proj``), which is what quantpack quantizes; the 3-D tensors only exist in memory.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .nn import QuantLinear
+from .linear import QuantLinear
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .quantize_w8a8 import MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8, w8a8_linear_reference
+from ..quantize_w8a8 import MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8, w8a8_linear_reference
 
 
 def _w8a8_forward(x, qweight, weight_scale, bias):
     if x.is_cuda:
-        from .kernels.w8a8 import w8a8_linear  # imports triton only where it runs
+        from ..kernels.w8a8 import w8a8_linear  # imports triton only where it runs
 
         return w8a8_linear(x, qweight, weight_scale, bias)
     return w8a8_linear_reference(x, qweight, weight_scale, bias)
@@ -88,7 +88,7 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and torch.compiler.is_compiling():  # (the Triton launcher is not traceable: one opaque op)
-            from .kernels.w8a8 import w8a8_linear_op  # noqa: F401  (registers torch.ops.quantpack.w8a8_linear)
+            from ..kernels.w8a8 import w8a8_linear_op  # noqa: F401  (registers torch.ops.quantpack.w8a8_linear)
 
             return torch.ops.quantpack.w8a8_linear(x, self.qweight, self.weight_scale, self.bias)
         if torch.is_grad_enabled() and x.requires_grad:

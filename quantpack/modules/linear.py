@@ -6,10 +6,10 @@ import sys
 import torch
 from torch import nn
 
-from .format import PackedWeight, packed_shapes, check_layout_args
-from .quantize import quantize, resolve_group_size
-from . import kernels, reference
-from .kernels.launch_plan import PlanCache
+from ..format import PackedWeight, packed_shapes, check_layout_args
+from ..quantize import quantize, resolve_group_size
+from .. import kernels, reference
+from ..kernels.launch_plan import PlanCache
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -38,7 +38,7 @@ class QuantLinear(nn.Module):
     """
 
     backend = "auto"
-    _merged = None  # (MergedProjections, index) when linked to siblings reading the same input (nn_merged.py)
+    _merged = None  # (MergedProjections, index) when linked to siblings reading the same input (modules/merged.py)
 
     def __init__(self, in_features: int, out_features: int, *, bits: int = 4, group_size: int | None = 128,
                  axis: int = 1, bias: bool = False, dtype: torch.dtype = torch.bfloat16, device=None):

@@ -1,0 +1,62 @@
+"""Swap a model's linear layers (and experts blocks) for the quantized modules of its checkpoint's scheme, on the
+meta device: what :func:`quantpack.load`, the transformers quantizer and ``verify`` build before reading tensors."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .. import schemes
+from ..integrity import fail, tied_targets
+from .experts import PROJECTIONS, QuantExperts, fused_experts_dims
+from .linear import QuantLinear, linear_dims
+
+
+def linear_modules_to_convert(model: nn.Module, qc: dict) -> list[str]:
+    """Names of the linear modules (``nn.Linear``, GPT-2's ``Conv1D``) a packed checkpoint stores
+    quantized: all but those in ``modules_not_converted`` and those whose weight is tied to another (a
+    tied ``lm_head`` is never quantized, nor stored)."""
+    skip = set(qc["modules_not_converted"]) | {n.removesuffix(".weight") for n in tied_targets(model)}
+    return [n for n, m in model.named_modules() if linear_dims(m) is not None and n not in skip]
+
+
+def replace_linear_layers(model: nn.Module, qc: dict, names: list[str],
+                          dtype_for: Callable[[str], torch.dtype]) -> None:
+    """Swap each linear module in ``names`` for the module of ``qc``'s scheme, built on meta.
+    ``dtype_for(name)`` is that module's compute dtype (its scales/zeros/bias). A replaced ``Conv1D``
+    becomes the same ``x @ W.T + b`` module (the checkpoint stores W as (out, in) like any linear);
+    ``source_transposed`` on it records that the source stored (in, out)."""
+    build = schemes.get(qc["scheme"]).build
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        new = build(name, old, qc, dtype_for(name))
+        new.source_transposed = linear_dims(old)[2]
+        setattr(parent, child, new)
+    for name in qc.get("quantized_experts") or []:
+        replace_experts(model, name, qc, dtype_for(f"{name}.gate_proj.0"))
+
+
+def replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -> None:
+    """Swap the experts block ``name`` for a :class:`~quantpack.modules.experts.QuantExperts` on meta."""
+    try:
+        old = model.get_submodule(name)
+    except AttributeError:
+        old = None
+    dims = fused_experts_dims(old) if old is not None else None
+    if dims is None:
+        raise fail(f"config.json: quantization_config.quantized_experts lists {name}, which is not an experts "
+                    f"block of {type(model).__name__}; the checkpoint does not match its config: re-convert")
+    new = QuantExperts(*dims, old.act_fn, bits=qc["bits"], group_size=qc["group_size"], axis=qc["axis"],
+                       dtype=dtype, device="meta")
+    for proj in PROJECTIONS:
+        for e, layer in enumerate(getattr(new, proj)):
+            bits = qc["bits_overrides"].get(f"{name}.{proj}.{e}")
+            if bits is not None and bits != layer.bits:
+                getattr(new, proj)[e] = QuantLinear(layer.in_features, layer.out_features, bits=bits,
+                                                    group_size=qc["group_size"], axis=qc["axis"], bias=False,
+                                                    dtype=dtype, device="meta")
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
