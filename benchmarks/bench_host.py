@@ -65,7 +65,7 @@ def main(argv=None) -> int:
                 ref = host_us(lambda: F.linear(x, w))
                 bare = host_us(lambda: mixed_mm(x, qw, s, z, group_size=gs))
                 planned = host_us(lambda: mixed_mm(x, qw, s, z, group_size=gs, plans=plans))
-                autograd = host_us(lambda: MixedMatmul.apply(x, qw, s, z, None, gs, 4, 1, plans))
+                autograd = host_us(lambda: MixedMatmul.apply(x, qw, s, z, None, gs, 4, 1, False, plans))
                 kernel = graph_us(lambda: mixed_mm(x, qw, s, z, group_size=gs, plans=plans))
             path = cfg.path + ("/rawq" if cfg.rawq else "")
             print(f"{n:>6}x{k:<5} {m:>5} {path:>12} {ref:>9.1f} {bare:>9.1f} {planned:>9.1f} {autograd:>9.1f} "

@@ -38,6 +38,7 @@ from .autotune import (RETIME_TOP, TUNE_MAX_ERR, candidate_configs, copies_past_
 from .caches import mma_weight_copy, tensor_version
 from .configs import PATHS, KernelConfig, config_key, device_key, m_bucket, save_table, table_state, tuned_cache_path
 from .dequant import infer_layout, on_device, triton_usable
+from .fused_call import FusedOp
 from .dispatch import (MMA_MAX_M, PDL_MAX_M, WGMMA_MAX_M, Flags, choose, device_props, explain, fit_config,
                        heuristic_config, launch_plans_enabled, mma_config, mma_decision, pick_config, read_env,
                        without_mma)
@@ -48,7 +49,7 @@ from .. import reference
 from ..format import PackedWeight
 
 # (kept importable from here, where they were defined before the module was split by concern)
-__all__ = ["mixed_mm", "mma_mm", "autotune", "autotune_mma", "MixedMatmul", "mixed_mm_op", "KernelConfig", "PATHS",
+__all__ = ["mixed_mm", "mma_mm", "autotune", "autotune_mma", "MIXED_MM", "MixedMatmul", "mixed_mm_op", "KernelConfig", "PATHS",
            "config_key", "device_key", "m_bucket", "save_table", "tuned_cache_path", "pick_config", "heuristic_config",
            "fit_config", "mma_config", "explain", "candidate_configs", "copies_past_l2", "reference_product",
            "tunes_on_first_use", "RETIME_TOP", "TUNE_MAX_ERR", "MMA_MAX_M", "PDL_MAX_M", "WGMMA_MAX_M"]
@@ -247,27 +248,6 @@ def mma_mm(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor, zero
     return out.reshape(*x.shape[:-1], n)
 
 
-class MixedMatmul(torch.autograd.Function):
-    """``x @ W.T + bias`` over a frozen packed weight; backward is the transposed kernel."""
-
-    @staticmethod
-    def forward(ctx, x, qweight, scales, zeros, bias, group_size, bits, axis, plans=None):
-        ctx.save_for_backward(qweight, scales, zeros)
-        ctx.meta = (group_size, bits, axis, plans)
-        return mixed_mm(x, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis, bias=bias,
-                        plans=plans)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        qweight, scales, zeros = ctx.saved_tensors
-        group_size, bits, axis, plans = ctx.meta
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = mixed_mm(grad_out, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis,
-                              transposed=True, plans=plans)
-        return grad_x, None, None, None, None, None, None, None, None
-
-
 # ----------------------------------------------------------------------------------------------
 # torch.compile: the fused matmul as one opaque custom op
 
@@ -290,20 +270,17 @@ def _mixed_mm_op_fake(x, qweight, scales, zeros, bias, group_size, bits, axis, t
     return x.new_empty(*x.shape[:-1], k if transposed else n)
 
 
-def _mixed_mm_op_setup(ctx, inputs, output):
-    x, qweight, scales, zeros, bias, group_size, bits, axis, transposed = inputs
-    ctx.save_for_backward(qweight, scales, zeros)
-    ctx.meta = (group_size, bits, axis, transposed)
+def _eager(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed, plans=None):
+    return mixed_mm(x, qweight, scales, zeros, group_size=group_size, bits=bits, axis=axis, bias=bias,
+                    transposed=transposed, plans=plans)
 
 
-def _mixed_mm_op_backward(ctx, grad_out):
-    qweight, scales, zeros = ctx.saved_tensors
-    group_size, bits, axis, transposed = ctx.meta
-    grad_x = None
-    if ctx.needs_input_grad[0]:  # (the weight is frozen: only x's gradient, the product with W the other way round)
-        grad_x = mixed_mm_op(grad_out, qweight, scales, zeros, None, group_size, bits, axis, not transposed)
-    return grad_x, None, None, None, None, None, None, None, None
+def _input_grad(call, grad_out, qweight, scales, zeros, bias, group_size, bits, axis, transposed, *plans):
+    # (the weight is frozen: only x's gradient, the product with W the other way round)
+    return call(grad_out, qweight, scales, zeros, None, group_size, bits, axis, not transposed, *plans)
 
 
-mixed_mm_op.register_autograd(_mixed_mm_op_backward, setup_context=_mixed_mm_op_setup)
-
+# QuantLinear's fused product: the custom op while compiling, the autograd Function ``MixedMatmul``
+# (``apply(x, qweight, scales, zeros, bias, group_size, bits, axis, transposed, plans)``) when a gradient is wanted
+MIXED_MM = FusedOp("MixedMatmul", mixed_mm_op, _eager, _input_grad, num_args=8)
+MixedMatmul = MIXED_MM.function

@@ -21,8 +21,9 @@ except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
     TensorDescriptor = None
 
 from ..quantize_w8a8 import (ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, dequantize_w8a8,  # noqa: F401
-                             quantize_weight_w8a8)
+                             quantize_weight_w8a8, w8a8_linear_reference)
 from .dequant import cdiv, interpreting, next_power_of_2, on_device
+from .fused_call import FusedOp
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A row up to this long is quantized from registers in one read; longer rows take two passes.
@@ -394,14 +395,19 @@ def _w8a8_linear_op_fake(x, qweight, weight_scale, bias):
     return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
 
-def _w8a8_linear_op_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1], inputs[2])
+def w8a8_forward(x, qweight, weight_scale, bias):
+    """``W8A8Linear``'s product: the kernels on CUDA, the pure-torch reference with the same math elsewhere."""
+    if x.is_cuda:
+        return w8a8_linear(x, qweight, weight_scale, bias)
+    return w8a8_linear_reference(x, qweight, weight_scale, bias)
 
 
-def _w8a8_linear_op_backward(ctx, grad_out):
-    qweight, weight_scale = ctx.saved_tensors
-    grad_x = grad_out @ dequantize_w8a8(qweight, weight_scale, grad_out.dtype) if ctx.needs_input_grad[0] else None
-    return grad_x, None, None, None
+def _input_grad(call, grad_out, qweight, weight_scale, bias):
+    # the input gradient passes straight through the activation rounding: grad_out @ dequantize(W)
+    return grad_out @ dequantize_w8a8(qweight, weight_scale, grad_out.dtype)
 
 
-w8a8_linear_op.register_autograd(_w8a8_linear_op_backward, setup_context=_w8a8_linear_op_setup)
+# W8A8Linear's product: the custom op while compiling (CUDA inputs; the reference traces as it is), the autograd
+# Function ``W8A8Linear`` (frozen int8 weight, the input's gradient) when a gradient is wanted
+W8A8_LINEAR = FusedOp("W8A8LinearFunction", w8a8_linear_op, w8a8_forward, _input_grad, num_args=3,
+                      op_runs=lambda x: x.is_cuda)

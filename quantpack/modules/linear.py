@@ -10,6 +10,7 @@ from ..format import PackedWeight, packed_shapes, check_layout_args
 from ..quantize import quantize, resolve_group_size
 from .. import kernels, reference
 from ..kernels.launch_plan import PlanCache
+from ..kernels.mixed_mm import MIXED_MM
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -125,13 +126,11 @@ class QuantLinear(nn.Module):
                 out = self._merged[0].forward(self._merged[1], x)
                 if out is not None:
                     return out
-            if torch.compiler.is_compiling():  # (the launcher is not traceable: torch.compile sees one opaque op)
-                return torch.ops.quantpack.mixed_mm(x, qweight, scales, zeros, bias, self.group_size, self.bits,
-                                                    self.axis, False)
-            if torch.is_grad_enabled() and x.requires_grad:  # (adapters below train: backward through the kernel)
-                return kernels.MixedMatmul.apply(x, qweight, scales, zeros, bias, self.group_size, self.bits,
-                                                 self.axis, self._plans)
-            # (nothing to differentiate: the autograd Function's own bookkeeping cost 15-30 us a call on an H200 host)
+            # the custom op while torch.compile traces, the autograd Function when adapters below train (kernels/
+            # fused_call.py); else the direct call: the Function's own bookkeeping cost 15-30 us a call on an H200 host
+            if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+                return MIXED_MM.call(x, qweight, scales, zeros, bias, self.group_size, self.bits, self.axis, False,
+                                     self._plans)
             return kernels.mixed_mm(x, qweight, scales, zeros, group_size=self.group_size, bits=self.bits,
                                     axis=self.axis, bias=bias, plans=self._plans)
         return reference.matmul(x, self.packed, bias)

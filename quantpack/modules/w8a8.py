@@ -7,30 +7,6 @@ from torch import nn
 from ..quantize_w8a8 import MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8, w8a8_linear_reference
 
 
-def _w8a8_forward(x, qweight, weight_scale, bias):
-    if x.is_cuda:
-        from ..kernels.w8a8 import w8a8_linear  # imports triton only where it runs
-
-        return w8a8_linear(x, qweight, weight_scale, bias)
-    return w8a8_linear_reference(x, qweight, weight_scale, bias)
-
-
-class _W8A8LinearFunction(torch.autograd.Function):
-    """Frozen int8 weight; the input gradient passes straight through the activation rounding
-    (``grad_x = grad_out @ dequantize(W)``), so adapters and earlier layers still train."""
-
-    @staticmethod
-    def forward(ctx, x, qweight, weight_scale, bias):
-        ctx.save_for_backward(qweight, weight_scale)
-        return _w8a8_forward(x, qweight, weight_scale, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        qweight, weight_scale = ctx.saved_tensors
-        grad_x = grad_out @ dequantize_w8a8(qweight, weight_scale, grad_out.dtype)
-        return grad_x, None, None, None
-
-
 class W8A8Linear(nn.Module):
     """Linear layer over a frozen int8 weight (buffers ``qweight`` int8 (N, K), ``weight_scale`` float32 (N,),
     optional ``bias`` (N,) in the compute dtype).
@@ -87,13 +63,17 @@ class W8A8Linear(nn.Module):
         return dequantize_w8a8(self.qweight, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and torch.compiler.is_compiling():  # (the Triton launcher is not traceable: one opaque op)
-            from ..kernels.w8a8 import w8a8_linear_op  # noqa: F401  (registers torch.ops.quantpack.w8a8_linear)
+        # the custom op while torch.compile traces, the autograd Function when a gradient is wanted (frozen int8
+        # weight; the input gradient passes straight through the activation rounding: kernels/fused_call.py)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+            from ..kernels.w8a8 import W8A8_LINEAR  # (imports triton only where it runs)
 
-            return torch.ops.quantpack.w8a8_linear(x, self.qweight, self.weight_scale, self.bias)
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _W8A8LinearFunction.apply(x, self.qweight, self.weight_scale, self.bias)
-        return _w8a8_forward(x, self.qweight, self.weight_scale, self.bias)
+            return W8A8_LINEAR.call(x, self.qweight, self.weight_scale, self.bias)
+        if x.is_cuda:
+            from ..kernels.w8a8 import w8a8_linear
+
+            return w8a8_linear(x, self.qweight, self.weight_scale, self.bias)
+        return w8a8_linear_reference(x, self.qweight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme=w8a8, "

@@ -203,7 +203,8 @@ def test_backward_through_the_transposed_kernel_replays(replays):
     for _ in range(3):
         x = torch.randn(4, 256, dtype=torch.float16, device=DEV, requires_grad=True)
         g = torch.randn(4, 96, dtype=torch.float16, device=DEV)
-        out = MixedMatmul.apply(x, pw.qweight, pw.scales, pw.zeros, None, pw.group_size, pw.bits, pw.axis, plans)
+        out = MixedMatmul.apply(x, pw.qweight, pw.scales, pw.zeros, None, pw.group_size, pw.bits, pw.axis, False,
+                                plans)
         out.backward(g)
         assert rel_err(out, x.detach().float() @ w.t()) < 2e-3
         assert rel_err(x.grad, g.float() @ w) < 2e-3
