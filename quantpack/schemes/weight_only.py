@@ -59,6 +59,8 @@ def _locate(read: Callable[[str], torch.Tensor], name: str, module: QuantLinear,
     fallback, those without per-tensor digests: each available one is tried) it reproduces the
     untouched tensors bit for bit. When no re-quantization does, the layer is named.
     """
+    from ..quantize import quantize as requantize  # (looked up per call, as a stand-in for another device's rounding)
+
     pw = PackedWeight(read(f"{name}.qweight"), read(f"{name}.scales"), read(f"{name}.zeros"), module.bits,
                       module.group_size, module.axis, (module.out_features, module.in_features))
     pw.validate()
@@ -77,7 +79,7 @@ def _locate(read: Callable[[str], torch.Tensor], name: str, module: QuantLinear,
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         try:
-            again = quantize(weight.to(device), bits=pw.bits, group_size=pw.group_size, axis=pw.axis,
+            again = requantize(weight.to(device), bits=pw.bits, group_size=pw.group_size, axis=pw.axis,
                              method=settings.get("method", "hqq"), dtype=pw.scales.dtype).to("cpu")
         except (ValueError, RuntimeError, ImportError):
             continue
