@@ -72,6 +72,16 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
+def check_group_size(group_size) -> None:
+    """A group size of a grouped layout: an integer power of two in [MIN_GROUP_SIZE, MAX_GROUP_SIZE]; else a
+    ValueError naming it (per-channel, ``None``, is the caller's to allow)."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be a positive integer, or None for per-channel")
+    if not (_is_pow2(group_size) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE):
+        raise ValueError(f"group_size={group_size} must be a power of two in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}] "
+                         f"(or None for per-channel)")
+
+
 def check_layout_args(shape, bits: int, group_size: int, axis: int) -> None:
     """Validate (N, K), bits, group size and axis; raise ValueError naming the bad argument.
 
@@ -93,9 +103,7 @@ def check_layout_args(shape, bits: int, group_size: int, axis: int) -> None:
     if not isinstance(group_size, int) or isinstance(group_size, bool):
         raise ValueError(f"group_size={group_size!r} must be an integer")
     if group_size != length:
-        if not (_is_pow2(group_size) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE):
-            raise ValueError(f"group_size={group_size} must be a power of two in [{MIN_GROUP_SIZE}, {MAX_GROUP_SIZE}] "
-                             f"(or None for per-channel)")
+        check_group_size(group_size)
         if length % group_size:
             dim = "in_features K" if axis == 1 else "out_features N"
             raise ValueError(f"group_size={group_size} does not divide {dim}={length}; pick a group size that divides it")

@@ -270,7 +270,8 @@ def make_random_checkpoint(path, config, *, dtype: torch.dtype = torch.bfloat16,
     """
     import transformers
 
-    from .checkpoint import SHARD_METADATA, make_index, parse_size, shard_name, write_json, write_safetensors
+    from .checkpoint import SHARD_METADATA, parse_size
+    from .checkpoint_writer import make_index, shard_name, write_json, write_safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -148,10 +148,11 @@ def hub_cache(tiny_llama_dir, tmp_path, monkeypatch) -> HubCache:
 def convert_interrupted(monkeypatch):
     """``convert(...)`` interrupted (KeyboardInterrupt) as it starts writing output shard ``at``,
     as Ctrl-C would; the partial output stays for a resume."""
-    import quantpack.convert as convert_mod
+    import quantpack.convert.writer as writer
+    from quantpack.convert import convert
 
     def run(*args, at: int = 3, **kwargs):
-        real_write = convert_mod.write_safetensors
+        real_write = writer.write_safetensors
         calls = []
 
         def crash(path, *a, **kw):
@@ -161,7 +162,7 @@ def convert_interrupted(monkeypatch):
             return real_write(path, *a, **kw)
 
         with monkeypatch.context() as m:
-            m.setattr(convert_mod, "write_safetensors", crash)
+            m.setattr(writer, "write_safetensors", crash)
             with pytest.raises(KeyboardInterrupt):
-                convert_mod.convert(*args, **kwargs)
+                convert(*args, **kwargs)
     return run

@@ -16,7 +16,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from quantpack.checkpoint import SourceCheckpoint, read_safetensors_header, shard_name, write_safetensors
+from quantpack.checkpoint import SourceCheckpoint, read_safetensors_header
+from quantpack.checkpoint_writer import shard_name, write_safetensors
 from quantpack.cli import cli
 from quantpack.tiny import make_random_checkpoint
 
@@ -25,7 +26,7 @@ CLI = [sys.executable, "-c", "from quantpack.cli import main; main()"]
 # interrupts a conversion midway cannot lose the race to a fast or briefly descheduled run finishing first;
 # and with Ctrl-C's default handler, which Python skips when it starts with SIGINT ignored (as a shell's
 # background job, e.g. CI run with `&`, starts its children).
-SLOW_CLI = [sys.executable, "-c", "import signal, time, quantpack.convert as c; q = c._quantize_layer; "
+SLOW_CLI = [sys.executable, "-c", "import signal, time, quantpack.convert.writer as c; q = c._quantize_layer; "
             "signal.signal(signal.SIGINT, signal.default_int_handler); "
             "c._quantize_layer = lambda *a, **k: (time.sleep(0.02), q(*a, **k))[1]; "
             "from quantpack.cli import main; main()"]

@@ -6,11 +6,10 @@ import shutil
 import pytest
 import torch
 
-import quantpack.convert as convert_mod
-from quantpack.checkpoint import (
-    CheckpointError, PackedCheckpoint, SourceCheckpoint, check_index, check_manifest_files, read_safetensors_header,
-    sha256_file, sha256_tensor_data, shard_name, write_safetensors,
-)
+import quantpack
+from quantpack.checkpoint import (CheckpointError, PackedCheckpoint, SourceCheckpoint, check_index,
+                                  check_manifest_files, read_safetensors_header, sha256_file, sha256_tensor_data)
+from quantpack.checkpoint_writer import shard_name, write_safetensors
 from quantpack.convert import convert
 from quantpack.reference import dequantize
 from quantpack.tiny import make_tiny_llama
@@ -91,7 +90,7 @@ def test_convert_tiny_llama(tiny_llama_dir, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"] == {
         "quant_method": "quantpack", "layout_version": 1, "bits": 4, "group_size": 64, "axis": 1, "method": "hqq",
-        "modules_not_converted": ["lm_head"], "bits_overrides": {}, "quantpack_version": convert_mod.__version__}
+        "modules_not_converted": ["lm_head"], "bits_overrides": {}, "quantpack_version": quantpack.__version__}
     assert config["dtype"] == "bfloat16"
     manifest = check_output(tiny_llama_dir, out)
     assert manifest["source"] == {"repo": str(tiny_llama_dir), "revision": None, "local": True}
@@ -191,7 +190,7 @@ def test_dry_run_writes_nothing_and_estimates_exactly(tiny_llama_dir, tmp_path):
 
 
 def test_dry_run_checks_disk_space(tiny_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(convert_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
     with pytest.raises(CheckpointError, match=r"output: needs about [\d.]+ MB free on .* but only 1.00 KB is available"):
         convert(tiny_llama_dir, tmp_path / "x", dry_run=True, progress=False)
 

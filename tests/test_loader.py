@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpack import checkpoint
+from quantpack import checkpoint, checkpoint_writer
 from quantpack.checkpoint import CheckpointError
 from quantpack.convert import convert
 from quantpack.loader import load
@@ -238,14 +238,14 @@ def _write_random_packed(path: Path, *, hidden: int, intermediate: int, layers: 
     path.mkdir(parents=True)
     cfg = config.to_dict()
     cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["quantization_config"] = checkpoint.make_quantization_config(
+    cfg["quantization_config"] = checkpoint_writer.make_quantization_config(
         bits=4, group_size=128, axis=1, method="rtn", modules_not_converted=[], bits_overrides={}, version="test")
-    checkpoint.write_json(path / "config.json", cfg)
-    shard = checkpoint.shard_name(1, 1)
-    checkpoint.write_safetensors(path / shard, tensors, checkpoint.SHARD_METADATA, fsync=False)
+    checkpoint_writer.write_json(path / "config.json", cfg)
+    shard = checkpoint_writer.shard_name(1, 1)
+    checkpoint_writer.write_safetensors(path / shard, tensors, checkpoint.SHARD_METADATA, fsync=False)
     packed_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = checkpoint.make_index({k: shard for k in tensors}, packed_bytes)
-    checkpoint.write_json(path / checkpoint.SAFE_INDEX_NAME, index)
+    index = checkpoint_writer.make_index({k: shard for k in tensors}, packed_bytes)
+    checkpoint_writer.write_json(path / checkpoint.SAFE_INDEX_NAME, index)
     return packed_bytes, fp32_bytes
 
 
@@ -315,11 +315,11 @@ def _rewrite_shard(path: Path, tensor: str, edit) -> None:
     shard = _shard_of(path, tensor)
     infos, meta = checkpoint.read_safetensors_header(shard)
     tensors = edit({n: checkpoint.read_tensor(i) for n, i in infos.items()})
-    sha, size = checkpoint.write_safetensors(shard, tensors, meta, fsync=False)
+    sha, size = checkpoint_writer.write_safetensors(shard, tensors, meta, fsync=False)
     index = json.loads((path / checkpoint.SAFE_INDEX_NAME).read_text())
     others = {n: f for n, f in index["weight_map"].items() if f != shard.name}
     index["weight_map"] = others | {n: shard.name for n in tensors}
-    checkpoint.write_json(path / checkpoint.SAFE_INDEX_NAME, index)
+    checkpoint_writer.write_json(path / checkpoint.SAFE_INDEX_NAME, index)
     _refresh_manifest(path)
 
 
@@ -328,7 +328,7 @@ def _refresh_manifest(path: Path) -> None:
     for rel in manifest["files"]["outputs"]:
         f = path / rel
         manifest["files"]["outputs"][rel] = {"sha256": checkpoint.sha256_file(f), "size": f.stat().st_size}
-    checkpoint.write_json(path / checkpoint.MANIFEST_NAME, manifest)
+    checkpoint_writer.write_json(path / checkpoint.MANIFEST_NAME, manifest)
 
 
 def _load_error(path: Path, **kw) -> str:
@@ -384,7 +384,7 @@ def test_tensor_missing_from_the_manifest_record(broken):
     shard = _shard_of(broken, Q + ".qweight")
     manifest = checkpoint.read_manifest(broken)
     del manifest["files"]["outputs"][shard.name]["tensors"][Q + ".zeros"]
-    checkpoint.write_json(broken / checkpoint.MANIFEST_NAME, manifest)
+    checkpoint_writer.write_json(broken / checkpoint.MANIFEST_NAME, manifest)
     assert _load_error(broken) == (f"tensor {Q}.zeros in {shard.name}: is in the file but not in quantpack.json; "
                                    f"the file is corrupt or modified: download it again")
 
@@ -422,7 +422,7 @@ def test_missing_and_unexpected_tensors(broken):
 def test_index_disagreeing_with_shards(broken):
     index = json.loads((broken / checkpoint.SAFE_INDEX_NAME).read_text())
     index["weight_map"][Q + ".qweight"] = "model-00009-of-00009.safetensors"
-    checkpoint.write_json(broken / checkpoint.SAFE_INDEX_NAME, index)
+    checkpoint_writer.write_json(broken / checkpoint.SAFE_INDEX_NAME, index)
     _refresh_manifest(broken)
     assert "model-00009-of-00009.safetensors" in _load_error(broken)
 
@@ -430,15 +430,15 @@ def test_index_disagreeing_with_shards(broken):
 def test_layout_version_mismatch(broken):
     config = json.loads((broken / "config.json").read_text())
     config["quantization_config"]["layout_version"] = 2
-    checkpoint.write_json(broken / "config.json", config)
+    checkpoint_writer.write_json(broken / "config.json", config)
     _refresh_manifest(broken)
     assert "layout_version=2" in _load_error(broken)
     config["quantization_config"]["layout_version"] = 1
-    checkpoint.write_json(broken / "config.json", config)
+    checkpoint_writer.write_json(broken / "config.json", config)
     shard = _shard_of(broken, Q + ".qweight")
     _rewrite_shard(broken, Q + ".qweight", lambda t: t)  # same tensors ...
     infos, meta = checkpoint.read_safetensors_header(shard)
-    checkpoint.write_safetensors(shard, {n: checkpoint.read_tensor(i) for n, i in infos.items()},
+    checkpoint_writer.write_safetensors(shard, {n: checkpoint.read_tensor(i) for n, i in infos.items()},
                                  meta | {"quantpack_layout_version": "2"}, fsync=False)  # ... other layout version
     _refresh_manifest(broken)
     msg = _load_error(broken)
@@ -448,13 +448,13 @@ def test_layout_version_mismatch(broken):
 def test_config_disagreeing_with_the_files(broken):
     config = json.loads((broken / "config.json").read_text())
     config["quantization_config"]["modules_not_converted"].append(Q)
-    checkpoint.write_json(broken / "config.json", config)
+    checkpoint_writer.write_json(broken / "config.json", config)
     _refresh_manifest(broken)
     msg = _load_error(broken)
     assert f"tensor {Q}." in msg and "modules_not_converted" in msg
     config["quantization_config"]["modules_not_converted"].remove(Q)
     config["quantization_config"]["bits_overrides"] = {Q: 8}
-    checkpoint.write_json(broken / "config.json", config)
+    checkpoint_writer.write_json(broken / "config.json", config)
     _refresh_manifest(broken)
     msg = _load_error(broken)
     assert f"module {Q}: quantpack.json says bits=4 but quantization_config gives bits=8" in msg

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpack import checkpoint
+from quantpack import checkpoint, checkpoint_writer
 from quantpack.convert import convert
 from quantpack.modules.linear import QuantLinear
 from quantpack.verify import (
@@ -118,7 +118,7 @@ def strip_digests(root: Path) -> None:
     for entry in manifest["files"]["outputs"].values():
         entry.pop("tensors", None)
     manifest["settings"].pop("device")
-    checkpoint.write_json(path, manifest)
+    checkpoint_writer.write_json(path, manifest)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,7 +490,7 @@ def test_changed_header_with_unchanged_tensor_data_names_the_file(ckpt, tmp_path
     shard = sorted(root.glob("*.safetensors"))[0]
     infos, meta = checkpoint.read_safetensors_header(shard)
     tensors = {n: checkpoint.read_tensor(i) for n, i in infos.items()}
-    checkpoint.write_safetensors(shard, tensors, {**meta, "note": "edited"}, fsync=False)
+    checkpoint_writer.write_safetensors(shard, tensors, {**meta, "note": "edited"}, fsync=False)
     r = verify(root, device="cpu", reference=False)
     assert [(p.kind, p.tensor, p.file) for p in r.problems] == [("checksum", None, shard.name)]
     assert r.problems[0].message.endswith("(every tensor's data matches its sha256 there: the header changed)")
@@ -565,7 +565,7 @@ def test_wrong_layout_version(ckpt, tmp_path, where):
         shard = next(root.glob("model-*.safetensors"))
         infos, _ = checkpoint.read_safetensors_header(shard)
         tensors = {n: checkpoint.read_tensor(i) for n, i in infos.items()}
-        checkpoint.write_safetensors(shard, tensors, {"format": "pt", "quantpack_layout_version": "2"})
+        checkpoint_writer.write_safetensors(shard, tensors, {"format": "pt", "quantpack_layout_version": "2"})
     r = verify(root, device="cpu")
     assert r.exit_code == 2 and r.problems[0].kind == "layout"
     assert "layout_version" in r.problems[0].message and "2" in r.problems[0].message
@@ -583,7 +583,7 @@ def test_wrong_dtype_and_shape_name_the_tensor(ckpt, tmp_path):
     qweight = next(n for n in tensors if n.endswith(".qweight"))
     tensors[scales] = tensors[scales].float()
     tensors[qweight] = tensors[qweight][:-1]
-    sha, size = checkpoint.write_safetensors(shard, tensors, meta)
+    sha, size = checkpoint_writer.write_safetensors(shard, tensors, meta)
     manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
     manifest["files"]["outputs"][shard.name] = {"sha256": sha, "size": size}
     (root / checkpoint.MANIFEST_NAME).write_text(json.dumps(manifest))

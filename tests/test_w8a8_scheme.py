@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import quantpack
-from quantpack import checkpoint
+from quantpack import checkpoint, checkpoint_writer
 from quantpack.checkpoint import CheckpointError, read_quantization_config
 from quantpack.cli import cli
 from quantpack.convert import convert
@@ -322,7 +322,7 @@ def rewrite(root: Path, tensor: str, change) -> str:
         if tensor in infos:
             tensors = {n: checkpoint.read_tensor(i) for n, i in infos.items()}
             tensors[tensor] = change(tensors[tensor])
-            sha, size = checkpoint.write_safetensors(shard, tensors, meta)
+            sha, size = checkpoint_writer.write_safetensors(shard, tensors, meta)
             manifest = json.loads((root / checkpoint.MANIFEST_NAME).read_text())
             manifest["files"]["outputs"][shard.name] = {"sha256": sha, "size": size}
             index = json.loads((root / checkpoint.SAFE_INDEX_NAME).read_text())

@@ -28,7 +28,7 @@ from bench_kernels import L2, graph_time, random_packed, ref_weight, replicas  #
 import importlib  # noqa: E402
 mm = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
 launcher = importlib.import_module("quantpack.kernels.launcher")  # (what launches the kernels: patched to trace them)
-from quantpack.kernels import wgmma_mm as wg  # noqa: E402
+from quantpack.kernels import wgmma_host as wg  # noqa: E402
 
 
 def run_wg(x, qw, s, z, gs, g):

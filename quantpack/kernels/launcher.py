@@ -16,7 +16,8 @@ from .dequant import cdiv, dequantize, interpreting, meta_rowwise
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import launch_mma_gemv, mma_depth, mma_grid
 from .tiles import forward_kernel, transposed_kernel
-from .wgmma_mm import balance_last_wave, launch_wgmma, resident_programs, wgmma_grid
+from .wgmma_host import balance_last_wave, wgmma_grid
+from .wgmma_mm import launch_wgmma, resident_programs
 
 
 def mma_tiles_per_warp(cfg: KernelConfig) -> int:

@@ -30,13 +30,14 @@ against the reference.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from triton.runtime.errors import OutOfResources
 
 from . import launch_plan
-from .dequant import cdiv, next_power_of_2
+from .dequant import cdiv
+from .wgmma_host import WgmmaGrid, producer_maxnreg, scale_zero_planes
 
 try:  # Gluon ships with Triton >= 3.4; without it the path is simply unavailable
     from triton.experimental import gluon
@@ -48,8 +49,7 @@ try:  # Gluon ships with Triton >= 3.4; without it the path is simply unavailabl
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "WgmmaGrid", "balance_last_wave", "descriptor_types", "launch_wgmma", "resident_programs",
-           "trace_buffer", "wgmma_grid", "wgmma_usable"]
+__all__ = ["HAVE_GLUON", "descriptor_types", "launch_wgmma", "resident_programs", "wgmma_usable"]
 
 if HAVE_GLUON:
     # one CTA-wide barrier, whatever this Triton calls it (3.6: thread_barrier, 3.9: barrier)
@@ -585,70 +585,6 @@ if HAVE_GLUON:
         gl.store(out_ptr + m[None, :] * stride_om + n[:, None], tile, mask=(n < N)[:, None] & (m < M)[None, :])
 
 
-@dataclass(frozen=True)
-class WgmmaGrid:
-    """A launch: (BLOCK_M, BLOCK_N, BLOCK_K) tile, K split, ring depth, warps (4 per 64 weight rows), and the
-    tiles that run whole before the split ones (0: every tile split; see :func:`balance_last_wave`)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split: int
-    stages: int
-    warps: int
-    whole: int = 0
-    producer: bool = False
-    rawq: bool = False  # 4-bit with a producer warp: MMA on q + OFFSET, scales and zeros applied per K step
-
-    def tiles(self, m: int, n: int) -> int:
-        return cdiv(n, self.block_n) * cdiv(m, self.block_m)
-
-    def programs(self, m: int, n: int) -> int:
-        if self.split == 1:
-            return self.tiles(m, n)
-        return self.whole + (self.tiles(m, n) - self.whole) * self.split
-
-    def split_tiles(self, m: int, n: int) -> int:
-        """Tiles whose K range is split (each has a counter and ``split`` float32 partial blocks)."""
-        return 0 if self.split == 1 else self.tiles(m, n) - self.whole
-
-
-def _fit_split(steps: int, split: int) -> int:
-    """The largest split up to ``split`` that leaves every program at least one of ``steps`` K steps."""
-    split = max(1, min(split, steps))
-    while split > 1 and (split - 1) * cdiv(steps, split) >= steps:
-        split -= 1
-    return split
-
-
-@functools.lru_cache(maxsize=4096)  # (per launch on the host: pure, and cheaper looked up than recomputed)
-def wgmma_grid(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int, split: int,
-               stages: int, producer: bool = False, rawq: bool = False) -> WgmmaGrid:
-    """Clamp a tuned tile to this call: BLOCK_M to x's rows (a power of two, as TMA blocks are, 16 to 256),
-    BLOCK_K to a divisor of the group (64 or 128 in-features), the split so that every program has at
-    least one K step. ``rawq`` (4-bit only; the caller checks) runs on the producer warp's ring."""
-    block_m = max(16, min(block_m, 256, next_power_of_2(m)))
-    block_k = 128 if block_k >= 128 and group_size % 128 == 0 else 64
-    split = _fit_split(cdiv(k, block_k), split)
-    return WgmmaGrid(block_m, block_n, block_k, split, max(2, stages), block_n // 16, producer=producer or rawq,
-                     rawq=rawq)
-
-
-def balance_last_wave(grid: WgmmaGrid, m: int, n: int, k: int, resident: int) -> WgmmaGrid:
-    """An unsplit grid whose last wave (``resident`` programs run at once) is at most half full: split
-    the K range of that wave's tiles so they fill it (up to 4 ways), and run the others whole. 448 tiles
-    of 256 x 128 (14336 x 4096, M = 1024) on 132 SMs are 3 full waves and 52 tiles: 3.5 tile times
-    instead of 4. Any other grid is returned as it is."""
-    tiles = grid.tiles(m, n)
-    if grid.split != 1 or resident <= 0 or tiles <= resident:  # (0 resident: the kernel does not fit as asked)
-        return grid
-    last = tiles % resident
-    if last == 0 or 2 * last > resident:
-        return grid
-    split = _fit_split(cdiv(k, grid.block_k), min(4, resident // last))
-    return replace(grid, split=split, whole=tiles - last) if split > 1 else grid
-
-
 def wgmma_usable(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, k: int,
                  group_size: int, bits: int, axis: int) -> bool:
     """What the kernel's TMA copies and tiles need (the caller checks the GPU): 4- or 8-bit weights grouped along K
@@ -673,7 +609,7 @@ def wgmma_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, dty
 def _layouts(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid, bits: int):
     """Shared-memory layouts of the three TMA tiles: x (BM, BK), the packed bytes of a step ((BK/2, BN) for 4-bit,
     (BK, BN) for 8-bit) as 16-bit words (BN/2 per row), and the (2, 1, BN) scale and zero rows of a step (one
-    copy: see _scale_zero_planes). Cached: the block-shape lists are shared by every launch's descriptors, so nothing
+    copy: see scale_zero_planes). Cached: the block-shape lists are shared by every launch's descriptors, so nothing
     may modify them."""
     dt = gl.bfloat16 if x_dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = grid.block_m, grid.block_n, grid.block_k
@@ -693,21 +629,11 @@ def descriptor_types(x_dtype: torch.dtype, s_dtype: torch.dtype, grid: WgmmaGrid
                                                  _layouts(x_dtype, s_dtype, grid, bits))}
 
 
-def _scale_zero_planes(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """scales and zeros, two (K/G, N) tensors, as the planes of one (2, K/G, N) view: the lower of the two
-    as the base, the distance between them (in elements) as the plane stride, so that one TMA copy brings
-    a step's scale and zero rows (two copies per step cost a CTA barrier and ~25 instructions more each).
-    Returns (base, plane stride, plane of the scales)."""
-    gap = zeros.data_ptr() - scales.data_ptr()
-    base, s_plane = (scales, 0) if gap > 0 else (zeros, 1)
-    return base, abs(gap) // scales.element_size(), s_plane
-
-
 def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid, bits: int):
     """The three TMA descriptors of a launch and the plane that holds the scales."""
     (x_block, x_layout), (q_block, q_layout), (sz_block, sz_layout) = _layouts(x2.dtype, scales.dtype, grid, bits)
     words = qweight.view(torch.int16)  # the bytes of weight rows 2p, 2p + 1 (N is even)
-    base, plane, s_plane = _scale_zero_planes(scales, zeros)
+    base, plane, s_plane = scale_zero_planes(scales, zeros)
     return (TensorDescriptor.from_tensor(x2, x_block, x_layout), TensorDescriptor.from_tensor(words, q_block, q_layout),
             TensorDescriptor(base, [2, scales.shape[0], n], [plane, n, 1], sz_block, sz_layout), s_plane)
 
@@ -728,17 +654,6 @@ def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_s
                   PRODUCER=grid.producer, RAWQ=grid.rawq, TRACE=trace is not None, num_warps=grid.warps, **extra)
 
 
-def producer_maxnreg(grid: WgmmaGrid) -> int:
-    """The register limit of a kernel with a producer warp. Its warps count in warpgroups (warps + 4) and the
-    producer's group gives all but 24 of its registers to the MMA warps, but the limit also binds the code outside
-    the specialized loop, where the accumulator (BLOCK_M / 2 registers per thread) and the epilogue live: 128 for
-    four MMA warps and up to 128 rows of x (two CTAs per SM, up to 232 registers for the MMA warps), else all that
-    one CTA per SM may have (256 rows of x need at least 158)."""
-    if grid.warps == 4 and grid.block_m <= 128:
-        return 128
-    return min(256, 65536 // (32 * (grid.warps + 4)) // 8 * 8)
-
-
 _resident: dict = {}  # (device, dtypes, tile, ...) -> programs that run at once
 
 
@@ -748,7 +663,7 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
     kernel's registers, shared memory and threads allow (compiled, not run, the first time; then cached)."""
     grid = replace(grid, split=1, whole=0)  # the whole tiles are what fill the waves
     key = (x2.device, x2.dtype, scales.dtype, out.dtype, bias is not None, group_size, bits, grid,
-           _scale_zero_planes(scales, zeros)[2])
+           scale_zero_planes(scales, zeros)[2])
     if key not in _resident:
         kernel = _run(x2, qweight, scales, zeros, bias, out, out, out, n, k, group_size, bits, grid, warmup=True)
         try:
@@ -764,23 +679,6 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
                      getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps), 32)
         _resident[key] = props.multi_processor_count * max(1, per_sm)
     return _resident[key]
-
-
-TRACE_EVENTS = ("start", "first copies", "accumulator", "stored", "summed")  # the events _stamp records, in order
-
-
-def trace_buffer(grid: WgmmaGrid, m: int, n: int, device) -> torch.Tensor:
-    """A zeroed timeline buffer for one launch of ``grid`` (``launch_wgmma(trace=...)``): 16 int64 per program, the
-    global timer of event e at slot e, the SM's cycle counter at slot 8 + e, the SM at slot 7 (see _stamp); read it
-    with :func:`read_trace`."""
-    return torch.zeros(grid.programs(m, n), 16, dtype=torch.int64, device=device)
-
-
-def read_trace(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A filled :func:`trace_buffer` as (global ns, SM cycles), each (programs, len(TRACE_EVENTS)) with 0 for an
-    event a program did not record, and each program's SM (programs,)."""
-    events = len(TRACE_EVENTS)
-    return buf[:, :events], buf[:, 8:8 + events], buf[:, 7]
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int, bits: int,

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from quantpack.kernels import wgmma_mm  # noqa: E402
+from quantpack.kernels import wgmma_host, wgmma_mm  # noqa: E402
 
 # (weight bits, x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp[,
 # trace[, rawq]]): the tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without
@@ -51,7 +51,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def compile_variant(bits, xname, sname, bm, bn, bk, split, stages, gs, bias, producer, trace=False, rawq=False):
-    grid = wgmma_mm.WgmmaGrid(bm, bn, bk, split, stages, bn // 16, producer=producer, rawq=rawq)
+    grid = wgmma_host.WgmmaGrid(bm, bn, bk, split, stages, bn // 16, producer=producer, rawq=rawq)
     sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid, bits)
     sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "trace_ptr": "*i64",
             "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32"}
@@ -62,7 +62,7 @@ def compile_variant(bits, xname, sname, bm, bn, bk, split, stages, gs, bias, pro
     fn = wgmma_mm._wgmma_kernel
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ("bias_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "trace_ptr", "N", "K", "stride_om")}
-    options = {"num_warps": grid.warps} | ({"maxnreg": wgmma_mm.producer_maxnreg(grid)} if producer else {})
+    options = {"num_warps": grid.warps} | ({"maxnreg": wgmma_host.producer_maxnreg(grid)} if producer else {})
     sig |= {name: "constexpr" for name in const}
     kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=options)

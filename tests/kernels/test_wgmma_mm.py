@@ -9,8 +9,9 @@ import torch
 
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels.mixed_mm import KernelConfig
-from quantpack.kernels.wgmma_mm import (HAVE_GLUON, TRACE_EVENTS, _scale_zero_planes, balance_last_wave, read_trace,
-                                        trace_buffer, wgmma_grid, wgmma_usable)
+from quantpack.kernels.wgmma_host import (TRACE_EVENTS, balance_last_wave, read_trace, scale_zero_planes, trace_buffer,
+                                          wgmma_grid)
+from quantpack.kernels.wgmma_mm import HAVE_GLUON, wgmma_usable
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 configs_mod = importlib.import_module("quantpack.kernels.configs")
@@ -95,9 +96,9 @@ def test_scales_and_zeros_become_planes_of_one_view_in_either_order():
     plane stride, and the kernel is told which plane holds the scales."""
     storage = torch.zeros(3, 4, 32, dtype=torch.bfloat16)
     s, z = storage[0], storage[2]
-    base, stride, s_plane = _scale_zero_planes(s, z)
+    base, stride, s_plane = scale_zero_planes(s, z)
     assert base.data_ptr() == s.data_ptr() and stride == 2 * 4 * 32 and s_plane == 0
-    base, stride, s_plane = _scale_zero_planes(z, s)  # zeros below scales
+    base, stride, s_plane = scale_zero_planes(z, s)  # zeros below scales
     assert base.data_ptr() == s.data_ptr() and stride == 2 * 4 * 32 and s_plane == 1
 
 
@@ -350,7 +351,8 @@ def test_balanced_last_wave_matches_reference(monkeypatch, resident, balanced, p
 def test_a_ring_too_deep_for_shared_memory_runs_with_fewer_stages():
     """256 rows of x x 128 in-features x 4 stages is 256 KB of x alone: nothing is resident as asked, so no
     wave is balanced, and the launch retries with fewer stages (the product is right)."""
-    from quantpack.kernels.wgmma_mm import WgmmaGrid, resident_programs
+    from quantpack.kernels.wgmma_host import WgmmaGrid
+    from quantpack.kernels.wgmma_mm import resident_programs
 
     pw, w = packed(208, 1152, 128, torch.bfloat16)
     x = torch.randn(300, 1152, device="cuda", dtype=torch.bfloat16)
@@ -368,7 +370,8 @@ def test_resident_programs_reads_the_compiled_kernel():
     """A 256 x 128 tile (8 warps, over 200 registers, 3-stage ring) fits once per SM; a 64 x 64 tile at least
     once, and its count is a whole number of SMs. With a producer warp (a warpgroup more, registers capped by
     producer_maxnreg): 256 x 128 once per SM, 64 x 64 twice."""
-    from quantpack.kernels.wgmma_mm import WgmmaGrid, resident_programs
+    from quantpack.kernels.wgmma_host import WgmmaGrid
+    from quantpack.kernels.wgmma_mm import resident_programs
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pw, _ = packed(4096, 4096, 128, torch.bfloat16)
