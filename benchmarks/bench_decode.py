@@ -201,6 +201,7 @@ def default_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
 FAMILIES = [
     ("quantized linears", r"_fwd_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_tr_kernel|_w8a8|_dequant_kernel"),
     ("cuBLAS GEMM/GEMV (bf16 linears, lm_head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90_|splitKreduce"),
+    ("fused RMSNorm, rotary (quantpack)", r"_rms_norm_kernel|_rotary_kernel"),
     ("attention", r"flash|fmha|attention|softmax|bmm|efficient"),
     ("KV-cache update", r"index_copy|index_put|scatter"),
     ("norms (pow, mean, rsqrt)", r"pow|rsqrt|MeanOps|mean|norm"),
@@ -379,6 +380,9 @@ def main(argv=None) -> int:
                                                     method=args.method)
     results["quantize_s"] = time.perf_counter() - t
     results["quant_weight_bytes"] = weight_bytes(model)
+    from quantpack import fused_ops
+
+    results["fused_norms"] = fused_ops.apply(model)  # (as quantpack.load does: RMSNorm, rotary as one kernel each)
     results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
     if args.unmerged:

@@ -21,7 +21,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from pathlib import Path
 
-from . import checkpoint, generation
+from . import checkpoint, fused_ops, generation
 from .checkpoint import CheckpointError, TensorInfo
 from .loader import (QUANT_METHOD, _check_manifest_layers, _check_tensors, _expected_tensors, _fail,
                      check_tensor_digests, linear_modules_to_convert, read_checkpoint_files, read_quantization_config,
@@ -125,6 +125,7 @@ class QuantpackHfQuantizer(HfQuantizer):
         if still_meta:
             raise _fail(f"tensor {still_meta[0]}: missing from the checkpoint")
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
+        fused_ops.apply(model)  # (RMSNorm and rotary as one kernel each on a GPU)
         generation.enable(model)  # (and generate() replays its decode steps from CUDA graphs)
         return model
 

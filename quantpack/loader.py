@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import checkpoint, generation
+from . import checkpoint, fused_ops, generation
 from .checkpoint import CheckpointError, TensorInfo
 from .format import LAYOUT_VERSION
 from .nn import QuantLinear, linear_dims
@@ -375,7 +375,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
       GEMV (:func:`~quantpack.nn_merged.merge_projections`); ``False`` keeps every layer separate.
     * ``decode``: how ``model.generate`` decodes on a GPU (:mod:`quantpack.generation`): ``"graphs"`` (default: a
       static KV cache, each decode step captured once as a CUDA graph and replayed), ``"compile"`` (a static cache
-      and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged).
+      and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged). On a GPU,
+      Llama-style RMSNorms and rotary embeddings run as one kernel each in every mode (:mod:`quantpack.fused_ops`;
+      ``quantpack.fused_ops.remove(model)`` undoes it).
     * ``trust_remote_code``: run the Python code the checkpoint ships for its config and model
       (``auto_map``). Off by default: such a checkpoint is refused, and nothing ever prompts.
 
@@ -490,6 +492,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         model.generation_config = GenerationConfig.from_pretrained(root)
     if merge:
         merge_projections(model)
+    fused_ops.apply(model)  # (RMSNorm and rotary as one kernel each on a GPU; the same values)
     generation.enable(model, decode)
     return model.eval()
 
