@@ -133,6 +133,9 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
             name += " no plans"
         return name
 
+    # One run per GPU, its newest: bars of one group come from one process (same-run ratios).
+    last_run = {r["device"]: r["commit"] for r in rows}
+    rows = [r for r in rows if r["commit"] == last_run[r["device"]]]
     cells = newest(rows, lambda r: (r["device"], r["path"], r["batch"], label(r)))
     groups = sorted({(r["device"], r["path"], r["batch"]) for r in cells}, key=lambda g: (g[1], g[0], g[2]))
     labels = sorted({label(r) for r in cells}, key=lambda s: (s != "bf16", s))
@@ -149,7 +152,8 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
                 ys.append(r["tok_s"])
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]}" for d, m, b in groups], fontsize=7)
+    ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]} {last_run[d]}" for d, m, b in groups],
+                       fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s (log)", fontsize=8)
     ax.legend(fontsize=7)
