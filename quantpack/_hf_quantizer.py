@@ -125,7 +125,8 @@ class QuantpackHfQuantizer(HfQuantizer):
         if still_meta:
             raise _fail(f"tensor {still_meta[0]}: missing from the checkpoint")
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
-        fused_ops.apply(model)  # (RMSNorm and rotary as one kernel each on a GPU)
+        if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each)
+            fused_ops.apply(model)
         generation.enable(model)  # (and generate() replays its decode steps from CUDA graphs)
         return model
 

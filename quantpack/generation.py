@@ -95,7 +95,7 @@ class StaticCacheGenerate:
                   or kwargs.get("use_cache") is False
                   or any(c is not None and (c.cache_implementation is not None or c.use_cache is False)
                          for c in (gen_config, own_config)))
-        if chosen or not _on_cuda(model):
+        if chosen or not on_cuda(model):
             return self.generate(*args, **kwargs)
         cache = self._kept_cache(model, args, kwargs, gen_config or own_config) if self.keep_cache else None
         if cache is None:
@@ -138,7 +138,8 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _on_cuda(model) -> bool:
+def on_cuda(model) -> bool:
+    """Whether ``model``'s (first) parameters are on a CUDA device."""
     try:
         return next(model.parameters()).is_cuda
     except StopIteration:
@@ -174,7 +175,10 @@ class DecodeGraphs:
         self.captures = 0
 
     def get_compiled_call(self, compile_config=None):
-        """What transformers' ``generate`` asks the model for, once per call, to run the decode steps with."""
+        """What transformers' ``generate`` asks the model for, once per call, to run the decode steps with (off a
+        GPU, where a caller's compile config lets transformers compile there, its own compiled call)."""
+        if not on_cuda(self.model):
+            return type(self.model).get_compiled_call(self.model, compile_config)
         return self.session()
 
     def session(self):

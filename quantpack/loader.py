@@ -492,7 +492,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         model.generation_config = GenerationConfig.from_pretrained(root)
     if merge:
         merge_projections(model)
-    fused_ops.apply(model)  # (RMSNorm and rotary as one kernel each on a GPU; the same values)
+    if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each; the rotary replacement is process-wide)
+        fused_ops.apply(model)
     generation.enable(model, decode)
     return model.eval()
 
