@@ -12,8 +12,9 @@ Checkpoints:
 
 Evaluation text is the held-out tenth of the shipped documentation (train_witness.corpus()).
 Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linear, X its input
-captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.sinq.absorb), so
-its layers are compared with the absorbed unquantized model (the same function as the source).
+captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.sinq.absorb) where
+a data-free estimate says they lower the error at that precision, ``sinq-all`` everywhere they can
+go; their layers are compared with the absorbed unquantized model (the same function as the source).
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -81,7 +82,10 @@ def quantize_model(source, run, method: str, bits: int, group_size: int) -> tupl
     per-layer output errors."""
     model = copy.deepcopy(source)
     solver = method
-    if method == "sinq":
+    if method == "sinq":  # as `quantpack convert --method sinq`: scales kept where they help at this precision
+        sinq.absorb(model, bits=bits, group_size=group_size)
+        solver = "hqq"
+    elif method == "sinq-all":  # every absorbable scale, unconditionally
         sinq.absorb(model)
         solver = "hqq"
     inputs = capture_inputs(model, run)
@@ -208,7 +212,7 @@ def main() -> None:
                     RESULTS.parent.mkdir(parents=True, exist_ok=True)
                     with RESULTS.open("a") as f:
                         f.write(json.dumps(rec) + "\n")
-                print(f"{ckpt:<20} {method:<5} {bits}-bit g{gs:<4} {headline} {m[headline]:.3e} "
+                print(f"{ckpt:<20} {method:<8} {bits}-bit g{gs:<4} {headline} {m[headline]:.3e} "
                       f"(x{rec[f'{headline}_ratio_to_hqq']:.2f} hqq)  "
                       + (f"top1 {m['top1']:.4f} ppl {m['ppl']:.3f}/{m['source_ppl']:.3f}  " if "top1" in m else "")
                       + f"mean layer err {rec['mean_layer_error']:.4f}  worst layer x{rec['worst_layer_ratio_to_hqq']:.3f} hqq",

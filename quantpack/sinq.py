@@ -67,22 +67,6 @@ def column_scales(weights: list[torch.Tensor], *, iters: int = DEFAULT_ITERS, ti
     return t / t.median()
 
 
-def _scale_rows(linear: nn.Linear, factor: torch.Tensor) -> None:
-    linear.weight.mul_(factor.to(linear.weight.dtype)[:, None])
-    if linear.bias is not None:
-        linear.bias.mul_(factor.to(linear.bias.dtype))
-
-
-def _scale_cols(linear: nn.Linear, factor: torch.Tensor) -> None:
-    linear.weight.mul_(factor.to(linear.weight.dtype)[None, :])
-
-
-def _scale_norm(norm: nn.Module, factor: torch.Tensor) -> None:
-    norm.weight.mul_(factor.to(norm.weight.dtype))
-    if getattr(norm, "bias", None) is not None:
-        norm.bias.mul_(factor.to(norm.bias.dtype))
-
-
 def _decoder_layers(model: nn.Module):
     """Pre-norm decoder blocks with Llama's module names (Llama, Mistral, Qwen, ...)."""
     for module in model.modules():
@@ -93,49 +77,163 @@ def _decoder_layers(model: nn.Module):
             yield module
 
 
+def _weighted_error(weights, act, bits: int, group_size: int) -> float:
+    """sum_k act_k^2 ||column k of (Q(W) - W)||^2 over ``weights``: the output error for inputs whose
+    feature k has magnitude ``act_k`` (uncorrelated features)."""
+    from .quantize import quantize
+    from .reference import dequantize
+
+    total = 0.0
+    for w in weights:
+        err = dequantize(quantize(w, bits=bits, group_size=group_size, method="hqq", dtype=torch.bfloat16),
+                         torch.float32) - w
+        total += float(((err * act) ** 2).sum())
+    return total
+
+
+def _choose(weights, t, act, bits, group_size):
+    """``t``, or None where dividing the columns by it does not lower the expected output error.
+
+    The inputs' magnitudes are not known without data; ``act`` is a proxy from the weights (the
+    norm's gain, or the producing rows' norms). A scaled column's input grows by ``t``, so its
+    quantization error counts ``t`` times more.
+    """
+    if bits is None:
+        return t
+    if group_size is None or weights[0].shape[1] % group_size:
+        return None
+    act = act.float().abs()
+    scaled = _weighted_error([w / t for w in weights], act * t, bits, group_size)
+    return t if scaled < _weighted_error(weights, act, bits, group_size) else None
+
+
 @torch.no_grad()
-def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_TILE, passes: int = 1) -> list[str]:
+def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: int, head_dim: int | None,
+                 bits: int | None = None, group_size: int | None = None, iters: int = DEFAULT_ITERS,
+                 tile: int = DEFAULT_TILE) -> dict[str, torch.Tensor]:
+    """Column-scale vectors for one pre-norm decoder block, from its weights (any float dtype).
+
+    Returns a subset of ``{"o": t_o, "qkv": t_qkv, "down": t_d, "gate_up": t_gu}``; applying them
+    keeps the block's function (see :func:`apply_block_scales`):
+
+    * o_proj's columns / t_o (repeated over the query heads of each value head), v_proj's rows * t_o;
+    * q/k/v_proj's columns / t_qkv, the input norm's weight * t_qkv;
+    * down_proj's columns / t_d, up_proj's rows * t_d;
+    * gate/up_proj's columns / t_gu, the post-attention norm's weight * t_gu.
+
+    With ``bits`` (and ``group_size``) given, a vector is kept only where it lowers a data-free
+    estimate of the block's output error at that precision (:func:`_choose`); without, always.
+    ``mlp`` weights may be None (a block without a gated MLP).
+    """
+    f = (lambda x: None if x is None else x.float())
+    q, k, v, o, gate, up, down = map(f, (q, k, v, o, gate, up, down))
+    g_in, g_post = norm_in.float(), norm_post.float() if norm_post is not None else None
+    out: dict[str, torch.Tensor] = {}
+    if head_dim and o.shape[1] == v.shape[0] * kv_groups and v.shape[0] % head_dim == 0:
+        kv = v.shape[0] // head_dim
+        # o's input index is (kv head * groups + g) * head_dim + d; v's row is kv head * head_dim + d:
+        # with grouped-query attention one vector serves every query head of a value head.
+        blocks = o.reshape(o.shape[0], kv, kv_groups, head_dim).permute(2, 0, 1, 3).reshape(-1, v.shape[0])
+        t = column_scales([blocks], iters=iters, tile=tile)
+        act = (v * g_in).norm(dim=1)  # value rows' gain on a normalised input
+        t = _choose([blocks], t, act, bits, group_size)
+        if t is not None:
+            out["o"] = t
+            v = v * t[:, None]
+    t = column_scales([q, k, v], iters=iters, tile=tile)
+    t = _choose([q, k, v], t, g_in, bits, group_size)
+    if t is not None:
+        out["qkv"] = t
+    if gate is None or up is None or down is None or g_post is None:
+        return out
+    act = (up * g_post).norm(dim=1) * (gate * g_post).norm(dim=1)  # |act(gate) * up| grows with both
+    t = _choose([down], column_scales([down], iters=iters, tile=tile), act, bits, group_size)
+    if t is not None:
+        out["down"] = t
+        up = up * t[:, None]
+    t = _choose([gate, up], column_scales([gate, up], iters=iters, tile=tile), g_post, bits, group_size)
+    if t is not None:
+        out["gate_up"] = t
+    return out
+
+
+def block_transforms(scales: dict[str, torch.Tensor], *, kv_groups: int, head_dim: int) -> dict[str, tuple]:
+    """What :func:`block_scales`' vectors do to each tensor of the block, as
+    ``{tensor role: (row factor or None, column factor or None)}``; roles: q, k, v, o, gate, up,
+    down (weights, bias rows with the row factor), norm_in, norm_post (the row factor scales the
+    norm's weight and bias)."""
+    rows: dict[str, list] = {}
+    cols: dict[str, list] = {}
+
+    def add(table, role, vec):
+        table.setdefault(role, []).append(vec)
+
+    if "o" in scales:
+        t = scales["o"]
+        kv = t.numel() // head_dim
+        add(cols, "o", t.reshape(kv, 1, head_dim).expand(kv, kv_groups, head_dim).reshape(-1).reciprocal())
+        add(rows, "v", t)
+    if "qkv" in scales:
+        for role in ("q", "k", "v"):
+            add(cols, role, scales["qkv"].reciprocal())
+        add(rows, "norm_in", scales["qkv"])
+    if "down" in scales:
+        add(cols, "down", scales["down"].reciprocal())
+        add(rows, "up", scales["down"])
+    if "gate_up" in scales:
+        for role in ("gate", "up"):
+            add(cols, role, scales["gate_up"].reciprocal())
+        add(rows, "norm_post", scales["gate_up"])
+
+    def prod(vs):
+        return None if not vs else math.prod(vs[1:], start=vs[0])
+
+    return {role: (prod(rows.get(role)), prod(cols.get(role))) for role in set(rows) | set(cols)}
+
+
+def scale_tensor(tensor: torch.Tensor, row: torch.Tensor | None, col: torch.Tensor | None) -> torch.Tensor:
+    """``tensor`` (a (N, K) weight, or a 1-D bias/norm weight) with its rows and columns scaled, in
+    float32, returned in the tensor's dtype."""
+    x = tensor.float()
+    if row is not None:
+        x = x * (row[:, None] if x.dim() == 2 else row)
+    if col is not None:
+        x = x * col[None, :]
+    return x.to(tensor.dtype)
+
+
+@torch.no_grad()
+def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_TILE, passes: int = 1,
+           bits: int | None = None, group_size: int | None = None) -> list[str]:
     """Move Sinkhorn column scales of every absorbable linear into its input's producer, in place.
 
-    The model computes the same function afterwards (to float rounding). Returns the names of the
-    linear modules whose weights were rescaled by a column vector.
+    The model computes the same function afterwards (to float rounding). With ``bits`` and
+    ``group_size``, a scale is moved only where it is estimated to lower the quantization error
+    at that precision (see :func:`block_scales`). Returns the names of the linear modules whose
+    weights were rescaled by a column vector.
     """
     names = {m: n for n, m in model.named_modules()}
     done: set[str] = set()
     for _ in range(passes):
         for layer in _decoder_layers(model):
             attn, mlp = layer.self_attn, layer.mlp
-            heads = getattr(attn, "num_key_value_groups", 1) or 1
-            # o_proj <- v_proj rows: o's input is softmax-mixed value rows, one value head per
-            # group of query heads; with grouping the vector must agree across the group.
-            o, v = attn.o_proj, attn.v_proj
-            hd = getattr(attn, "head_dim", None)
-            if hd and o.in_features == v.out_features * heads and v.out_features % hd == 0:
-                kv = v.out_features // hd
-                # o's input index is (kv head * groups + g) * head_dim + d; v's row is kv head * head_dim + d
-                blocks = o.weight.reshape(o.out_features, kv, heads, hd).permute(2, 0, 1, 3)
-                t = column_scales([blocks.reshape(-1, v.out_features)], iters=iters, tile=tile)
-                _scale_cols(o, t.reshape(kv, 1, hd).expand(kv, heads, hd).reshape(-1).reciprocal())
-                _scale_rows(v, t)
-                done.add(names[o])
-            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            t = column_scales([p.weight for p in qkv], iters=iters, tile=tile)
-            for p in qkv:
-                _scale_cols(p, t.reciprocal())
-                done.add(names[p])
-            _scale_norm(layer.input_layernorm, t)
-            gate, up, down = (getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj"))
-            if not all(isinstance(p, nn.Linear) for p in (gate, up, down)):
-                continue
-            t = column_scales([down.weight], iters=iters, tile=tile)
-            _scale_cols(down, t.reciprocal())
-            _scale_rows(up, t)
-            done.add(names[down])
-            t = column_scales([gate.weight, up.weight], iters=iters, tile=tile)
-            for p in (gate, up):
-                _scale_cols(p, t.reciprocal())
-                done.update((names[gate], names[up]))
-            _scale_norm(layer.post_attention_layernorm, t)
+            kv_groups = getattr(attn, "num_key_value_groups", 1) or 1
+            head_dim = getattr(attn, "head_dim", None)
+            mods = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
+            mods.update({r: getattr(mlp, f"{r}_proj", None) for r in ("gate", "up", "down")})
+            if not all(isinstance(mods[r], nn.Linear) for r in ("gate", "up", "down")):
+                mods.update(gate=None, up=None, down=None)
+            norms = {"norm_in": layer.input_layernorm, "norm_post": layer.post_attention_layernorm}
+            scales = block_scales(*(None if m is None else m.weight for m in mods.values()),
+                                  norms["norm_in"].weight, norms["norm_post"].weight, kv_groups=kv_groups,
+                                  head_dim=head_dim, bits=bits, group_size=group_size, iters=iters, tile=tile)
+            for role, (row, col) in block_transforms(scales, kv_groups=kv_groups, head_dim=head_dim).items():
+                module = mods[role] if role in mods else norms[role]
+                module.weight.copy_(scale_tensor(module.weight, row, col))
+                if row is not None and getattr(module, "bias", None) is not None:
+                    module.bias.copy_(scale_tensor(module.bias, row, None))
+                if col is not None:
+                    done.add(names[module])
         # Post-norm encoders (BERT-style): only attention's output projection takes a scale,
         # from the value projection's rows; everything else feeds a residual or a GELU.
         for module in model.modules():
@@ -144,7 +242,12 @@ def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_
             value, dense = getattr(attn_self, "value", None), getattr(out, "dense", None)
             if isinstance(value, nn.Linear) and isinstance(dense, nn.Linear) and dense.in_features == value.out_features:
                 t = column_scales([dense.weight], iters=iters, tile=tile)
-                _scale_cols(dense, t.reciprocal())
-                _scale_rows(value, t)
+                t = _choose([dense.weight.float()], t, value.weight.float().norm(dim=1), bits, group_size)
+                if t is None:
+                    continue
+                dense.weight.copy_(scale_tensor(dense.weight, None, t.reciprocal()))
+                value.weight.copy_(scale_tensor(value.weight, t, None))
+                if value.bias is not None:
+                    value.bias.copy_(scale_tensor(value.bias, t, None))
                 done.add(names[dense])
     return sorted(done)
