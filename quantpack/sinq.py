@@ -16,6 +16,12 @@ and the checkpoint keeps its format (one scale and one zero per group):
 
 Layers whose input cannot take a scale keep their weight as it is. The weights are then
 quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
+
+A vector does not always help: the scaled-down columns' inputs grow by the same factor, so their
+quantization error counts more. Given the target bits and group size, each block's vectors are kept
+only where a data-free estimate of the output error drops (:func:`block_scales`). :func:`plan`
+does this on a checkpoint's tensors one block at a time (the converter's ``--method sinq``);
+:func:`absorb` on a loaded model.
 """
 from __future__ import annotations
 
@@ -41,8 +47,8 @@ def column_scales(weights: list[torch.Tensor], *, iters: int = DEFAULT_ITERS, ti
     n, k = w.shape
     tile = tile if tile and k % tile == 0 else k
     m = w.reshape(n, k // tile, tile).permute(1, 0, 2)  # (tiles, N, tile)
-    log_c = torch.zeros(m.shape[0], 1, tile)
-    log_r = torch.zeros(m.shape[0], n, 1)
+    log_c = torch.zeros(m.shape[0], 1, tile, device=w.device)
+    log_r = torch.zeros(m.shape[0], n, 1, device=w.device)
     tiny = 1e-12
 
     def spread(x):
@@ -65,16 +71,6 @@ def column_scales(weights: list[torch.Tensor], *, iters: int = DEFAULT_ITERS, ti
         best_c = torch.where(better[:, None, None], log_c, best_c)
     t = torch.exp(best_c).reshape(k)
     return t / t.median()
-
-
-def _decoder_layers(model: nn.Module):
-    """Pre-norm decoder blocks with Llama's module names (Llama, Mistral, Qwen, ...)."""
-    for module in model.modules():
-        attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
-        if (attn is not None and mlp is not None and hasattr(module, "input_layernorm")
-                and hasattr(module, "post_attention_layernorm")
-                and all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))):
-            yield module
 
 
 def _weighted_error(weights, act, bits: int, group_size: int) -> float:
@@ -100,7 +96,8 @@ def _choose(weights, t, act, bits, group_size):
     """
     if bits is None:
         return t
-    if group_size is None or weights[0].shape[1] % group_size:
+    group_size = group_size or weights[0].shape[1]  # None: one group per row
+    if weights[0].shape[1] % group_size:
         return None
     act = act.float().abs()
     scaled = _weighted_error([w / t for w in weights], act * t, bits, group_size)
@@ -109,7 +106,7 @@ def _choose(weights, t, act, bits, group_size):
 
 @torch.no_grad()
 def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: int, head_dim: int | None,
-                 bits: int | None = None, group_size: int | None = None, iters: int = DEFAULT_ITERS,
+                 bits: int | None = None, group_size: int | None = None, sites=None, iters: int = DEFAULT_ITERS,
                  tile: int = DEFAULT_TILE) -> dict[str, torch.Tensor]:
     """Column-scale vectors for one pre-norm decoder block, from its weights (any float dtype).
 
@@ -123,8 +120,14 @@ def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: i
 
     With ``bits`` (and ``group_size``) given, a vector is kept only where it lowers a data-free
     estimate of the block's output error at that precision (:func:`_choose`); without, always.
-    ``mlp`` weights may be None (a block without a gated MLP).
+    ``sites`` (a subset of the keys above) computes exactly those, deciding nothing (to redo a
+    recorded choice). ``mlp`` weights may be None (a block without a gated MLP).
     """
+    def choose(key, weights, t, act):
+        if sites is not None:
+            return t if key in sites else None
+        return _choose(weights, t, act, bits, group_size)
+
     f = (lambda x: None if x is None else x.float())
     q, k, v, o, gate, up, down = map(f, (q, k, v, o, gate, up, down))
     g_in, g_post = norm_in.float(), norm_post.float() if norm_post is not None else None
@@ -136,22 +139,22 @@ def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: i
         blocks = o.reshape(o.shape[0], kv, kv_groups, head_dim).permute(2, 0, 1, 3).reshape(-1, v.shape[0])
         t = column_scales([blocks], iters=iters, tile=tile)
         act = (v * g_in).norm(dim=1)  # value rows' gain on a normalised input
-        t = _choose([blocks], t, act, bits, group_size)
+        t = choose("o", [blocks], t, act)
         if t is not None:
             out["o"] = t
             v = v * t[:, None]
     t = column_scales([q, k, v], iters=iters, tile=tile)
-    t = _choose([q, k, v], t, g_in, bits, group_size)
+    t = choose("qkv", [q, k, v], t, g_in)
     if t is not None:
         out["qkv"] = t
     if gate is None or up is None or down is None or g_post is None:
         return out
     act = (up * g_post).norm(dim=1) * (gate * g_post).norm(dim=1)  # |act(gate) * up| grows with both
-    t = _choose([down], column_scales([down], iters=iters, tile=tile), act, bits, group_size)
+    t = choose("down", [down], column_scales([down], iters=iters, tile=tile), act)
     if t is not None:
         out["down"] = t
         up = up * t[:, None]
-    t = _choose([gate, up], column_scales([gate, up], iters=iters, tile=tile), g_post, bits, group_size)
+    t = choose("gate_up", [gate, up], column_scales([gate, up], iters=iters, tile=tile), g_post)
     if t is not None:
         out["gate_up"] = t
     return out
@@ -212,28 +215,19 @@ def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_
     at that precision (see :func:`block_scales`). Returns the names of the linear modules whose
     weights were rescaled by a column vector.
     """
+    params = dict(model.named_parameters())
     names = {m: n for n, m in model.named_modules()}
     done: set[str] = set()
     for _ in range(passes):
-        for layer in _decoder_layers(model):
-            attn, mlp = layer.self_attn, layer.mlp
-            kv_groups = getattr(attn, "num_key_value_groups", 1) or 1
-            head_dim = getattr(attn, "head_dim", None)
-            mods = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
-            mods.update({r: getattr(mlp, f"{r}_proj", None) for r in ("gate", "up", "down")})
-            if not all(isinstance(mods[r], nn.Linear) for r in ("gate", "up", "down")):
-                mods.update(gate=None, up=None, down=None)
-            norms = {"norm_in": layer.input_layernorm, "norm_post": layer.post_attention_layernorm}
-            scales = block_scales(*(None if m is None else m.weight for m in mods.values()),
-                                  norms["norm_in"].weight, norms["norm_post"].weight, kv_groups=kv_groups,
-                                  head_dim=head_dim, bits=bits, group_size=group_size, iters=iters, tile=tile)
-            for role, (row, col) in block_transforms(scales, kv_groups=kv_groups, head_dim=head_dim).items():
-                module = mods[role] if role in mods else norms[role]
-                module.weight.copy_(scale_tensor(module.weight, row, col))
-                if row is not None and getattr(module, "bias", None) is not None:
-                    module.bias.copy_(scale_tensor(module.bias, row, None))
-                if col is not None:
-                    done.add(names[module])
+        # Pre-norm decoder blocks (Llama's names: Llama, Mistral, Qwen, ...)
+        changes, _ = plan(params, lambda name: params[name].detach(), model.config, bits=bits,
+                          group_size=group_size, device=next(model.parameters()).device, iters=iters, tile=tile)
+        for name, factors in changes.items():
+            p = params[name]
+            p.copy_(scale_tensor(p, *(None if f is None else f.to(p.device) for f in factors)))
+            row, col = factors
+            if col is not None:
+                done.add(name.removesuffix(".weight"))
         # Post-norm encoders (BERT-style): only attention's output projection takes a scale,
         # from the value projection's rows; everything else feeds a residual or a GELU.
         for module in model.modules():
@@ -251,3 +245,56 @@ def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_
                     value.bias.copy_(scale_tensor(value.bias, t, None))
                 done.add(names[dense])
     return sorted(done)
+
+
+_ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+          "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+          "norm_in": "input_layernorm", "norm_post": "post_attention_layernorm"}
+
+
+@torch.no_grad()
+def plan(names, read, config, *, bits: int | None, group_size: int | None, device="cpu", kept: dict | None = None,
+         iters: int = DEFAULT_ITERS, tile: int = DEFAULT_TILE) -> tuple[dict[str, tuple], dict[str, list[str]]]:
+    """The rescaling of a checkpoint's tensors, block by block, without building the model.
+
+    ``names``: the model's state-dict names; ``read(name)`` returns that tensor. Pre-norm decoder
+    blocks are found by Llama's names (``<block>.self_attn.q_proj.weight``, ...,
+    ``<block>.input_layernorm.weight``); ``config`` gives the attention heads. Returns
+    ``({name: (row factor or None, column factor or None)}, {block: kept sites})``: every tensor
+    that changes (float32, on the CPU; see :func:`scale_tensor`), and the vectors each block kept
+    (see :func:`block_scales`). ``kept`` (a returned record) recomputes those vectors exactly,
+    without deciding again. Memory stays near one block's weights.
+    """
+    names = set(names)
+    blocks = sorted(n[: -len(".self_attn.q_proj.weight")] for n in names if n.endswith(".self_attn.q_proj.weight"))
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    kv_groups = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
+    out: dict[str, tuple] = {}
+    record: dict[str, list[str]] = {}
+    for block in blocks:
+        if kept is not None and not kept.get(block):
+            continue
+        weights = {role: f"{block}.{path}.weight" for role, path in _ROLES.items()}
+        attn_roles = ("q", "k", "v", "o", "norm_in")
+        if not kv_groups or not all(weights[r] in names for r in attn_roles):
+            continue
+        if not all(weights[r] in names for r in ("gate", "up", "down", "norm_post")):
+            for r in ("gate", "up", "down", "norm_post"):
+                weights[r] = None
+        t = {r: None if n is None else read(n).to(device) for r, n in weights.items()}
+        scales = block_scales(t["q"], t["k"], t["v"], t["o"], t["gate"], t["up"], t["down"], t["norm_in"],
+                              t["norm_post"], kv_groups=kv_groups, head_dim=head_dim, bits=bits,
+                              group_size=group_size, sites=None if kept is None else set(kept[block]),
+                              iters=iters, tile=tile)
+        del t
+        if scales:
+            record[block] = sorted(scales)
+        for role, (row, col) in block_transforms(scales, kv_groups=kv_groups, head_dim=head_dim).items():
+            row, col = (None if x is None else x.float().cpu() for x in (row, col))
+            out[weights[role]] = (row, col)
+            bias = f"{block}.{_ROLES[role]}.bias"
+            if row is not None and bias in names:
+                out[bias] = (row, None)
+    return out, record

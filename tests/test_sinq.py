@@ -65,3 +65,91 @@ def test_absorb_keeps_a_post_norm_encoder_and_touches_only_attention_output():
     assert changed == [f"encoder.layer.{i}.attention.output.dense" for i in range(2)]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).last_hidden_state, ref(ids).last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def skewed_llama_dir(tmp_path_factory):
+    """A tiny trained Llama whose linear weights have outlier input features (as trained LLMs do)."""
+    from safetensors.torch import load_file, save_file
+
+    from quantpack.tiny import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("skewed") / "src", num_shards=1, train_steps=30)
+    sd = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, w in sd.items():
+        if name.endswith("proj.weight"):
+            sd[name] = w * torch.exp(torch.randn(w.shape[1], generator=gen) * 0.8)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_convert_method_sinq_stores_absorbed_norms_and_keeps_the_function(skewed_llama_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    import quantpack
+    from quantpack.cli import cli
+    from quantpack.verify import verify
+
+    out = tmp_path / "sinq"
+    result = CliRunner().invoke(cli, ["convert", str(skewed_llama_dir), "--output", str(out), "--method", "sinq",
+                                      "--no-progress"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "quantpack.json").read_text())
+    kept = manifest["settings"]["sinq_scales"]
+    assert manifest["settings"]["method"] == "sinq" and kept  # some vectors are worth absorbing here
+
+    # The stored norms are the source's times the absorbed vectors (bfloat16 storage rounding aside).
+    source = load_file(skewed_llama_dir / "model.safetensors")
+    stored = {}
+    for f in out.glob("*.safetensors"):
+        stored.update(load_file(f))
+    rescale, again = sinq.plan(source, source.__getitem__, AutoConfig.from_pretrained(skewed_llama_dir), bits=None,
+                               group_size=None, kept=kept)
+    assert again == kept
+    for block, sites in kept.items():
+        for site, norm in (("qkv", "input_layernorm"), ("gate_up", "post_attention_layernorm")):
+            name = f"{block}.{norm}.weight"
+            if site not in sites:
+                torch.testing.assert_close(stored[name].float(), source[name].bfloat16().float())
+                continue
+            row, _ = rescale[name]
+            assert not torch.allclose(stored[name].float(), source[name], rtol=1e-2)
+            torch.testing.assert_close(stored[name].float(), (source[name] * row).bfloat16().float())
+
+    # It loads and computes (nearly) the source's function on the text the source was trained on.
+    from quantpack.tiny import PASSAGE
+
+    with quiet_transformers():
+        ref = LlamaForCausalLM.from_pretrained(skewed_llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(skewed_llama_dir)(PASSAGE)["input_ids"][:96]])
+    model = quantpack.load(out, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        a, b = ref(ids).logits.log_softmax(-1), model(ids).logits.float().log_softmax(-1)
+    assert float((a.exp() * (a - b)).sum(-1).mean()) < 0.05
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9
+
+    # verify compares each layer with the absorbed reference weight: same errors as at conversion.
+    report = verify(out, device="cpu")
+    assert not [c for c in report.checks if not c.passed] and not report.warnings
+    recorded = {x["name"]: x["rel_error"] for x in manifest["layers"]}
+    for item in report.layers["items"]:
+        assert item["rel_error"] == pytest.approx(recorded[item["name"]], rel=1e-3)
+
+
+def test_convert_method_sinq_refuses_groups_along_out_features(skewed_llama_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from quantpack.cli import cli
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(skewed_llama_dir), "--output", str(out), "--method", "sinq",
+                                      "--axis", "0", "--no-progress"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["Error: method='sinq' balances input features, for groups along "
+                                                  "them; use axis=1"]
+    assert not out.exists()
