@@ -45,6 +45,9 @@ from .quantize import METHODS, quantize, resolve_group_size
 from .quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8
 from .reference import dequantize
 
+# sinq: hqq's solver after Sinkhorn column scales moved into the norms and producing rows (quantpack.sinq)
+CONVERT_METHODS = (*METHODS, "sinq")
+
 PARTIAL_SUFFIX = ".qp-partial"
 GROUP_SIZE_MISFIT = "group size does not fit its shape"
 LOCK_SUFFIX = ".qp-lock"
@@ -583,8 +586,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     """Convert ``source`` (hub repo id or local directory) into a packed checkpoint at ``output``.
 
     ``scheme``: ``None`` (weight-only ``w<bits>a16``: ``bits`` 4 by default, ``method`` hqq by
-    default), ``"w4a16"``, ``"w8a16"``, or ``"w8a8"`` (int8 weights, one float32 scale per output
-    channel, for the int8 x int8 kernels; the weight-only arguments ``bits``, ``group_size``,
+    default; ``"sinq"`` first moves Sinkhorn column scales into the norms and producing rows of
+    Llama-style decoder blocks where they lower the estimated error, see :mod:`quantpack.sinq`),
+    ``"w4a16"``, ``"w8a16"``, or ``"w8a8"`` (int8 weights, one float32 scale per output channel, for
+    the int8 x int8 kernels; the weight-only arguments ``bits``, ``group_size``,
     ``axis``, ``method`` and ``bits_for`` must then be left out, see :func:`resolve_scheme`).
     ``output`` defaults to ``<model-name>-qp<bits>g<group_size>`` (``<model-name>-qpw8a8``) in the
     current directory.
@@ -605,8 +610,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         raise ValueError(f"bits={bits!r} is not supported; use 4 or 8")
     if axis not in SUPPORTED_AXES:
         raise ValueError(f"axis={axis!r} is not supported; use 1 (groups along in-features) or 0")
-    if method not in METHODS and not w8a8:
-        raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
+    if method not in CONVERT_METHODS and not w8a8:
+        raise ValueError(f"method={method!r} is not supported; use one of {', '.join(CONVERT_METHODS)}")
+    if method == "sinq" and axis != 1:
+        raise ValueError("method='sinq' balances input features, for groups along them; use axis=1")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size={group_size!r} must be a positive integer, or None for per-channel")
     if group_size is not None and not (group_size & (group_size - 1) == 0 and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE):
@@ -807,9 +814,18 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         fingerprint = _fingerprint(resolved, src, settings, dev, names)
         done = _resume_state(partial, fingerprint, names, summary.settings)
         summary.resumed_shards = len(done)
+        rescale = {}
+        if method == "sinq":
+            from . import sinq
+
+            source_of = {v: k for k, v in canonical.items()}
+            rescale, kept = sinq.plan(source_of, lambda n: src.get(source_of[n]), config, bits=bits,
+                                      group_size=group_size, device=dev)
+            rescale = {source_of[n]: v for n, v in rescale.items()}
+            settings["sinq_scales"] = kept  # recorded (not fingerprinted: derived), so verify can redo them
         try:
-            _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype,
-                          progress, summary)
+            _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis,
+                          "hqq" if method == "sinq" else method, dev, out_dtype, progress, summary, rescale)
             t_finish = time.perf_counter()
             # -- the small files, then the manifest last
             for rel in other_files:
@@ -966,7 +982,8 @@ class OutputLock:
 
 
 def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype, progress,
-                  summary):
+                  summary, rescale=None):
+    """``rescale``: {source tensor: (row, column factors)} applied before quantizing or copying."""
     from tqdm.auto import tqdm
 
     todo_bytes = sum(src.info(u.source).nbytes for i, s in enumerate(shards) if names[i] not in done for u in s)
@@ -995,6 +1012,10 @@ def _write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, 
                 if j + 1 < len(shard):
                     pending = reader.submit(src.get, shard[j + 1].source)
                 _check_finite(src, unit.source, tensor)
+                if rescale and unit.source in rescale:
+                    from .sinq import scale_tensor
+
+                    tensor = scale_tensor(tensor.float(), *rescale[unit.source])  # one rounding, at the end
                 if unit.layer is None:
                     (out_name, (_, out_t)), = unit.outputs.items()
                     out = tensors[out_name] = tensor.to(out_t) if tensor.dtype != out_t else tensor

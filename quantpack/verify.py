@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import __version__, checkpoint
+from . import __version__, checkpoint, sinq
 from .checkpoint import CheckpointError, TensorInfo
 from .format import LAYOUT_VERSION, unpack
 from .nn import QuantLinear
@@ -883,6 +883,21 @@ def _reference_weight(reference: checkpoint.SourceCheckpoint, ref_name: str, mod
 
 
 @torch.no_grad()
+def _sinq_rescale(model: nn.Module, reference: checkpoint.SourceCheckpoint, manifest: dict | None,
+                  prefix: str) -> dict:
+    """For a ``sinq`` conversion, the column/row factors it applied to each weight (recomputed from
+    the reference and the choices the manifest records); else empty."""
+    settings = (manifest or {}).get("settings") or {}
+    if settings.get("method") != "sinq" or not settings.get("sinq_scales"):
+        return {}
+    names = {f"{n}.weight" for n, _ in quantized_modules(model)} | {n for n, _ in model.named_parameters()}
+    located = {n: _reference_name(reference, n, prefix) for n in names}
+    located = {n: r for n, r in located.items() if r is not None}
+    rescale, _ = sinq.plan(located, lambda n: reference.get(located[n]), model.config, bits=None, group_size=None,
+                           kept=settings["sinq_scales"])
+    return rescale
+
+
 def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manifest: dict | None,
                  worst: int = WORST_LAYERS, on_layer: Callable[[str], None] | None = None) -> dict:
     """Relative error ``||W - dequantize(Q)||_F / ||W||_F`` (float32) of every quantized layer
@@ -890,6 +905,7 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
     prefix = getattr(model, "base_model_prefix", "") or ""
     recorded = {x["name"]: x for x in (manifest or {}).get("layers") or []}
     items, missing = [], []
+    rescale = _sinq_rescale(model, reference, manifest, prefix)
     for name, module in quantized_modules(model):
         # (one expert's matrix comes from a checkpoint tensor of another name, which the manifest records)
         ref_name = _reference_name(reference, recorded.get(name, {}).get("source", name) + ".weight", prefix)
@@ -898,6 +914,8 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
             continue
         deq = MODULE_TYPES[type(module)].dequantize(module).float()
         w = _reference_weight(reference, ref_name, module).to(deq.device, torch.float32)
+        if f"{name}.weight" in rescale:  # method sinq: the codes are of the weight with its scales absorbed
+            w = sinq.scale_tensor(w, *(None if x is None else x.to(w.device) for x in rescale[f"{name}.weight"]))
         if tuple(w.shape) != tuple(deq.shape):
             raise ValueError(f"reference: {ref_name} has shape {list(w.shape)} but the packed layer {name} is "
                              f"{list(deq.shape)}; pass the checkpoint it was converted from")
