@@ -302,31 +302,33 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 
 
 def _signature(kwargs) -> tuple | None:
-    """What a captured graph is specific to: each tensor's shape, dtype and device, each plain value, the identity
-    of any other object (the cache); ``None`` when an argument cannot be held."""
+    """What a captured graph is specific to: each tensor's shape, dtype, device and strides, each plain value (in
+    dicts too), the identity of the cache object; ``None`` when an argument cannot be held."""
     key = []
     for name in sorted(kwargs):
         value = kwargs[name]
-        if isinstance(value, torch.Tensor):
-            key.append((name, tuple(value.shape), value.dtype, value.device, value.stride()))
-        elif isinstance(value, _PLAIN):
-            key.append((name, value))
-        elif isinstance(value, dict):
-            items = []
-            for k in sorted(value):
-                v = value[k]
-                if isinstance(v, torch.Tensor):
-                    items.append((k, tuple(v.shape), v.dtype, v.device, v.stride()))
-                elif isinstance(v, _PLAIN):
-                    items.append((k, v))
-                else:
-                    return None
-            key.append((name, tuple(items)))
-        elif name in _CACHE_KWARGS:
+        if isinstance(value, dict):
+            items = tuple(_held(k, value[k]) for k in sorted(value))
+            if None in items:
+                return None
+            key.append((name, items))
+        elif name in _CACHE_KWARGS and not isinstance(value, _PLAIN + (torch.Tensor,)):
             key.append((name, id(value)))
         else:
-            return None
+            held = _held(name, value)
+            if held is None:
+                return None
+            key.append(held)
     return tuple(key)
+
+
+def _held(name, value) -> tuple | None:
+    """A tensor or plain argument's part of a signature; ``None`` for anything else."""
+    if isinstance(value, torch.Tensor):
+        return (name, tuple(value.shape), value.dtype, value.device, value.stride())
+    if isinstance(value, _PLAIN):
+        return (name, value)
+    return None
 
 
 def _clone_inputs(kwargs) -> dict:
