@@ -200,8 +200,9 @@ def default_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
 # Kernel name -> op family, first match wins (Triton kernels by their function names, PyTorch's by functor).
 FAMILIES = [
     ("quantized linears", r"_fwd_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_tr_kernel|_w8a8|_dequant_kernel"),
-    ("cuBLAS GEMM/GEMV (bf16 linears, lm_head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90_|splitKreduce"),
     ("attention", r"flash|fmha|attention|softmax|bmm|efficient"),
+    ("cuBLAS GEMM/GEMV (bf16 linears, lm_head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90_|splitKreduce"),
+    ("fused RMSNorm, rotary (quantpack)", r"_rms_norm_kernel|_rotary_kernel"),
     ("KV-cache update", r"index_copy|index_put|scatter"),
     ("norms (pow, mean, rsqrt)", r"pow|rsqrt|MeanOps|mean|norm"),
     ("rotary (cos, sin, neg, cat)", r"cos|sin|neg|CatArray|cat_"),
@@ -262,11 +263,13 @@ def append_results(args, results) -> None:
     import subprocess
 
     root = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = args.commit or "unknown"  # (a copy of the tree without .git)
+    commit = args.commit  # (a copy of the tree may carry another commit's .git)
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     base = {"device": results["device"], "commit": commit, "date": datetime.date.today().isoformat(),
             "shape": results["shape"], "quant": results["quant"], "new_tokens": args.new_tokens,
             "torch": results["torch"], "transformers": results["transformers"]}
@@ -379,6 +382,9 @@ def main(argv=None) -> int:
                                                     method=args.method)
     results["quantize_s"] = time.perf_counter() - t
     results["quant_weight_bytes"] = weight_bytes(model)
+    from quantpack.modules import fused
+
+    results["fused_norms"] = fused.apply(model)  # (as quantpack.load does: RMSNorm, rotary as one kernel each)
     results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
     if args.unmerged:

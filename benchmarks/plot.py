@@ -133,6 +133,9 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
             name += " no plans"
         return name
 
+    # One run per GPU, its newest: bars of one group come from one process (same-run ratios).
+    last_run = {r["device"]: r["commit"] for r in rows}
+    rows = [r for r in rows if r["commit"] == last_run[r["device"]]]
     cells = newest(rows, lambda r: (r["device"], r["path"], r["batch"], label(r)))
     groups = sorted({(r["device"], r["path"], r["batch"]) for r in cells}, key=lambda g: (g[1], g[0], g[2]))
     labels = sorted({label(r) for r in cells}, key=lambda s: (s != "bf16", s))
@@ -149,7 +152,8 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
                 ys.append(r["tok_s"])
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]}" for d, m, b in groups], fontsize=7)
+    ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]} {last_run[d]}" for d, m, b in groups],
+                       fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s (log)", fontsize=8)
     ax.legend(fontsize=7)
@@ -163,23 +167,36 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
 
 
 def plot_quality(rows, out: Path, plt) -> list[Path]:
-    skip = set(PROVENANCE) | {"method", "bits", "group_size"}
-    metrics = sorted({k for r in rows for k, v in r.items()
-                      if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)})
-    if not metrics:
+    """End-to-end error relative to hqq's (KL for causal LMs, 1 - cosine for encoders), per checkpoint and
+    bits/group, one bar per method: below 1 is better than hqq."""
+    metric_of = {"kl_ratio_to_hqq": "KL", "one_minus_cos_ratio_to_hqq": "1 - cos"}
+    rows = [r for r in rows if any(k in r for k in metric_of)]
+    if not rows:
         return []
-    cells = newest(rows, lambda r: (r.get("model"), r["method"], r.get("bits"), r.get("group_size")))
-    names = [f"{r['method']}" + (f" {r['bits']}b" if r.get("bits") else "") +
-             (f" g{r['group_size']}" if r.get("group_size") else "") for r in cells]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3.2), squeeze=False)
-    for ax, metric in zip(axes.flat, metrics):
-        vals = [r.get(metric, float("nan")) for r in cells]
-        ax.bar(range(len(cells)), vals)
-        ax.set_xticks(range(len(cells)))
-        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
-        ax.set_title(metric, fontsize=9)
+    cells = newest(rows, lambda r: (r["checkpoint"], r["method"], r["bits"], r["group_size"]))
+    checkpoints = sorted({r["checkpoint"] for r in cells})
+    fig, axes = plt.subplots(1, len(checkpoints), figsize=(4.8 * len(checkpoints), 3.2), squeeze=False)
+    for ax, name in zip(axes.flat, checkpoints):
+        mine = [r for r in cells if r["checkpoint"] == name]
+        configs = sorted({(r["bits"], r["group_size"]) for r in mine})
+        methods = sorted({r["method"] for r in mine}, key=lambda m: (m != "rtn", m != "hqq", m))
+        key = next(k for k in metric_of if k in mine[0])
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            xs, ys = [], []
+            for c, cfg in enumerate(configs):
+                r = next((r for r in mine if r["method"] == method and (r["bits"], r["group_size"]) == cfg), None)
+                if r is not None:
+                    xs.append(c + (i - (len(methods) - 1) / 2) * width)
+                    ys.append(r[key])
+            ax.bar(xs, ys, width, label=method)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(configs)))
+        ax.set_xticklabels([f"{b}-bit g{g}" for b, g in configs], fontsize=8)
+        ax.set_ylabel(f"end-to-end {metric_of[key]} / hqq's", fontsize=8)
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle("Quality by method", fontsize=9)
     fig.tight_layout()
     path = out / "quality.png"
     save(fig, path)

@@ -95,7 +95,7 @@ class StaticCacheGenerate:
                   or kwargs.get("use_cache") is False
                   or any(c is not None and (c.cache_implementation is not None or c.use_cache is False)
                          for c in (gen_config, own_config)))
-        if chosen or not _on_cuda(model):
+        if chosen or not on_cuda(model):
             return self.generate(*args, **kwargs)
         cache = self._kept_cache(model, args, kwargs, gen_config or own_config) if self.keep_cache else None
         if cache is None:
@@ -138,7 +138,8 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _on_cuda(model) -> bool:
+def on_cuda(model) -> bool:
+    """Whether ``model``'s (first) parameters are on a CUDA device."""
     try:
         return next(model.parameters()).is_cuda
     except StopIteration:
@@ -174,7 +175,10 @@ class DecodeGraphs:
         self.captures = 0
 
     def get_compiled_call(self, compile_config=None):
-        """What transformers' ``generate`` asks the model for, once per call, to run the decode steps with."""
+        """What transformers' ``generate`` asks the model for, once per call, to run the decode steps with (off a
+        GPU, where a caller's compile config lets transformers compile there, its own compiled call)."""
+        if not on_cuda(self.model):
+            return type(self.model).get_compiled_call(self.model, compile_config)
         return self.session()
 
     def session(self):
@@ -298,31 +302,33 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 
 
 def _signature(kwargs) -> tuple | None:
-    """What a captured graph is specific to: each tensor's shape, dtype and device, each plain value, the identity
-    of any other object (the cache); ``None`` when an argument cannot be held."""
+    """What a captured graph is specific to: each tensor's shape, dtype, device and strides, each plain value (in
+    dicts too), the identity of the cache object; ``None`` when an argument cannot be held."""
     key = []
     for name in sorted(kwargs):
         value = kwargs[name]
-        if isinstance(value, torch.Tensor):
-            key.append((name, tuple(value.shape), value.dtype, value.device, value.stride()))
-        elif isinstance(value, _PLAIN):
-            key.append((name, value))
-        elif isinstance(value, dict):
-            items = []
-            for k in sorted(value):
-                v = value[k]
-                if isinstance(v, torch.Tensor):
-                    items.append((k, tuple(v.shape), v.dtype, v.device, v.stride()))
-                elif isinstance(v, _PLAIN):
-                    items.append((k, v))
-                else:
-                    return None
-            key.append((name, tuple(items)))
-        elif name in _CACHE_KWARGS:
+        if isinstance(value, dict):
+            items = tuple(_held(k, value[k]) for k in sorted(value))
+            if None in items:
+                return None
+            key.append((name, items))
+        elif name in _CACHE_KWARGS and not isinstance(value, _PLAIN + (torch.Tensor,)):
             key.append((name, id(value)))
         else:
-            return None
+            held = _held(name, value)
+            if held is None:
+                return None
+            key.append(held)
     return tuple(key)
+
+
+def _held(name, value) -> tuple | None:
+    """A tensor or plain argument's part of a signature; ``None`` for anything else."""
+    if isinstance(value, torch.Tensor):
+        return (name, tuple(value.shape), value.dtype, value.device, value.stride())
+    if isinstance(value, _PLAIN):
+        return (name, value)
+    return None
 
 
 def _clone_inputs(kwargs) -> dict:

@@ -23,6 +23,7 @@ from .hub import resolve_checkpoint
 from .integrity import (check_manifest_layers, check_tensors, digest_mismatch, expected_tensors, fail,
                         read_checkpoint_files)
 from .modules.linear import QuantLinear
+from .modules import fused
 from .modules.merged import merge_projections
 from .modules.replace import linear_modules_to_convert, replace_linear_layers
 from .schemes import read_quantization_config
@@ -117,7 +118,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
       GEMV (:func:`~quantpack.modules.merged.merge_projections`); ``False`` keeps every layer separate.
     * ``decode``: how ``model.generate`` decodes on a GPU (:mod:`quantpack.generation`): ``"graphs"`` (default: a
       static KV cache, each decode step captured once as a CUDA graph and replayed), ``"compile"`` (a static cache
-      and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged).
+      and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged). On a GPU,
+      Llama-style RMSNorms and rotary embeddings run as one kernel each in every mode
+      (:mod:`quantpack.modules.fused`; ``quantpack.modules.fused.remove(model)`` undoes it).
     * ``trust_remote_code``: run the Python code the checkpoint ships for its config and model
       (``auto_map``). Off by default: such a checkpoint is refused, and nothing ever prompts.
 
@@ -232,6 +235,8 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         model.generation_config = GenerationConfig.from_pretrained(root)
     if merge:
         merge_projections(model)
+    if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each; the rotary replacement is process-wide)
+        fused.apply(model)
     generation.enable(model, decode)
     return model.eval()
 

@@ -173,7 +173,7 @@ def test_kept_cache_makes_later_calls_replay_the_first_calls_graph(packed_llama,
     model = quantpack.load(packed_llama, device="cpu", decode="eager")
     runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
     model.get_compiled_call = runner.get_compiled_call
-    monkeypatch.setattr(generation, "_on_cuda", lambda model: True)
+    monkeypatch.setattr(generation, "on_cuda", lambda model: True)
     config = CompileConfig()
     config._compile_all_devices = True
     kw = dict(do_sample=False, pad_token_id=0, compile_config=config)

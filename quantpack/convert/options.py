@@ -17,6 +17,8 @@ DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_METHOD = "hqq"
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# sinq: hqq's solver after Sinkhorn column scales moved into the norms and producing rows (quantpack.sinq)
+CONVERT_METHODS = (*METHODS, "sinq")
 
 
 def parse_bits_for(bits_for) -> list[tuple[re.Pattern, int]]:
@@ -135,8 +137,10 @@ def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bit
         raise ValueError(f"bits={bits!r} is not supported; use 4 or 8")
     if axis not in SUPPORTED_AXES:
         raise ValueError(f"axis={axis!r} is not supported; use 1 (groups along in-features) or 0")
-    if method not in METHODS and scheme != "w8a8":
-        raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
+    if method not in CONVERT_METHODS and scheme != "w8a8":
+        raise ValueError(f"method={method!r} is not supported; use one of {', '.join(CONVERT_METHODS)}")
+    if method == "sinq" and axis != 1:
+        raise ValueError("method='sinq' balances input features, for groups along them; use axis=1")
     if group_size is not None:
         check_group_size(group_size)
     skip = (skip,) if isinstance(skip, str) else tuple(skip)

@@ -33,8 +33,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     """Convert ``source`` (hub repo id or local directory) into a packed checkpoint at ``output``.
 
     ``scheme``: ``None`` (weight-only ``w<bits>a16``: ``bits`` 4 by default, ``method`` hqq by
-    default), ``"w4a16"``, ``"w8a16"``, or ``"w8a8"`` (int8 weights, one float32 scale per output
-    channel, for the int8 x int8 kernels; the weight-only arguments ``bits``, ``group_size``,
+    default; ``"sinq"`` first moves Sinkhorn column scales into the norms and producing rows of
+    Llama-style decoder blocks where they lower the estimated error, see :mod:`quantpack.sinq`),
+    ``"w4a16"``, ``"w8a16"``, or ``"w8a8"`` (int8 weights, one float32 scale per output channel, for
+    the int8 x int8 kernels; the weight-only arguments ``bits``, ``group_size``,
     ``axis``, ``method`` and ``bits_for`` must then be left out, see :func:`resolve_scheme`).
     ``output`` defaults to ``<model-name>-qp<bits>g<group_size>`` (``<model-name>-qpw8a8``) in the
     current directory.
@@ -189,9 +191,18 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         fingerprint = conversion_fingerprint(resolved, src, settings, dev, names)
         done = resume_state(partial, fingerprint, names, summary.settings)
         summary.resumed_shards = len(done)
+        rescale = {}
+        if method == "sinq":
+            from .. import sinq
+
+            source_of = {v: k for k, v in canonical.items()}
+            rescale, kept = sinq.plan(source_of, lambda n: src.get(source_of[n]), config, bits=bits,
+                                      group_size=group_size, device=dev)
+            rescale = {source_of[n]: v for n, v in rescale.items()}
+            settings["sinq_scales"] = kept  # recorded (not fingerprinted: derived), so verify can redo them
         try:
-            write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype,
-                          progress, summary)
+            write_shards(src, shards, names, partial, done, fingerprint, scheme, axis,
+                         "hqq" if method == "sinq" else method, dev, out_dtype, progress, summary, rescale)
             t_finish = time.perf_counter()
             # -- the small files, then the manifest last
             for rel in other_files:

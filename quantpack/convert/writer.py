@@ -16,7 +16,8 @@ from .summary import LayerResult
 
 
 def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype, progress,
-                  summary):
+                 summary, rescale=None):
+    """``rescale``: {source tensor: (row, column factors)} applied before quantizing or copying."""
     from tqdm.auto import tqdm
 
     todo_bytes = sum(src.info(u.source).nbytes for i, s in enumerate(shards) if names[i] not in done for u in s)
@@ -45,6 +46,10 @@ def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, m
                 if j + 1 < len(shard):
                     pending = reader.submit(src.get, shard[j + 1].source)
                 _check_finite(src, unit.source, tensor)
+                if rescale and unit.source in rescale:
+                    from ..sinq import scale_tensor
+
+                    tensor = scale_tensor(tensor.float(), *rescale[unit.source])  # one rounding, at the end
                 if unit.layer is None:
                     (out_name, (_, out_t)), = unit.outputs.items()
                     out = tensors[out_name] = tensor.to(out_t) if tensor.dtype != out_t else tensor

@@ -31,12 +31,12 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from pathlib import Path
 
 from .. import checkpoint, generation
-from ..checkpoint import CheckpointError, TensorInfo
-from ..checkpoint import QUANT_METHOD
+from ..checkpoint import QUANT_METHOD, CheckpointError, TensorInfo
 from ..hub import resolve_checkpoint
 from ..integrity import (check_manifest_layers, check_tensors, check_tensor_digests, expected_tensors, fail,
                          read_checkpoint_files)
 from ..modules.linear import QuantLinear
+from ..modules import fused
 from ..modules.merged import merge_projections
 from ..modules.replace import linear_modules_to_convert, replace_linear_layers
 from ..schemes import read_quantization_config
@@ -137,6 +137,8 @@ class QuantpackHfQuantizer(HfQuantizer):
         if still_meta:
             raise fail(f"tensor {still_meta[0]}: missing from the checkpoint")
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
+        if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each)
+            fused.apply(model)
         generation.enable(model)  # (and generate() replays its decode steps from CUDA graphs)
         return model
 

@@ -6,9 +6,25 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import checkpoint, schemes
+from .. import checkpoint, schemes, sinq
 from .integrity import quantized_modules, reference_name, reference_weight
 from .report import WORST_LAYERS
+
+
+@torch.no_grad()
+def _sinq_rescale(model: nn.Module, reference: checkpoint.SourceCheckpoint, manifest: dict | None,
+                  prefix: str) -> dict:
+    """For a ``sinq`` conversion, the column/row factors it applied to each weight (recomputed from
+    the reference and the choices the manifest records); else empty."""
+    settings = (manifest or {}).get("settings") or {}
+    if settings.get("method") != "sinq" or not settings.get("sinq_scales"):
+        return {}
+    names = {f"{n}.weight" for n, _ in quantized_modules(model)} | {n for n, _ in model.named_parameters()}
+    located = {n: reference_name(reference, n, prefix) for n in names}
+    located = {n: r for n, r in located.items() if r is not None}
+    rescale, _ = sinq.plan(located, lambda n: reference.get(located[n]), model.config, bits=None, group_size=None,
+                           kept=settings["sinq_scales"])
+    return rescale
 
 
 @torch.no_grad()
@@ -19,6 +35,7 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
     prefix = getattr(model, "base_model_prefix", "") or ""
     recorded = {x["name"]: x for x in (manifest or {}).get("layers") or []}
     items, missing = [], []
+    rescale = _sinq_rescale(model, reference, manifest, prefix)
     for name, module in quantized_modules(model):
         # (one expert's matrix comes from a checkpoint tensor of another name, which the manifest records)
         ref_name = reference_name(reference, recorded.get(name, {}).get("source", name) + ".weight", prefix)
@@ -27,6 +44,8 @@ def layer_errors(model: nn.Module, reference: checkpoint.SourceCheckpoint, manif
             continue
         deq = schemes.module_check(module).dequantize(module).float()
         w = reference_weight(reference, ref_name, module).to(deq.device, torch.float32)
+        if f"{name}.weight" in rescale:  # method sinq: the codes are of the weight with its scales absorbed
+            w = sinq.scale_tensor(w, *(None if x is None else x.to(w.device) for x in rescale[f"{name}.weight"]))
         if tuple(w.shape) != tuple(deq.shape):
             raise ValueError(f"reference: {ref_name} has shape {list(w.shape)} but the packed layer {name} is "
                              f"{list(deq.shape)}; pass the checkpoint it was converted from")

