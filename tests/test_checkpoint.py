@@ -68,14 +68,14 @@ def test_write_safetensors_roundtrip_and_alignment(tmp_path, dtype):
 def test_write_safetensors_digests_are_the_sha256_of_each_tensors_stored_bytes(tmp_path, monkeypatch):
     import hashlib
 
-    import quantpack.checkpoint as checkpoint_mod
+    import quantpack.checkpoint_writer as checkpoint_writer
 
     g = torch.Generator().manual_seed(0)
     tensors = {"big": torch.randn(300, 1000, generator=g).to(torch.bfloat16),  # 600 KB: hashed on the second thread
                "strided": torch.randn(6, 8, generator=g).t(),  # not contiguous: stored (and hashed) contiguous
                "codes": torch.randint(0, 256, (33, 5), dtype=torch.uint8, generator=g),
                "empty": torch.zeros(0, 3), "scalar": torch.tensor(2.5)}
-    monkeypatch.setattr(checkpoint_mod, "_THREADED_DIGEST_BYTES", 1 << 19)
+    monkeypatch.setattr(checkpoint_writer, "_THREADED_DIGEST_BYTES", 1 << 19)
     digests = {}
     sha, size = write_safetensors(tmp_path / "d.safetensors", tensors, SHARD_METADATA, digests=digests)
     # The file is the one written without digests.
