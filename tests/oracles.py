@@ -77,7 +77,7 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-# torch.compile (tests/test_compile.py, tests/test_nn_experts.py)
+# torch.compile (tests/test_compile.py, tests/modules/test_experts.py)
 MIXED_MM = (torch.ops.quantpack.mixed_mm, torch.ops.quantpack.mixed_mm.default)  # (dynamo's graph, aot's)
 
 

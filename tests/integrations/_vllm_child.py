@@ -1,4 +1,4 @@
-"""Run in a child process by tests/test_vllm.py: serve a packed checkpoint with vLLM (CPU) and write
+"""Run in a child process by tests/integrations/test_vllm.py: serve a packed checkpoint with vLLM (CPU) and write
 per-token prompt log-probs, greedy generations and which processes registered the plugin to a JSON
 file (vLLM logs to stdout, so results go to a file). Argv: MODEL_DIR TP OUT_JSON PROMPTS_JSON."""
 import json
