@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from quantpack import verify as verify_mod
 from quantpack.cli import cli
-from test_verify import TRAIN_TOKENS, assert_matches_schema, ckpt, copy_of, flip_byte  # noqa: F401 (fixture)
+from test_verify import (TRAIN_TOKENS, altered_reference, assert_matches_schema, ckpt,  # noqa: F401 (fixture)
+                         copy_of, flip_byte)
 
 
 def run(*args):
@@ -76,11 +77,7 @@ def test_quiet_prints_nothing_but_what_failed(ckpt, text_file):
 
 
 def test_warnings_go_to_stderr(ckpt, tmp_path):
-    other = tmp_path / "other"
-    shutil.copytree(ckpt("llama"), other)
-    config = json.loads((other / "config.json").read_text())
-    config["rms_norm_eps"] = 1e-5 if config.get("rms_norm_eps") != 1e-5 else 1e-6
-    (other / "config.json").write_text(json.dumps(config))
+    other = altered_reference(ckpt("llama"), tmp_path / "other")
     r = run(ckpt("q8"), "--reference", other, "--device", "cpu", "--json")
     assert json.loads(r.stdout)["warnings"]  # stdout stays valid JSON
     assert r.stderr.startswith("warning: the reference differs from the files quantpack.json says"), r.stderr

@@ -621,12 +621,17 @@ def test_default_reference_is_the_recorded_hub_repo_and_revision(hub_cache, tmp_
     assert r.end_to_end["metrics"]["kl_mean"] < 0.01
 
 
-def test_reference_that_differs_from_the_source_is_flagged(ckpt, tmp_path):
-    other = tmp_path / "other"
-    shutil.copytree(ckpt("llama"), other)
-    config = json.loads((other / "config.json").read_text())
+def altered_reference(source: Path, where: Path) -> Path:
+    """A copy of ``source`` whose config differs (its RMSNorm epsilon): not the files the manifest recorded."""
+    shutil.copytree(source, where)
+    config = json.loads((where / "config.json").read_text())
     config["rms_norm_eps"] = 1e-5 if config.get("rms_norm_eps") != 1e-5 else 1e-6
-    (other / "config.json").write_text(json.dumps(config))
+    (where / "config.json").write_text(json.dumps(config))
+    return where
+
+
+def test_reference_that_differs_from_the_source_is_flagged(ckpt, tmp_path):
+    other = altered_reference(ckpt("llama"), tmp_path / "other")
     r = verify(ckpt("q8"), reference=other, text=ckpt("train_text"), device="cpu", end_to_end=False)
     assert r.reference["matches_manifest"] is False
     assert any("reference differs" in w for w in r.warnings)
