@@ -12,13 +12,22 @@ Modes (``quantpack.load(..., decode=...)``):
 
 * ``"graphs"`` (default on CUDA): the above.
 * ``"compile"``: a static cache by default, and transformers' own ``torch.compile`` of the step (inductor, CUDA
-  graphs; the kernels enter it as custom ops). A first call compiles for about a minute.
+  graphs; the kernels enter it as custom ops). A first call compiles for about a minute; what it compiles is kept
+  under quantpack's cache directory (``torchinductor/``, see :func:`keep_compile_caches`), so that a new process
+  reuses it instead of a temporary directory that a reboot empties.
 * ``"eager"``: nothing changed: transformers' defaults (a dynamic cache, no graphs).
 
 A single call opts out too: ``model.generate(..., disable_compile=True)`` runs that call eagerly.
+
+In the first two modes the host also stops waiting for the GPU after every token: transformers (from 5.2x, as
+``DeferredStopCheck``) can read "have all sequences finished?" one step late, running one step too many and undoing
+it, but turns that on only for Apple GPUs. Without it each step ends in a sync, and the next step's host work (its
+inputs, mask and launches: about 0.7 ms on an H100 host) runs while the GPU idles; with it that work overlaps the
+step before. :func:`defer_stop_checks` turns it on for the CUDA calls this module makes.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import sys
@@ -33,6 +42,10 @@ MAX_TOKENS = 8  # a call of more tokens per sequence (a prefill) runs eagerly: e
 _CACHE_KWARGS = ("past_key_values", "cache")
 
 logger = logging.getLogger(__name__)
+
+DEFER_DEVICES = ("cuda",)  # where a generate() call of this module reads its stop flag a step late
+# The generate() call in progress in this context, when this module runs it (the cache it keeps, or True).
+_RUNNING = contextvars.ContextVar("quantpack_generate", default=None)
 
 
 def _progress(message: str) -> None:
@@ -50,6 +63,9 @@ def enable(model, mode: str = "graphs") -> None:
     disable(model)
     if mode == "eager" or not callable(getattr(model, "can_generate", None)) or not model.can_generate():
         return
+    defer_stop_checks()
+    if mode == "compile":
+        keep_compile_caches()
     model.generate = functools.wraps(model.generate)(StaticCacheGenerate(model.generate, keep_cache=mode == "graphs"))
     if mode == "graphs":
         model.get_compiled_call = DecodeGraphs(model).get_compiled_call
@@ -102,7 +118,11 @@ class StaticCacheGenerate:
             kwargs["cache_implementation"] = "static"
         else:
             kwargs[_cache_kwarg(model)] = cache
-        return self.generate(*args, **kwargs)
+        token = _RUNNING.set(cache if cache is not None else True)
+        try:
+            return self.generate(*args, **kwargs)
+        finally:
+            _RUNNING.reset(token)
 
     def _kept_cache(self, model, args, kwargs, config):
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
@@ -128,6 +148,66 @@ class StaticCacheGenerate:
         self.cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=max_len)
         self.cache_shape = (batch, max_len)
         return self.cache
+
+
+def keep_compile_caches() -> str | None:
+    """Point torch.compile's caches (inductor's compiled graphs and their Triton kernels) at ``torchinductor/`` under
+    quantpack's cache directory (``$QUANTPACK_CACHE_DIR``, see docs/environment.md) unless
+    ``TORCHINDUCTOR_CACHE_DIR`` is set (by the user, or by inductor once it has picked its directory in this
+    process). Returns the directory now in use, ``None`` where it is inductor's default; a directory that cannot be
+    written leaves the default, with one line on stderr saying so."""
+    import os
+
+    from .kernels.configs import cache_root
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    path = cache_root() / "torchinductor"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        _progress(f"cannot keep torch.compile's caches in {path} ({e.strerror or e}); they stay in torch's "
+                  f"temporary directory (set QUANTPACK_CACHE_DIR to a writable directory to keep them)")
+        return None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return str(path)
+
+
+def defer_stop_checks() -> bool:
+    """Let transformers' ``DeferredStopCheck`` run in the ``generate`` calls this module makes on a GPU (see the
+    module's docstring); other calls keep transformers' choice. Idempotent; ``False`` where this transformers has no
+    deferred stop check. The cache this module keeps counts as not returned to the caller (it is reset before its
+    next use), so it needs no rollback records, which cost a copy per step."""
+    try:
+        from transformers.generation import utils
+    except ImportError:  # pragma: no cover (transformers is a dependency)
+        return False
+    base = getattr(utils, "DeferredStopCheck", None)
+    if base is None:
+        return False
+    if getattr(base, "quantpack_defers", False):
+        return True
+
+    class DeferredOnCuda(base):
+        __doc__ = base.__doc__
+        quantpack_defers = True
+
+        @staticmethod
+        def is_supported(device, cache, cache_is_returned, is_assistant):
+            running = _RUNNING.get()
+            if running is None or device.type not in DEFER_DEVICES or is_assistant:
+                return base.is_supported(device, cache, cache_is_returned, is_assistant)
+            return cache is None or cache is running or cache.is_croppable or not cache_is_returned
+
+        def __init__(self, input_ids, max_length, cache, cache_is_returned, streamer=None):
+            if cache is not None and cache is _RUNNING.get():
+                cache_is_returned = False
+            super().__init__(input_ids, max_length, cache, cache_is_returned, streamer)
+
+    utils.DeferredStopCheck = DeferredOnCuda
+    return True
 
 
 def _cache_kwarg(model) -> str:

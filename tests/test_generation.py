@@ -214,3 +214,85 @@ def test_default_generate_on_cuda_matches_eager(packed_llama, dtype):
     # A second and third call (a new cache each: the old graphs and their memory pool are dropped) agree too.
     for _ in range(2):
         assert torch.equal(fast.generate(ids, **kw).sequences, b.sequences)
+
+
+class _HostEvent:
+    """Stands in for torch.Event on the CPU (which has none; the CPU runs in order, so there is nothing to wait for)."""
+
+    def __init__(self, device=None, blocking=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def test_stop_flag_read_a_step_late_gives_the_same_tokens(packed_llama, monkeypatch):
+    """On the default path the stop flag is read one step late (no host wait per token): a call stopped by EOS runs
+    one step more and undoes it, a call stopped by max_new_tokens stops on time; the tokens are the eager ones. Calls
+    this module does not make keep transformers' own stop check."""
+    from transformers import CompileConfig
+    from transformers.generation import utils
+
+    assert generation.defer_stop_checks()
+    deferred = utils.DeferredStopCheck
+    finished = []
+    original_finish = deferred.finish
+    monkeypatch.setattr(deferred, "finish", lambda self: finished.append(original_finish(self)) or finished[-1])
+    monkeypatch.setattr(generation, "DEFER_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    monkeypatch.setattr(generation, "on_cuda", lambda model: True)
+
+    model = quantpack.load(packed_llama, device="cpu", decode="eager")
+    runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
+    model.get_compiled_call = runner.get_compiled_call
+    config = CompileConfig()
+    config._compile_all_devices = True
+    ids = _prompt(model, batch=1)
+    kw = dict(do_sample=False, pad_token_id=0, compile_config=config)
+    full = model.generate(ids, max_new_tokens=8, disable_compile=True, **kw)
+    assert finished == []  # (transformers' own choice off the default path: no deferral on this device)
+    eos = int(full[0, ids.shape[1] + 3])  # the 4th new token ends the sequence
+    first = int((full[0, ids.shape[1]:] == eos).nonzero()[0])
+    fast = generation.StaticCacheGenerate(model.generate, keep_cache=True)
+
+    by_eos = fast(ids, max_new_tokens=8, eos_token_id=eos, **kw)
+    assert finished == [1]  # one step past the stop, undone
+    assert torch.equal(by_eos, full[:, :ids.shape[1] + first + 1])
+    assert torch.equal(by_eos, model.generate(ids, max_new_tokens=8, eos_token_id=eos, disable_compile=True, **kw))
+    by_length = fast(ids, max_new_tokens=8, **kw)
+    assert finished == [1, 0]  # stopped at max_new_tokens on time
+    assert torch.equal(by_length, full)
+
+
+def test_compile_caches_kept_under_quantpacks_cache_directory(packed_llama, tmp_path, monkeypatch, capsys):
+    """decode="compile" keeps torch.compile's caches under $QUANTPACK_CACHE_DIR (not a temporary directory), leaves
+    a directory the user chose alone, and with an unusable cache directory says so in one line and keeps torch's."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path / "qp"))
+    model = quantpack.load(packed_llama, device="cpu", decode="graphs")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in __import__("os").environ  # (graphs compile nothing)
+    generation.enable(model, "compile")
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "qp" / "torchinductor")
+    assert (tmp_path / "qp" / "torchinductor").is_dir()
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    assert cache_dir() == str(tmp_path / "qp" / "torchinductor")
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert generation.keep_compile_caches() == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path / "file"))
+    capsys.readouterr()
+    assert generation.keep_compile_caches() is None
+    err = capsys.readouterr().err
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert err.count("\n") == 1 and "cannot keep torch.compile's caches" in err and "QUANTPACK_CACHE_DIR" in err
+    assert (tmp_path / "file").read_text() == "not a directory"

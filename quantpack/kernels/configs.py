@@ -86,12 +86,17 @@ def capability(dev_key: str) -> list | None:
     return None
 
 
+def cache_root() -> Path:
+    """quantpack's cache directory: ``$QUANTPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/quantpack``, else
+    ``~/.cache/quantpack``."""
+    return Path(os.environ.get("QUANTPACK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "quantpack"))
+
+
 def tuned_cache_path(dev_key: str) -> Path:
     """Where configs autotuned on this machine (``QUANTPACK_AUTOTUNE=1``) are kept between runs:
-    ``$QUANTPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/quantpack``, else ``~/.cache/quantpack``."""
-    root = os.environ.get("QUANTPACK_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "quantpack")
-    return Path(root) / "configs" / f"{dev_key}.json"
+    ``configs/<gpu>.json`` under :func:`cache_root`."""
+    return cache_root() / "configs" / f"{dev_key}.json"
 
 
 def read_configs(path: Path) -> dict:
