@@ -12,7 +12,7 @@ import torch
 
 from .dequant import interpreting
 
-PATHS = ("gemv", "mma", "wgmma", "fma", "dot", "dot_t", "dq")
+PATHS = ("gemv", "mma", "wgmma", "fma", "dot", "dot_t", "dq", "w4a8")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,232 @@
+"""W4A8-FP8: a packed 4-bit weight-only checkpoint on Hopper's FP8 tensor cores.
+
+The same (K/2, N) packed codes the W4A16 kernels read (docs/format.md), no new format. Per call:
+
+1. :func:`quantize_activations_fp8`: one program per row of x: ``amax = max(max_k |x[m, k]|, AMAX_FLOOR)``,
+   ``scale[m] = amax / 448``, ``xq = clamp(x * (448 / amax), -448, 448)`` rounded to float8 e4m3 (to nearest, ties to
+   even). It writes the row's even in-features first and its odd ones after them (pair row ``r`` of the weight meets
+   columns ``r`` and ``K/2 + r``: no nibble interleaving in the GEMM), and the sum of the quantized values of each
+   (row, K-group), which the zero term needs.
+2. :func:`w4a8_matmul`: per (M, N) tile, per K group ``g``: ``acc_g = xq_g . q_g`` on the FP8 tensor cores (the codes
+   0..15 are exact in e4m3), then ``acc += s[g, n] * acc_g - xsum[m, g] * (z * s)[g, n]`` in float32 (HQQ's
+   ``w = (q - z) * s``), and finally ``out = acc * scale[m] (+ bias)``.
+
+:func:`~quantpack.reference.matmul_fp8_activations` is the float reference of the same arithmetic. dispatch.py
+decides where this path runs (``QUANTPACK_W4A8``); the launcher (launcher.py) runs it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch_plan
+from .dequant import cdiv, interpreting, next_power_of_2, on_device
+from ..reference import FP8_AMAX_FLOOR, FP8_MAX
+
+__all__ = ["quantize_activations_fp8", "w4a8_matmul", "w4a8_layout_fits", "w4a8_config", "MIN_GROUP"]
+
+MIN_GROUP = 64  # a K step is at least 64 in-features: two FP8 dots of K = 32, the smallest wgmma takes
+_CHUNK = 1024  # pair rows per quantizer step (whole groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation quantization: one program per row.
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _round_half_even(y):
+    # (|y| <= 16 here; the interpreter has no rint)
+    t = y.to(tl.int32)
+    frac = y - t.to(tl.float32)
+    afrac = tl.abs(frac)
+    up = (afrac > 0.5) | ((afrac == 0.5) & ((t & 1) != 0))
+    return tl.where(up, t + tl.where(frac > 0, 1, -1), t).to(tl.float32)
+
+
+@triton.jit
+def _to_e4m3(y, EMULATE: tl.constexpr):
+    """``y`` (|y| <= 448) rounded to float8 e4m3, ties to even. The interpreter's own conversion drops the carry of
+    a mantissa that rounds up into the next power of two (124.3 -> 64), so there the rounding is done in float32
+    first (to 3 mantissa bits, subnormals below 2**-6), leaving an exact conversion."""
+    if EMULATE:
+        e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+        r = _round_half_even(y / ulp) * ulp
+        y = tl.where(y < 0, -tl.abs(r), r)  # (keeps the sign of a value that rounds to zero)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS: tl.constexpr, CHUNK: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """Quantize pair rows [c0, c0 + CHUNK) of one row; store even/odd halves and the group sums."""
+    j = c0 + tl.arange(0, CHUNK)
+    mask = j < KH
+    x_e = tl.load(x_row + 2 * j, mask=mask, other=0.0).to(tl.float32)
+    x_o = tl.load(x_row + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)
+    q_e = _to_e4m3(tl.minimum(tl.maximum(x_e * inv, -448.0), 448.0), EMULATE)
+    q_o = _to_e4m3(tl.minimum(tl.maximum(x_o * inv, -448.0), 448.0), EMULATE)
+    tl.store(q_row + j, q_e, mask=mask)
+    tl.store(q_row + KH + j, q_o, mask=mask)
+    PAIRS: tl.constexpr = GS // 2
+    both = q_e.to(tl.float32) + q_o.to(tl.float32)
+    sums = tl.sum(tl.reshape(both, (CHUNK // PAIRS, PAIRS)), axis=1)
+    g = c0 // PAIRS + tl.arange(0, CHUNK // PAIRS)
+    tl.store(sum_row + g, sums, mask=g < KH // PAIRS)
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, AMAX_FLOOR: tl.constexpr,
+                         GS: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                         EMULATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * K
+    sum_row = sum_ptr + row * (K // GS)
+    KH = K // 2
+    offs = tl.arange(0, 2 * CHUNK)
+    if ONE_CHUNK:
+        amax = tl.max(tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)), axis=0)
+    else:
+        run_max = tl.zeros([2 * CHUNK], dtype=tl.float32)
+        for k0 in range(0, K, 2 * CHUNK):
+            xk = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            run_max = tl.maximum(run_max, tl.abs(xk))
+        amax = tl.max(run_max, axis=0)
+    amax = tl.maximum(amax, AMAX_FLOOR)
+    inv = tl.math.div_rn(448.0, amax)
+    tl.store(s_ptr + row, tl.math.div_rn(amax, 448.0))
+    for c0 in range(0, KH, CHUNK):  # (a second read of the row mostly hits L2)
+        _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS, CHUNK, EMULATE)
+
+
+def quantize_activations_fp8(x2: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token FP8 e4m3 quantization of ``x2`` (M, K) for :func:`w4a8_matmul`: ``(xq, scale, xsum)`` with ``xq``
+    (M, K) float8_e4m3fn holding each row's even in-features then its odd ones, ``scale`` (M,) float32 (x ~ xq *
+    scale) and ``xsum`` (M, K / group_size) float32, the sum of each group's quantized values. ``group_size``: a power
+    of two >= 2 dividing K (K even)."""
+    m, k = x2.shape
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x2.device)
+    xsum = torch.empty((m, k // group_size), dtype=torch.float32, device=x2.device)
+    if m:
+        chunk = max(group_size // 2, min(_CHUNK, next_power_of_2(k // 2)))
+        with on_device(x2):
+            launch_plan.launch(_quantize_fp8_kernel, (m,), x2, q, scale, xsum, k, x2.stride(0), AMAX_FLOOR=FP8_AMAX_FLOOR,
+                                       GS=group_size, CHUNK=chunk, ONE_CHUNK=k <= 2 * chunk, EMULATE=interpreting(),
+                                       num_warps=4 if chunk <= 512 else 8)
+    return q, scale, xsum
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 activations x 4-bit codes, group-wise scale and zero in float32.
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _codes(b, F32: tl.constexpr):
+    """The low and high nibbles of packed bytes as FP8 e4m3 values (float32 in the interpreter)."""
+    if F32:
+        return (b & 0xF).to(tl.float32), (b >> 4).to(tl.float32)
+    # (q + 1024 as fp16 by OR-ing the nibble into 1024.0's bits, minus 1024: exact, then one cvt per two codes)
+    lo = ((b & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    hi = ((b >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return lo.to(tl.float8e4nv), hi.to(tl.float8e4nv)
+
+
+@triton.jit
+def _fold(acc, acc_g, g, s_ptr, z_ptr, xsum_ptr, mw, nw, N, NG):
+    """acc + s[g, n] * acc_g - xsum[m, g] * (z * s)[g, n]: group g's share of x . ((q - z) * s), over xq's scale."""
+    s = tl.load(s_ptr + g * N + nw).to(tl.float32)
+    zs = tl.load(z_ptr + g * N + nw).to(tl.float32) * s
+    xsum = tl.load(xsum_ptr + mw * NG + g)
+    return acc + acc_g * s[None, :] - xsum[:, None] * zs[None, :]
+
+
+@triton.jit
+def _w4a8_kernel(xq_ptr, xs_ptr, xsum_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+                 GS: tl.constexpr, HAS_BIAS: tl.constexpr, F32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n  # grouped order: GROUP_M row tiles share each weight tile while it is in L2
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # wrapped indices keep every load in bounds without masks; those rows/columns are never stored
+    mw = (m % M).to(tl.int64)
+    nw = n % N
+    KH = K // 2
+    NG = K // GS
+    STEPS: tl.constexpr = GS // (2 * BLOCK_R)  # K steps per group
+    r_off = tl.arange(0, BLOCK_R)
+    a_ptrs = xq_ptr + mw[:, None] * K + r_off[None, :]
+    b_ptrs = qw_ptr + r_off[:, None] * N + nw[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(0, NG * STEPS):
+        a_lo = tl.load(a_ptrs)
+        a_hi = tl.load(a_ptrs + KH)
+        b = tl.load(b_ptrs)
+        lo, hi = _codes(b, F32)
+        if F32:
+            a_lo = a_lo.to(tl.float32)
+            a_hi = a_hi.to(tl.float32)
+        if STEPS == 1:
+            acc_g = tl.dot(a_lo, lo, input_precision="ieee" if F32 else None)
+        else:
+            acc_g = tl.dot(a_lo, lo, acc_g, input_precision="ieee" if F32 else None)
+        acc_g = tl.dot(a_hi, hi, acc_g, input_precision="ieee" if F32 else None)
+        if STEPS == 1:
+            acc = _fold(acc, acc_g, it, s_ptr, z_ptr, xsum_ptr, mw, nw, N, NG)
+        elif (it + 1) % STEPS == 0:
+            acc = _fold(acc, acc_g, it // STEPS, s_ptr, z_ptr, xsum_ptr, mw, nw, N, NG)
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        a_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R * N
+    acc = acc * tl.load(xs_ptr + mw)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + nw).to(tl.float32)[None, :]
+    mask = (m < M)[:, None] & (n < N)[None, :]
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w4a8_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, transposed: bool = False) -> bool:
+    """Whether a call of this weight can run the W4A8 path: forward, 4-bit, groups along K of a power of two of at
+    least :data:`MIN_GROUP` in-features (one K step never straddles two groups)."""
+    return (bits == 4 and axis == 1 and not transposed and group_size >= MIN_GROUP
+            and group_size & (group_size - 1) == 0 and k % group_size == 0 and n >= 1)
+
+
+def w4a8_config(m: int, n: int, sms: int):
+    """Tiles for M rows of x: 128 x 128 (8 warps) where they give every SM a program, else 64-row tiles (4 warps)."""
+    from .configs import KernelConfig
+    if cdiv(m, 128) * cdiv(n, 128) >= sms:
+        return KernelConfig("w4a8", block_m=128, block_n=128, block_r=64, num_warps=8, num_stages=3)
+    return KernelConfig("w4a8", block_m=64, block_n=128, block_r=64, num_warps=4, num_stages=4)
+
+
+def w4a8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None, out: torch.Tensor, *, n: int, k: int, group_size: int, cfg) -> torch.Tensor:
+    """``out`` (M, N) = ``x2 @ W.T (+ bias)`` with x2 quantized per token to FP8 (:func:`quantize_activations_fp8`)
+    and the packed 4-bit W (groups along K, :func:`w4a8_layout_fits`); ``cfg`` a ``w4a8`` KernelConfig."""
+    m = x2.shape[0]
+    if m == 0:
+        return out
+    xq, xs, xsum = quantize_activations_fp8(x2, group_size)
+    interp = interpreting()
+    bm, bn = (16, 32) if interp else (cfg.block_m, cfg.block_n)  # (the interpreter: small tiles, several per call)
+    block_r = min(cfg.block_r, group_size // 2)
+    grid = (cdiv(m, bm) * cdiv(n, bn),)
+    with on_device(x2):
+        launch_plan.launch(_w4a8_kernel, grid, xq, xs, xsum, qweight, scales, zeros, bias if bias is not None else out, out, m, n, k,
+                           out.stride(0), GS=group_size, HAS_BIAS=bias is not None, F32=interp, BLOCK_M=bm,
+                           BLOCK_N=bn, BLOCK_R=block_r, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages)
+    return out
