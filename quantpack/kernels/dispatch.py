@@ -191,6 +191,16 @@ def w4a8_pick(props: DeviceProps, flags: Flags, m: int, n: int, k: int, bits: in
     return True, ("w4a8", m, flags.w4a8)
 
 
+def w4a8_runs(m: int, n: int, k: int, bits: int, group_size: int, axis: int, device: torch.device) -> bool:
+    """Whether a forward call of ``m`` rows through this weight on ``device`` rounds its activations to FP8: it runs
+    the W4A8 path (a GPU, or the interpreter where forced), or the CPU reference where QUANTPACK_W4A8=force. (What
+    verify's kernel check compares a layer with.)"""
+    flags = Flags.from_env()
+    if device.type != "cuda" and not flags.interpret:
+        return flags.w4a8 == "force" and w4a8_layout_fits(n, k, group_size, bits, axis)
+    return w4a8_pick(device_props(device), flags, m, n, k, bits, axis, group_size, False)[0]
+
+
 def pdl_device(props: DeviceProps, flags: Flags) -> bool:
     """Whether decode kernels launch with programmatic dependent launch (Hopper and later): each starts while the
     kernel before it finishes, waiting only before it reads anything another kernel may write. Off unless
