@@ -58,17 +58,19 @@ def _to_e4m3(y, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS: tl.constexpr, CHUNK: tl.constexpr,
+def _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS: tl.constexpr, CHUNK: tl.constexpr, R: tl.constexpr,
                     EMULATE: tl.constexpr):
-    """Quantize pair rows [c0, c0 + CHUNK) of one row; store even/odd halves and the group sums."""
+    """Quantize pair rows [c0, c0 + CHUNK) of one row; store them in blocks of R pair rows (evens, then odds) and the
+    group sums."""
     j = c0 + tl.arange(0, CHUNK)
     mask = j < KH
     x_e = tl.load(x_row + 2 * j, mask=mask, other=0.0).to(tl.float32)
     x_o = tl.load(x_row + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)
     q_e = _to_e4m3(tl.minimum(tl.maximum(x_e * inv, -448.0), 448.0), EMULATE)
     q_o = _to_e4m3(tl.minimum(tl.maximum(x_o * inv, -448.0), 448.0), EMULATE)
-    tl.store(q_row + j, q_e, mask=mask)
-    tl.store(q_row + KH + j, q_o, mask=mask)
+    at = (j // R) * (2 * R) + j % R
+    tl.store(q_row + at, q_e, mask=mask)
+    tl.store(q_row + at + R, q_o, mask=mask)
     PAIRS: tl.constexpr = GS // 2
     both = q_e.to(tl.float32) + q_o.to(tl.float32)
     sums = tl.sum(tl.reshape(both, (CHUNK // PAIRS, PAIRS)), axis=1)
@@ -78,7 +80,7 @@ def _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS: tl.constexpr, CHUNK:
 
 @triton.jit
 def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, AMAX_FLOOR: tl.constexpr,
-                         GS: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                         GS: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr, R: tl.constexpr,
                          EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -98,14 +100,16 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, AMAX_FLOOR:
     inv = tl.math.div_rn(448.0, amax)
     tl.store(s_ptr + row, tl.math.div_rn(amax, 448.0))
     for c0 in range(0, KH, CHUNK):  # (a second read of the row mostly hits L2)
-        _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS, CHUNK, EMULATE)
+        _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS, CHUNK, R, EMULATE)
 
 
-def quantize_activations_fp8(x2: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations_fp8(x2: torch.Tensor, group_size: int, block_r: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token FP8 e4m3 quantization of ``x2`` (M, K) for :func:`w4a8_matmul`: ``(xq, scale, xsum)`` with ``xq``
-    (M, K) float8_e4m3fn holding each row's even in-features then its odd ones, ``scale`` (M,) float32 (x ~ xq *
-    scale) and ``xsum`` (M, K / group_size) float32, the sum of each group's quantized values. ``group_size``: a power
-    of two >= 2 dividing K (K even)."""
+    (M, K) float8_e4m3fn, ``scale`` (M,) float32 (x ~ xq * scale) and ``xsum`` (M, K / group_size) float32, the sum
+    of each group's quantized values. ``xq`` holds each row in blocks of ``2 * block_r`` in-features (default: the
+    whole row), the block's even in-features first, then its odd ones: a K step of the GEMM is one contiguous block.
+    ``group_size``: a power of two >= 2 dividing K; ``block_r``: a power of two dividing ``group_size / 2``."""
     m, k = x2.shape
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -114,9 +118,10 @@ def quantize_activations_fp8(x2: torch.Tensor, group_size: int) -> tuple[torch.T
     xsum = torch.empty((m, k // group_size), dtype=torch.float32, device=x2.device)
     if m:
         chunk = max(group_size // 2, min(_CHUNK, next_power_of_2(k // 2)))
+        r = block_r if block_r is not None else k // 2
         with on_device(x2):
             launch_plan.launch(_quantize_fp8_kernel, (m,), x2, q, scale, xsum, k, x2.stride(0), AMAX_FLOOR=FP8_AMAX_FLOOR,
-                                       GS=group_size, CHUNK=chunk, ONE_CHUNK=k <= 2 * chunk, EMULATE=interpreting(),
+                                       GS=group_size, CHUNK=chunk, ONE_CHUNK=k <= 2 * chunk, R=r, EMULATE=interpreting(),
                                        num_warps=4 if chunk <= 512 else 8)
     return q, scale, xsum
 
@@ -126,29 +131,46 @@ def quantize_activations_fp8(x2: torch.Tensor, group_size: int) -> tuple[torch.T
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _codes(b, F32: tl.constexpr):
-    """The low and high nibbles of packed bytes as FP8 e4m3 values (float32 in the interpreter)."""
+def _nibbles_fp8(b, shift, F32: tl.constexpr):
+    """The nibble of packed bytes ``b`` at bit ``shift`` (0 or 4) as FP8 e4m3 values (float32 in the interpreter)."""
+    q = (b >> shift) & 0xF
     if F32:
-        return (b & 0xF).to(tl.float32), (b >> 4).to(tl.float32)
-    # (q + 1024 as fp16 by OR-ing the nibble into 1024.0's bits, minus 1024: exact, then one cvt per two codes)
-    lo = ((b & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    hi = ((b >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    return lo.to(tl.float8e4nv), hi.to(tl.float8e4nv)
+        return q.to(tl.float32)
+    # (q + 1024 as fp16 by OR-ing q into 1024.0's bits, minus 1024: exact; then one cvt per two codes)
+    return ((q.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(tl.float8e4nv)
 
 
 @triton.jit
-def _fold(acc, acc_g, g, s_ptr, z_ptr, xsum_ptr, mw, nw, N, NG):
-    """acc + s[g, n] * acc_g - xsum[m, g] * (z * s)[g, n]: group g's share of x . ((q - z) * s), over xq's scale."""
+def _meta(s_ptr, z_ptr, xsum_ptr, g, mw, nw, N, NG):
+    """Group g's scales s[g, n], s * z and the sums xsum[m, g] of its quantized x."""
     s = tl.load(s_ptr + g * N + nw).to(tl.float32)
     zs = tl.load(z_ptr + g * N + nw).to(tl.float32) * s
-    xsum = tl.load(xsum_ptr + mw * NG + g)
+    return s, zs, tl.load(xsum_ptr + mw * NG + g)
+
+
+@triton.jit
+def _fold(acc, acc_g, s, zs, xsum):
+    """acc + s[n] * acc_g - xsum[m] * (z * s)[n]: a group's share of x . ((q - z) * s), over xq's scale."""
     return acc + acc_g * s[None, :] - xsum[:, None] * zs[None, :]
 
 
 @triton.jit
+def _fold_t(acc, acc_g, s, zs, xsum):
+    """:func:`_fold` of a transposed (N, M) accumulator. (Two helpers, not one with a flag: Triton 3.9 reused a helper
+    compiled for one value of a constexpr argument for the other.)"""
+    return acc + acc_g * s[:, None] - zs[:, None] * xsum[None, :]
+
+
+@triton.jit
 def _w4a8_kernel(xq_ptr, xs_ptr, xsum_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
-                 GS: tl.constexpr, HAS_BIAS: tl.constexpr, F32: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr):
+                 GS: tl.constexpr, HAS_BIAS: tl.constexpr, F32: tl.constexpr, SWAP: tl.constexpr,
+                 PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """out = (xq @ W.T) * xs[m] (+ bias) over K steps of 2 * BLOCK_R in-features, each one FP8 dot: xq's block
+    (evens, then odds) times the step's codes, whose rows k < BLOCK_R are pair row k's low nibbles and the rest the
+    high ones (each packed byte row read twice, from L1/L2). SWAP computes out^T = W xq^T instead (the codes as the
+    MMA's A operand, xq's K-contiguous tile as B). PAIR (a step per group, an even number of groups) issues two
+    groups' dots before folding the first, so the second runs while the first is folded."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -162,39 +184,76 @@ def _w4a8_kernel(xq_ptr, xs_ptr, xsum_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_p
     # wrapped indices keep every load in bounds without masks; those rows/columns are never stored
     mw = (m % M).to(tl.int64)
     nw = n % N
-    KH = K // 2
     NG = K // GS
     STEPS: tl.constexpr = GS // (2 * BLOCK_R)  # K steps per group
-    r_off = tl.arange(0, BLOCK_R)
-    a_ptrs = xq_ptr + mw[:, None] * K + r_off[None, :]
-    b_ptrs = qw_ptr + r_off[:, None] * N + nw[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for it in range(0, NG * STEPS):
-        a_lo = tl.load(a_ptrs)
-        a_hi = tl.load(a_ptrs + KH)
-        b = tl.load(b_ptrs)
-        lo, hi = _codes(b, F32)
+    PREC: tl.constexpr = "ieee" if F32 else None
+    kk = tl.arange(0, 2 * BLOCK_R)
+    row = kk % BLOCK_R  # (the step's pair row of in-feature kk of its block)
+    shift = (kk // BLOCK_R) * 4
+    if SWAP:
+        a_ptrs = xq_ptr + mw[None, :] * K + kk[:, None]  # (2R, BM): xq^T
+        b_ptrs = qw_ptr + row[None, :] * N + nw[:, None]  # (BN, 2R)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        shift = shift[None, :]
+    else:
+        a_ptrs = xq_ptr + mw[:, None] * K + kk[None, :]  # (BM, 2R)
+        b_ptrs = qw_ptr + row[:, None] * N + nw[None, :]  # (2R, BN)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        shift = shift[:, None]
+    for it in range(0, NG * STEPS, 2 if PAIR else 1):
+        g = it // STEPS
+        s0, zs0, xsum0 = _meta(s_ptr, z_ptr, xsum_ptr, g, mw, nw, N, NG)  # (issued first: latency under the MMAs)
+        a = tl.load(a_ptrs)
+        w = _nibbles_fp8(tl.load(b_ptrs), shift, F32)
         if F32:
-            a_lo = a_lo.to(tl.float32)
-            a_hi = a_hi.to(tl.float32)
-        if STEPS == 1:
-            acc_g = tl.dot(a_lo, lo, input_precision="ieee" if F32 else None)
+            a = a.to(tl.float32)
+        if PAIR:
+            s1, zs1, xsum1 = _meta(s_ptr, z_ptr, xsum_ptr, g + 1, mw, nw, N, NG)
+            a1 = tl.load(a_ptrs + 2 * BLOCK_R)
+            w1 = _nibbles_fp8(tl.load(b_ptrs + BLOCK_R * N), shift, F32)
+            if F32:
+                a1 = a1.to(tl.float32)
+            if SWAP:
+                acc_g = tl.dot(w, a, input_precision=PREC)
+                acc_g1 = tl.dot(w1, a1, input_precision=PREC)
+                acc = _fold_t(acc, acc_g, s0, zs0, xsum0)
+                acc = _fold_t(acc, acc_g1, s1, zs1, xsum1)
+            else:
+                acc_g = tl.dot(a, w, input_precision=PREC)
+                acc_g1 = tl.dot(a1, w1, input_precision=PREC)
+                acc = _fold(acc, acc_g, s0, zs0, xsum0)
+                acc = _fold(acc, acc_g1, s1, zs1, xsum1)
         else:
-            acc_g = tl.dot(a_lo, lo, acc_g, input_precision="ieee" if F32 else None)
-        acc_g = tl.dot(a_hi, hi, acc_g, input_precision="ieee" if F32 else None)
-        if STEPS == 1:
-            acc = _fold(acc, acc_g, it, s_ptr, z_ptr, xsum_ptr, mw, nw, N, NG)
-        elif (it + 1) % STEPS == 0:
-            acc = _fold(acc, acc_g, it // STEPS, s_ptr, z_ptr, xsum_ptr, mw, nw, N, NG)
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        a_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R * N
-    acc = acc * tl.load(xs_ptr + mw)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + nw).to(tl.float32)[None, :]
-    mask = (m < M)[:, None] & (n < N)[None, :]
-    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if SWAP:
+                acc_g = tl.dot(w, a, acc_g if STEPS > 1 else None, input_precision=PREC)
+            else:
+                acc_g = tl.dot(a, w, acc_g if STEPS > 1 else None, input_precision=PREC)
+            if (it + 1) % STEPS == 0:
+                if SWAP:
+                    acc = _fold_t(acc, acc_g, s0, zs0, xsum0)
+                else:
+                    acc = _fold(acc, acc_g, s0, zs0, xsum0)
+                if STEPS > 1:
+                    acc_g = tl.zeros_like(acc_g)
+        a_ptrs += (2 if PAIR else 1) * 2 * BLOCK_R
+        b_ptrs += (2 if PAIR else 1) * BLOCK_R * N
+    xs = tl.load(xs_ptr + mw)
+    if SWAP:
+        acc = acc * xs[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + nw).to(tl.float32)[:, None]
+        mask = (n < N)[:, None] & (m < M)[None, :]
+        tl.store(out_ptr + m[None, :].to(tl.int64) * stride_om + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        acc = acc * xs[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + nw).to(tl.float32)[None, :]
+        mask = (m < M)[:, None] & (n < N)[None, :]
+        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def w4a8_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, transposed: bool = False) -> bool:
@@ -219,14 +278,15 @@ def w4a8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     m = x2.shape[0]
     if m == 0:
         return out
-    xq, xs, xsum = quantize_activations_fp8(x2, group_size)
     interp = interpreting()
     bm, bn = (16, 32) if interp else (cfg.block_m, cfg.block_n)  # (the interpreter: small tiles, several per call)
     block_r = min(cfg.block_r, group_size // 2)
+    xq, xs, xsum = quantize_activations_fp8(x2, group_size, block_r)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
     with on_device(x2):
         launch_plan.launch(_w4a8_kernel, grid, xq, xs, xsum, qweight, scales, zeros, bias if bias is not None else out, out, m, n, k,
-                           out.stride(0), GS=group_size, HAS_BIAS=bias is not None, F32=interp, BLOCK_M=bm,
+                           out.stride(0), GS=group_size, HAS_BIAS=bias is not None, F32=interp, SWAP=cfg.swap,
+                           PAIR=cfg.pair and block_r * 2 == group_size and (k // group_size) % 2 == 0, BLOCK_M=bm,
                            BLOCK_N=bn, BLOCK_R=block_r, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages)
     return out

@@ -3,6 +3,7 @@
 FP8 values and codes are exact); where it runs (dispatch), and what QUANTPACK_W4A8=force does on a CPU."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
@@ -38,11 +39,14 @@ def activations(m, k, seed=0):
 
 @interp
 @pytest.mark.parametrize("m,n,k,gs", [(1, 40, 128, 64), (3, 33, 256, 128), (17, 70, 384, 128), (5, 48, 512, 256),
-                                      (2, 16, 192, 64)])
-def test_product_matches_the_float_reference(m, n, k, gs, poisoned_outputs):
+                                      (2, 16, 512, 128)])
+@pytest.mark.parametrize("variant", [{}, {"swap": True}, {"pair": True}, {"swap": True, "pair": True},
+                                     {"block_r": 32}], ids=["plain", "swap", "pair", "swap-pair", "half-steps"])
+def test_product_matches_the_float_reference(m, n, k, gs, variant, poisoned_outputs):
     pw, x = packed(n, k, gs, seed=m), activations(m, k, seed=n)
     bias = torch.randn(n)
-    out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bias=bias, config=W4A8)
+    cfg = dataclasses.replace(W4A8, **variant)
+    out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bias=bias, config=cfg)
     want = reference.matmul_fp8_activations(x, pw, bias)
     assert out.shape == (m, n) and not out.isnan().any()
     assert torch.allclose(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
