@@ -191,7 +191,7 @@ def main():
         record("kernels", rows, a.out)  # (each shape as it is done)
         rows = []
     if score:
-        print("mean time / cuBLAS over the cells:", {name(c): round(v, 2) for c, v in sorted(score.items(),
+        print("sum over the cells of time / cuBLAS:", {name(c): round(v, 2) for c, v in sorted(score.items(),
                                                                                             key=lambda kv: kv[1])})
 
 

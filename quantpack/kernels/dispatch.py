@@ -46,8 +46,9 @@ GEMV_MAX_M = 8  # up to which the CUDA-core GEMV runs (beyond, its config become
 SMALL_M = 16  # heuristic: the tensor-core GEMV (forward) or 16-row tiles up to here; beyond, wgmma on Hopper
 FUSED_MAX_M = 64  # heuristic off Hopper: fused tensor-core tiles up to here, dequantize + cuBLAS beyond (the fused
 # large-M tiles lost to cuBLAS by 2-10x)
-W4A8_MIN_M = 256  # from which the W4A8-FP8 path runs where it is on (QUANTPACK_W4A8): measured faster there
-W4A8_DEFAULT = "on"  # the mode while QUANTPACK_W4A8 is unset (docs/kernels.md says why)
+W4A8_MIN_M = 256  # from which the W4A8-FP8 path runs where QUANTPACK_W4A8=1 turns it on
+W4A8_DEFAULT = "off"  # while QUANTPACK_W4A8 is unset: on an H100 it ran at 0.30-0.39x cuBLAS bf16, W4A16 at 0.85-1.17x
+# (BENCHMARKS.md, "W4A8-FP8"; docs/kernels.md says why)
 DECODE_WAVES_M = 8  # heuristic: up to here, split-K until about 8 programs per SM (2 beyond): latency-bound GEMVs
 
 _ENV_NAMES = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUTOTUNE", "TRITON_INTERPRET",
@@ -85,8 +86,8 @@ def _text(value) -> str | None:
 class Flags:
     """The environment switches a decision reads: ``mma`` (QUANTPACK_MMA not 0), ``wgmma`` (QUANTPACK_WGMMA not 0),
     ``pdl`` (QUANTPACK_PDL=1), ``interpret`` (TRITON_INTERPRET set: Triton's CPU interpreter) and ``w4a8``
-    (QUANTPACK_W4A8: ``"off"`` for 0, ``"force"`` for force, ``"on"`` for any other value, :data:`W4A8_DEFAULT`
-    unset)."""
+    (QUANTPACK_W4A8: ``"off"`` for 0, ``"force"`` for force, ``"on"`` for any other value; :data:`W4A8_DEFAULT`
+    while unset)."""
 
     mma: bool = True
     wgmma: bool = True
@@ -177,7 +178,7 @@ def w4a8_pick(props: DeviceProps, flags: Flags, m: int, n: int, k: int, bits: in
     if transposed or bits != 4:
         return False, None
     if flags.w4a8 == "off":
-        return False, ("no_w4a8", "QUANTPACK_W4A8=0")
+        return False, ("no_w4a8", "QUANTPACK_W4A8 is not 1 (off by default: slower than the 16-bit paths on an H100)")
     if not w4a8_device(props, flags):
         return False, ("no_w4a8", f"the GPU has no FP8 tensor cores (capability {props.capability} < (9, 0))")
     if not w4a8_layout_fits(n, k, group_size, bits, axis):
@@ -389,7 +390,7 @@ def choose(props: DeviceProps, m: int, n: int, k: int, bits: int, dtype: torch.d
         steps = [("forced",)]
     else:
         if w4a8:
-            return Decision(w4a8_config(m, n, props.sms), False, (w4a8_step,))
+            return Decision(w4a8_config(), False, (w4a8_step,))
         config, source = table_pick(props, flags, transposed, bits, m, n, k)
         steps = [source] + ([w4a8_step] if w4a8_step is not None else [])
     fitted = fit_config(config, transposed, m, axis, group_size)
@@ -474,8 +475,7 @@ def _say(step: tuple) -> str:
         m, mode = step[1:]
         if mode == "force":
             return "QUANTPACK_W4A8=force"
-        return (f"the GPU has FP8 tensor cores, M={m} >= {W4A8_MIN_M} and QUANTPACK_W4A8 is not 0 (it runs faster than "
-                "the 16-bit paths there)")
+        return f"QUANTPACK_W4A8=1, the GPU has FP8 tensor cores and M={m} >= {W4A8_MIN_M}"
     if what == "no_w4a8":
         return f"not the W4A8-FP8 path: {step[1]}"
     if what == "no_wgmma":

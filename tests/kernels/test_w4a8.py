@@ -77,30 +77,33 @@ def test_rounding_to_fp8_carries_into_the_next_power_of_two():
     assert xq.float()[0, [0, 32, 1]].tolist() == [448.0, 128.0, -128.0]  # (x0, x1, x2: even columns first)
 
 
-def test_dispatch_takes_it_from_256_rows_on_hopper_only():
-    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16).path == "w4a8"
-    assert choose(H100, 255, 4096, 4096, 4, torch.bfloat16).path != "w4a8"
-    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=Flags(w4a8="off")).path != "w4a8"
-    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, transposed=True).path != "w4a8"
-    assert choose(H100, 1024, 4096, 4096, 8, torch.bfloat16).path != "w4a8"
-    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, axis=0).path != "w4a8"
-    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, group_size=32).path != "w4a8"
+def test_dispatch_takes_it_where_turned_on_from_256_rows_on_hopper_only():
+    on, off = Flags(w4a8="on"), Flags()
+    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=off).path == "wgmma"  # (off by default)
+    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on).path == "w4a8"
+    assert choose(H100, 255, 4096, 4096, 4, torch.bfloat16, flags=on).path != "w4a8"
+    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on, transposed=True).path != "w4a8"
+    assert choose(H100, 1024, 4096, 4096, 8, torch.bfloat16, flags=on).path != "w4a8"
+    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on, axis=0).path != "w4a8"
+    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on, group_size=32).path != "w4a8"
     a100 = DeviceProps("NVIDIA A100-SXM4-80GB", (8, 0), 108)
-    assert choose(a100, 1024, 4096, 4096, 4, torch.bfloat16).path == "dq"
+    assert choose(a100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on).path == "dq"
     assert choose(H100, 1, 4096, 4096, 4, torch.bfloat16, flags=Flags(w4a8="force")).path == "w4a8"
-    assert choose(DeviceProps("interpreter", None, 8, gpu=False), 1024, 64, 128, 4, torch.float32).path != "w4a8"
+    cpu = DeviceProps("interpreter", None, 8, gpu=False)
+    assert choose(cpu, 1024, 64, 128, 4, torch.float32, flags=Flags(w4a8="on", interpret=True)).path != "w4a8"
+    assert choose(cpu, 1, 64, 128, 4, torch.float32, flags=Flags(w4a8="force", interpret=True)).path == "w4a8"
 
 
 def test_explain_says_why_it_runs_or_not():
-    assert "W4A8-FP8 kernel" in explain(1024, 4096, 4096, device=H100, flags=Flags())
-    assert "not the W4A8-FP8 path: QUANTPACK_W4A8=0" in explain(1024, 4096, 4096, device=H100,
-                                                                  flags=Flags(w4a8="off"))
-    assert "not the W4A8-FP8 path: M=16 < 256" in explain(16, 4096, 4096, device=H100, flags=Flags())
-    a100 = explain(1024, 4096, 4096, device=DeviceProps("NVIDIA A100-SXM4-80GB", (8, 0), 108), flags=Flags())
+    assert "W4A8-FP8 kernel" in explain(1024, 4096, 4096, device=H100, flags=Flags(w4a8="on"))
+    assert "not the W4A8-FP8 path: QUANTPACK_W4A8 is not 1" in explain(1024, 4096, 4096, device=H100, flags=Flags())
+    assert "not the W4A8-FP8 path: M=16 < 256" in explain(16, 4096, 4096, device=H100, flags=Flags(w4a8="on"))
+    a100 = explain(1024, 4096, 4096, device=DeviceProps("NVIDIA A100-SXM4-80GB", (8, 0), 108),
+                   flags=Flags(w4a8="on"))
     assert "no FP8 tensor cores" in a100
 
 
-@pytest.mark.parametrize("value,mode", [(None, "on"), ("0", "off"), ("1", "on"), ("force", "force")])
+@pytest.mark.parametrize("value,mode", [(None, "off"), ("0", "off"), ("1", "on"), ("force", "force")])
 def test_the_switch(monkeypatch, value, mode):
     if value is None:
         monkeypatch.delenv("QUANTPACK_W4A8", raising=False)
