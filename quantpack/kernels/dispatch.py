@@ -178,7 +178,8 @@ def w4a8_pick(props: DeviceProps, flags: Flags, m: int, n: int, k: int, bits: in
     if transposed or bits != 4:
         return False, None
     if flags.w4a8 == "off":
-        return False, ("no_w4a8", "QUANTPACK_W4A8 is not 1 (off by default: slower than the 16-bit paths on an H100)")
+        return False, ("no_w4a8", "QUANTPACK_W4A8 is off (the default: slower than the 16-bit paths on an "
+                                  "H100; 1 turns it on)")
     if not w4a8_device(props, flags):
         return False, ("no_w4a8", f"the GPU has no FP8 tensor cores (capability {props.capability} < (9, 0))")
     if not w4a8_layout_fits(n, k, group_size, bits, axis):

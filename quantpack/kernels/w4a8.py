@@ -4,10 +4,10 @@ The same (K/2, N) packed codes the W4A16 kernels read (docs/format.md), no new f
 
 1. :func:`quantize_activations_fp8`: one program per row of x: ``amax = max(max_k |x[m, k]|, AMAX_FLOOR)``,
    ``scale[m] = amax / 448``, ``xq = clamp(x * (448 / amax), -448, 448)`` rounded to float8 e4m3 (to nearest, ties to
-   even). It writes the row's even in-features first and its odd ones after them (pair row ``r`` of the weight meets
-   columns ``r`` and ``K/2 + r``: no nibble interleaving in the GEMM), and the sum of the quantized values of each
-   (row, K-group), which the zero term needs.
-2. :func:`w4a8_matmul`: per (M, N) tile, per K group ``g``: ``acc_g = xq_g . q_g`` on the FP8 tensor cores (the codes
+   even). It writes the row in blocks of one GEMM K step, each block's even in-features first and its odd ones after
+   them (they meet the low and the high nibbles of the step's packed rows: no interleaving in the GEMM), and the sum
+   of the quantized values of each (row, K-group), which the zero term needs.
+2. :func:`w4a8_matmul`: per (M, N) tile, per K group ``g``: ``acc_g = xq_g . q_g``, one FP8 dot per K step (the codes
    0..15 are exact in e4m3), then ``acc += s[g, n] * acc_g - xsum[m, g] * (z * s)[g, n]`` in float32 (HQQ's
    ``w = (q - z) * s``), and finally ``out = acc * scale[m] (+ bias)``.
 
@@ -22,11 +22,11 @@ import triton.language as tl
 
 from . import launch_plan
 from .dequant import cdiv, interpreting, next_power_of_2, on_device
-from ..reference import FP8_AMAX_FLOOR, FP8_MAX
+from ..reference import FP8_AMAX_FLOOR
 
 __all__ = ["quantize_activations_fp8", "w4a8_matmul", "w4a8_layout_fits", "w4a8_config", "MIN_GROUP"]
 
-MIN_GROUP = 64  # a K step is at least 64 in-features: two FP8 dots of K = 32, the smallest wgmma takes
+MIN_GROUP = 64  # the smallest group (and K step) tested; one K step never straddles two groups
 _CHUNK = 1024  # pair rows per quantizer step (whole groups)
 
 
@@ -120,9 +120,9 @@ def quantize_activations_fp8(x2: torch.Tensor, group_size: int, block_r: int | N
         chunk = max(group_size // 2, min(_CHUNK, next_power_of_2(k // 2)))
         r = block_r if block_r is not None else k // 2
         with on_device(x2):
-            launch_plan.launch(_quantize_fp8_kernel, (m,), x2, q, scale, xsum, k, x2.stride(0), AMAX_FLOOR=FP8_AMAX_FLOOR,
-                                       GS=group_size, CHUNK=chunk, ONE_CHUNK=k <= 2 * chunk, R=r, EMULATE=interpreting(),
-                                       num_warps=4 if chunk <= 512 else 8)
+            launch_plan.launch(_quantize_fp8_kernel, (m,), x2, q, scale, xsum, k, x2.stride(0),
+                               AMAX_FLOOR=FP8_AMAX_FLOOR, GS=group_size, CHUNK=chunk, ONE_CHUNK=k <= 2 * chunk, R=r,
+                               EMULATE=interpreting(), num_warps=4 if chunk <= 512 else 8)
     return q, scale, xsum
 
 
@@ -283,8 +283,8 @@ def w4a8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     xq, xs, xsum = quantize_activations_fp8(x2, group_size, block_r)
     grid = (cdiv(m, bm) * cdiv(n, bn),)
     with on_device(x2):
-        launch_plan.launch(_w4a8_kernel, grid, xq, xs, xsum, qweight, scales, zeros, bias if bias is not None else out, out, m, n, k,
-                           out.stride(0), GS=group_size, HAS_BIAS=bias is not None, F32=interp, SWAP=cfg.swap,
+        launch_plan.launch(_w4a8_kernel, grid, xq, xs, xsum, qweight, scales, zeros,
+                           bias if bias is not None else out, out, m, n, k, out.stride(0), GS=group_size, HAS_BIAS=bias is not None, F32=interp, SWAP=cfg.swap,
                            PAIR=cfg.pair and block_r * 2 == group_size and (k // group_size) % 2 == 0, BLOCK_M=bm,
                            BLOCK_N=bn, BLOCK_R=block_r, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages)

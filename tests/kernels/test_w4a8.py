@@ -96,7 +96,7 @@ def test_dispatch_takes_it_where_turned_on_from_256_rows_on_hopper_only():
 
 def test_explain_says_why_it_runs_or_not():
     assert "W4A8-FP8 kernel" in explain(1024, 4096, 4096, device=H100, flags=Flags(w4a8="on"))
-    assert "not the W4A8-FP8 path: QUANTPACK_W4A8 is not 1" in explain(1024, 4096, 4096, device=H100, flags=Flags())
+    assert "not the W4A8-FP8 path: QUANTPACK_W4A8 is off" in explain(1024, 4096, 4096, device=H100, flags=Flags())
     assert "not the W4A8-FP8 path: M=16 < 256" in explain(16, 4096, 4096, device=H100, flags=Flags(w4a8="on"))
     a100 = explain(1024, 4096, 4096, device=DeviceProps("NVIDIA A100-SXM4-80GB", (8, 0), 108),
                    flags=Flags(w4a8="on"))

@@ -40,7 +40,8 @@ def test_product_matches_the_fp8_reference(monkeypatch, n, k, gs, m):
         pytest.skip("group does not divide K")
     monkeypatch.setenv("QUANTPACK_W4A8", "force")
     pw = packed(n, k, gs, seed=m)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-1, 1, m, device="cuda")[:, None].bfloat16()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    x *= torch.logspace(-1, 1, m, device="cuda")[:, None].bfloat16()  # (per-token scales matter)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     assert choose(device_props(x.device), m, n, k, 4, x.dtype, group_size=gs, flags=Flags.from_env()).path == "w4a8"
     out32 = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bias=bias, out_dtype=torch.float32)
