@@ -37,11 +37,14 @@ def activations(m, k, seed=0):
     return x
 
 
+CASES = [(1, 40, 128, 64, {}), (3, 33, 256, 128, {}), (17, 70, 384, 128, {}), (5, 48, 512, 256, {}),
+         (2, 16, 512, 128, {"swap": True}), (2, 16, 512, 128, {"pair": True}),
+         (17, 70, 512, 128, {"swap": True, "pair": True}), (3, 33, 256, 128, {"block_r": 32})]
+
+
 @interp
-@pytest.mark.parametrize("m,n,k,gs", [(1, 40, 128, 64), (3, 33, 256, 128), (17, 70, 384, 128), (5, 48, 512, 256),
-                                      (2, 16, 512, 128)])
-@pytest.mark.parametrize("variant", [{}, {"swap": True}, {"pair": True}, {"swap": True, "pair": True},
-                                     {"block_r": 32}], ids=["plain", "swap", "pair", "swap-pair", "half-steps"])
+@pytest.mark.parametrize("m,n,k,gs,variant", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-g{c[3]}" + "".join(
+    f"-{key}" for key in c[4]) for c in CASES])
 def test_product_matches_the_float_reference(m, n, k, gs, variant, poisoned_outputs):
     pw, x = packed(n, k, gs, seed=m), activations(m, k, seed=n)
     bias = torch.randn(n)
