@@ -15,6 +15,8 @@ Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linea
 captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.sinq.absorb) where
 a data-free estimate says they lower the error at that precision, ``sinq-all`` everywhere they can
 go; their layers are compared with the absorbed unquantized model (the same function as the source).
+``hqq-w4a8`` is hqq's model with every quantized layer's input rounded per token to FP8 e4m3 first, as the W4A8-FP8
+kernel path computes it; on the witness it also reports ``kl_vs_hqq``, KL(hqq || hqq-w4a8): what FP8 activations add.
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from train_witness import corpus  # noqa: E402
 
 from quantpack import sinq  # noqa: E402
 from quantpack.quantize import quantize  # noqa: E402
-from quantpack.reference import dequantize  # noqa: E402
+from quantpack.reference import dequantize, quantize_activations_fp8  # noqa: E402
 from quantpack.tiny import quiet_transformers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -82,6 +84,9 @@ def quantize_model(source, run, method: str, bits: int, group_size: int) -> tupl
     per-layer output errors."""
     model = copy.deepcopy(source)
     solver = method
+    fp8 = method == "hqq-w4a8"  # hqq's weights, activations rounded per token to FP8 as the W4A8 path does
+    if fp8:
+        solver = "hqq"
     if method == "sinq":  # as `quantpack convert --method sinq`: scales kept where they help at this precision
         sinq.absorb(model, bits=bits, group_size=group_size)
         solver = "hqq"
@@ -98,7 +103,16 @@ def quantize_model(source, run, method: str, bits: int, group_size: int) -> tupl
         ref = x @ w.t()
         errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
         lin.weight.copy_(wq.to(lin.weight.dtype))
+        if fp8:
+            lin.register_forward_pre_hook(lambda mod, args: (fp8_rounded(args[0]),) + args[1:])
     return model, errors
+
+
+def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the W4A8 path sees it: per-token FP8 e4m3 values times their scale
+    (quantpack.reference.quantize_activations_fp8), so ``x @ Wq^T`` is reference.matmul_fp8_activations."""
+    xq, scale = quantize_activations_fp8(x)
+    return (xq.float() * scale.unsqueeze(-1)).to(x.dtype)
 
 
 def encoder_case(path: Path, text: str):
@@ -152,13 +166,18 @@ def causal_case(path: Path, text: str):
 
     source_ppl = ppl(ref)
 
-    def metrics(q):
+    def metrics(q, base=None):
         with torch.no_grad():
             logits = run(q).float()
         logp = logits.log_softmax(-1)
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()
         top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean()
-        return {"kl": float(kl), "top1": float(top1), "ppl": ppl(logits), "source_ppl": source_ppl}
+        out = {"kl": float(kl), "top1": float(top1), "ppl": ppl(logits), "source_ppl": source_ppl}
+        if base is not None:  # KL(base || q): what q adds to the model it differs from
+            with torch.no_grad():
+                base_logp = run(base).float().log_softmax(-1)
+            out["kl_vs_hqq"] = float((base_logp.exp() * (base_logp - logp)).sum(-1).mean())
+        return out
 
     return model, run, metrics, "kl"
 
@@ -194,10 +213,12 @@ def main() -> None:
     rows = []
     for ckpt, (model, run, metrics, headline) in cases:
         for bits, gs in configs:
-            results = {}
+            results, models = {}, {}
             for method in methods:
                 q, errors = quantize_model(model, run, method, bits, gs)
-                results[method] = (metrics(q), errors)
+                base = models.get("hqq") if method == "hqq-w4a8" and ckpt.startswith("witness") else None
+                results[method] = (metrics(q, base) if base is not None else metrics(q), errors)
+                models[method] = q
             base_m, base_e = results["hqq"]
             for method, (m, errors) in results.items():
                 layer_ratio = {n: errors[n] / base_e[n] if base_e[n] else float("nan") for n in errors}
@@ -215,6 +236,7 @@ def main() -> None:
                 print(f"{ckpt:<20} {method:<8} {bits}-bit g{gs:<4} {headline} {m[headline]:.3e} "
                       f"(x{rec[f'{headline}_ratio_to_hqq']:.2f} hqq)  "
                       + (f"top1 {m['top1']:.4f} ppl {m['ppl']:.3f}/{m['source_ppl']:.3f}  " if "top1" in m else "")
+                      + (f"KL vs hqq {m['kl_vs_hqq']:.3e}  " if "kl_vs_hqq" in m else "")
                       + f"mean layer err {rec['mean_layer_error']:.4f}  worst layer x{rec['worst_layer_ratio_to_hqq']:.3f} hqq",
                       flush=True)
 

@@ -391,6 +391,18 @@ def test_kernel_check_catches_a_wrong_forward(ckpt, monkeypatch):
     assert all(not c.passed for c in r.checks if c.name.startswith("kernel"))
 
 
+def test_w4a8_forced_measures_fp8_activations_and_checks_layers_against_them(ckpt, tmp_path, monkeypatch):
+    packed = tmp_path / "q4g64"  # (the W4A8 path takes groups of 64 in-features or more)
+    convert(ckpt("llama"), packed, bits=4, group_size=64, progress=False)
+    monkeypatch.delenv("QUANTPACK_W4A8", raising=False)
+    w4a16 = verify(packed, text=ckpt("train_text"), device="cpu")
+    monkeypatch.setenv("QUANTPACK_W4A8", "force")
+    w4a8 = verify(packed, text=ckpt("train_text"), device="cpu")
+    assert w4a16.verdict == w4a8.verdict == "pass"  # (each layer against the product it computes)
+    kl = w4a16.end_to_end["metrics"]["kl_mean"], w4a8.end_to_end["metrics"]["kl_mean"]
+    assert kl[1] != kl[0] and 0 < kl[1] < 10 * kl[0]
+
+
 def test_a_scheme_plugs_in_through_the_scheme_registry(ckpt):
     """A scheme registered with its own module class and check is found, grouped by its layout and checked."""
     import dataclasses

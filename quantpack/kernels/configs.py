@@ -12,7 +12,7 @@ import torch
 
 from .dequant import interpreting
 
-PATHS = ("gemv", "mma", "wgmma", "fma", "dot", "dot_t", "dq")
+PATHS = ("gemv", "mma", "wgmma", "fma", "dot", "dot_t", "dq", "w4a8")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class KernelConfig:
     words: bool = False  # gemv path, N % 4 == 0: read int32 words of 4 columns (no byte extraction)
     producer: bool = False  # wgmma path: a producer warp issues the TMA copies (warp-specialized)
     k_warps: int = 1  # mma path: warps of a program splitting its K range (summed in shared memory), x num_warps
+    swap: bool = False  # w4a8 path: out^T = W xq^T (the codes as the MMA's A operand, xq's tile as B)
+    pair: bool = False  # w4a8 path: two groups' MMAs in flight before the first is folded (a K step per group)
 
     def __post_init__(self):
         if self.path not in PATHS:

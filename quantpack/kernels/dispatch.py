@@ -29,6 +29,7 @@ import torch
 from .configs import KernelConfig, config_key, config_table, m_bucket, nearest, normalized_name
 from .dequant import cdiv, interpreting
 from .mma_gemv import MAX_M as MMA_MAX_M, mma_layout_fits
+from .w4a8 import w4a8_config, w4a8_layout_fits
 from .wgmma_mm import HAVE_GLUON, wgmma_layout_fits
 
 __all__ = ["DeviceProps", "Flags", "Decision", "choose", "explain", "device_props", "MMA_MAX_M", "PDL_MAX_M",
@@ -45,10 +46,13 @@ GEMV_MAX_M = 8  # up to which the CUDA-core GEMV runs (beyond, its config become
 SMALL_M = 16  # heuristic: the tensor-core GEMV (forward) or 16-row tiles up to here; beyond, wgmma on Hopper
 FUSED_MAX_M = 64  # heuristic off Hopper: fused tensor-core tiles up to here, dequantize + cuBLAS beyond (the fused
 # large-M tiles lost to cuBLAS by 2-10x)
+W4A8_MIN_M = 256  # from which the W4A8-FP8 path runs where QUANTPACK_W4A8=1 turns it on
+W4A8_DEFAULT = "off"  # while QUANTPACK_W4A8 is unset: on an H100 it ran at 0.30-0.39x cuBLAS bf16, W4A16 at 0.85-1.16x
+# (BENCHMARKS.md, "W4A8-FP8"; docs/kernels.md says why)
 DECODE_WAVES_M = 8  # heuristic: up to here, split-K until about 8 programs per SM (2 beyond): latency-bound GEMVs
 
 _ENV_NAMES = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUTOTUNE", "TRITON_INTERPRET",
-              "QUANTPACK_LAUNCH_PLANS")
+              "QUANTPACK_W4A8", "QUANTPACK_LAUNCH_PLANS")
 AUTOTUNE_ENV = _ENV_NAMES.index("QUANTPACK_AUTOTUNE")  # (index into read_env()'s values)
 # (a planned call reads these: os.environ.get costs about 0.8 us a name, mostly the KeyError of an unset one, so they
 # are looked up in CPython's dict behind os.environ, 0.05 us each, where there is one)
@@ -60,8 +64,8 @@ _ENV_KEYS = (tuple(map(_ENVIRON.encodekey, _ENV_NAMES))
 
 def read_env() -> tuple:
     """The raw values (``None`` when unset; bytes where read from the dict behind os.environ) of QUANTPACK_MMA,
-    QUANTPACK_WGMMA, QUANTPACK_PDL, QUANTPACK_AUTOTUNE, TRITON_INTERPRET and QUANTPACK_LAUNCH_PLANS: every switch a
-    call's decisions read (part of a launch plan's key)."""
+    QUANTPACK_WGMMA, QUANTPACK_PDL, QUANTPACK_AUTOTUNE, TRITON_INTERPRET, QUANTPACK_W4A8 and QUANTPACK_LAUNCH_PLANS:
+    every switch a call's decisions read (part of a launch plan's key)."""
     if _ENV_KEYS is not None and os.environ is _ENVIRON:
         return tuple(map(_ENV_DATA.get, _ENV_KEYS))
     return tuple(map(os.environ.get, _ENV_NAMES))
@@ -81,12 +85,15 @@ def _text(value) -> str | None:
 @dataclass(frozen=True)
 class Flags:
     """The environment switches a decision reads: ``mma`` (QUANTPACK_MMA not 0), ``wgmma`` (QUANTPACK_WGMMA not 0),
-    ``pdl`` (QUANTPACK_PDL=1) and ``interpret`` (TRITON_INTERPRET set: Triton's CPU interpreter)."""
+    ``pdl`` (QUANTPACK_PDL=1), ``interpret`` (TRITON_INTERPRET set: Triton's CPU interpreter) and ``w4a8``
+    (QUANTPACK_W4A8: ``"off"`` for 0, ``"force"`` for force, ``"on"`` for any other value; :data:`W4A8_DEFAULT`
+    while unset)."""
 
     mma: bool = True
     wgmma: bool = True
     pdl: bool = False
     interpret: bool = False
+    w4a8: str = W4A8_DEFAULT
 
     @classmethod
     def from_env(cls, env: tuple | None = None) -> "Flags":
@@ -94,13 +101,26 @@ class Flags:
         env = env if env is not None else read_env()
         flags = _flags.get(env)
         if flags is None:
-            mma, wgmma, pdl, _, interpret, _ = map(_text, env)
+            mma, wgmma, pdl, _, interpret, w4a8, _ = map(_text, env)
             flags = _flags[env] = cls(mma=(mma or "1") != "0", wgmma=(wgmma or "1") != "0", pdl=(pdl or "0") == "1",
-                                      interpret=(interpret or "0") not in ("", "0"))
+                                      interpret=(interpret or "0") not in ("", "0"), w4a8=w4a8_mode(w4a8))
         return flags
 
 
 _flags: dict = {}
+
+
+def w4a8_mode(value: str | None) -> str:
+    """QUANTPACK_W4A8's value as a :attr:`Flags.w4a8` mode."""
+    if value is None or value == "":
+        return W4A8_DEFAULT
+    return {"0": "off", "force": "force"}.get(value.strip().lower(), "on")
+
+
+def w4a8_forced(env: tuple | None = None) -> bool:
+    """Whether QUANTPACK_W4A8=force: every forward call of a weight the W4A8 path takes runs it (the CPU reference
+    path too, with the same FP8 activation rounding: to measure its quality anywhere)."""
+    return Flags.from_env(env).w4a8 == "force"
 
 
 @dataclass(frozen=True)
@@ -141,6 +161,46 @@ def wgmma_device(props: DeviceProps, flags: Flags) -> bool:
     interpreter, and not turned off with QUANTPACK_WGMMA=0."""
     return (HAVE_GLUON and props.gpu and not flags.interpret and flags.wgmma and props.capability is not None
             and props.capability[0] == 9)
+
+
+def w4a8_device(props: DeviceProps, flags: Flags) -> bool:
+    """Whether the device has the FP8 tensor cores the W4A8 path uses: compute capability 9.0 or newer (Hopper,
+    Blackwell). Triton's CPU interpreter runs it too (exactly, in float32), but takes it only where forced."""
+    if not props.gpu or flags.interpret:
+        return True
+    return props.capability is not None and tuple(props.capability) >= (9, 0)
+
+
+def w4a8_pick(props: DeviceProps, flags: Flags, m: int, n: int, k: int, bits: int, axis: int, group_size: int,
+              transposed: bool) -> tuple[bool, tuple | None]:
+    """Whether a call runs the W4A8-FP8 path, and the step that says why (or why not; ``None`` where the path does
+    not concern the call: transposed, or not 4-bit)."""
+    if transposed or bits != 4:
+        return False, None
+    if flags.w4a8 == "off":
+        return False, ("no_w4a8", "QUANTPACK_W4A8 is off (the default: slower than the 16-bit paths on an "
+                                  "H100; 1 turns it on)")
+    if not w4a8_device(props, flags):
+        return False, ("no_w4a8", f"the GPU has no FP8 tensor cores (capability {props.capability} < (9, 0))")
+    if not w4a8_layout_fits(n, k, group_size, bits, axis):
+        return False, ("no_w4a8", f"its layout does not fit it (axis {axis}, group size {group_size}; it takes groups "
+                       "along K of a power of two >= 64)")
+    if flags.w4a8 != "force":
+        if not props.gpu or flags.interpret:
+            return False, ("no_w4a8", "not on a GPU (QUANTPACK_W4A8=force runs it in the interpreter)")
+        if m < W4A8_MIN_M:
+            return False, ("no_w4a8", f"M={m} < {W4A8_MIN_M}")
+    return True, ("w4a8", m, flags.w4a8)
+
+
+def w4a8_runs(m: int, n: int, k: int, bits: int, group_size: int, axis: int, device: torch.device) -> bool:
+    """Whether a forward call of ``m`` rows through this weight on ``device`` rounds its activations to FP8: it runs
+    the W4A8 path (a GPU, or the interpreter where forced), or the CPU reference where QUANTPACK_W4A8=force. (What
+    verify's kernel check compares a layer with.)"""
+    flags = Flags.from_env()
+    if device.type != "cuda" and not flags.interpret:
+        return flags.w4a8 == "force" and w4a8_layout_fits(n, k, group_size, bits, axis)
+    return w4a8_pick(device_props(device), flags, m, n, k, bits, axis, group_size, False)[0]
 
 
 def pdl_device(props: DeviceProps, flags: Flags) -> bool:
@@ -322,11 +382,18 @@ def choose(props: DeviceProps, m: int, n: int, k: int, bits: int, dtype: torch.d
     tensors fit those kernels (a bool, or a callable asked only where needed); by default, whether tensors of these
     shapes do when aligned and contiguous. The ``mma`` weight copy is assumed to exist (:func:`without_mma` is what
     runs while it cannot)."""
+    w4a8, w4a8_step = w4a8_pick(props, flags, m, n, k, bits, axis, group_size, transposed)
+    if config is not None and config.path == "w4a8":  # (given: runs at any M and mode, where it can)
+        if not transposed and w4a8_device(props, flags) and w4a8_layout_fits(n, k, group_size, bits, axis):
+            return Decision(config, False, (("forced",),))
+        config, w4a8 = None, False  # (a call it cannot run: as if none was given)
     if config is not None:
         steps = [("forced",)]
     else:
+        if w4a8:
+            return Decision(w4a8_config(), False, (w4a8_step,))
         config, source = table_pick(props, flags, transposed, bits, m, n, k)
-        steps = [source]
+        steps = [source] + ([w4a8_step] if w4a8_step is not None else [])
     fitted = fit_config(config, transposed, m, axis, group_size)
     if fitted != config:
         steps.append(("fitted", config.path, fitted.path, transposed, m, axis, group_size))
@@ -382,6 +449,7 @@ PATH_NAMES = {
     "dot": "the tensor-core tiles (mixed_mm.py, dot)",
     "dot_t": "the transposed tensor-core tiles, C^T = W x^T (mixed_mm.py, dot_t)",
     "dq": "dequantize + cuBLAS",
+    "w4a8": "the W4A8-FP8 kernel: activations quantized per token to FP8 e4m3, FP8 tensor cores (w4a8.py)",
 }
 
 
@@ -404,6 +472,13 @@ def _say(step: tuple) -> str:
                 f"axis={axis}, group size {group_size}), so {after}")
     if what == "wgmma":
         return "the GPU is Hopper and QUANTPACK_WGMMA is not 0"
+    if what == "w4a8":
+        m, mode = step[1:]
+        if mode == "force":
+            return "QUANTPACK_W4A8=force"
+        return f"QUANTPACK_W4A8=1, the GPU has FP8 tensor cores and M={m} >= {W4A8_MIN_M}"
+    if what == "no_w4a8":
+        return f"not the W4A8-FP8 path: {step[1]}"
     if what == "no_wgmma":
         props, flags, after = step[1:]
         cause = ("QUANTPACK_WGMMA=0" if not flags.wgmma else "this Triton has no Gluon" if not HAVE_GLUON

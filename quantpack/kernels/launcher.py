@@ -1,5 +1,6 @@
 """The launcher: runs one decided config (dispatch.py) of the fused matmul, fitting its grid, split-K workspace and
-counters, and launching the kernel of its path (gemv.py, mma_gemv.py, wgmma_mm.py, tiles.py) or dequantize + cuBLAS."""
+counters, and launching the kernel of its path (gemv.py, mma_gemv.py, wgmma_mm.py, tiles.py, w4a8.py) or dequantize +
+cuBLAS."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,6 +17,7 @@ from .dequant import cdiv, dequantize, interpreting, meta_rowwise
 from .gemv import gemv_grid, launch_gemv
 from .mma_gemv import launch_mma_gemv, mma_depth, mma_grid
 from .tiles import forward_kernel, transposed_kernel
+from .w4a8 import w4a8_matmul
 from .wgmma_host import balance_last_wave, wgmma_grid
 from .wgmma_mm import launch_wgmma, resident_programs
 
@@ -64,6 +66,8 @@ def launch(x2: torch.Tensor, qweight, scales, zeros, bias, n: int, k: int, axis:
     out = launch_plan.allocate(_new_out, (m, out_cols), out_dtype, x2.device)
     if m == 0:
         return out
+    if cfg.path == "w4a8":  # (two launches, quantizer and GEMM: such a call records no launch plan)
+        return w4a8_matmul(x2, qweight, scales, zeros, bias, out, n=n, k=k, group_size=group_size, cfg=cfg)
     kh = (k + 1) // 2
     meta_row = meta_rowwise(axis, group_size, cfg.block_r)
     n_meta = scales.shape[1]

@@ -10,6 +10,8 @@ from torch import nn
 from ..format import PackedWeight, packed_shapes, unpack
 from ..modules.linear import QuantLinear, linear_dims
 from ..quantize import grouped, quantize, ungrouped
+from .. import reference
+from ..kernels.dispatch import w4a8_runs
 from ..reference import dequantize, expand_meta
 from .base import ModuleCheck, Scheme
 
@@ -36,7 +38,11 @@ def _quantize(weight: torch.Tensor, bits: int, group_size: int, axis: int, metho
 
 
 def _oracle(module: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T + b`` in float32 with the module's dequantized weight."""
+    """``x @ W.T + b`` in float32 with the module's dequantized weight; with x first rounded per token to FP8 where
+    the forward runs the W4A8 path (kernels/w4a8.py)."""
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    if w4a8_runs(m, module.out_features, module.in_features, module.bits, module.group_size, module.axis, x.device):
+        return reference.matmul_fp8_activations(x.float(), module.packed, module.bias)
     out = x.float() @ module.dequantize(torch.float32).t()
     return out + module.bias.float() if module.bias is not None else out
 

@@ -28,7 +28,8 @@ MS = (1, 2, 4, 8, 9, 16, 17, 32, 64, 65, 128, 256, 1024, 4096, 8192)
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (1024, 8192), (2048, 2048))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYOUTS = ((1, 128), (1, 64), (0, 128))  # (axis, group_size)
-FLAGS = {"default": Flags(), "mma0": Flags(mma=False), "wgmma0": Flags(wgmma=False), "pdl1": Flags(pdl=True)}
+FLAGS = {"default": Flags(), "mma0": Flags(mma=False), "wgmma0": Flags(wgmma=False), "pdl1": Flags(pdl=True),
+         "w4a8_1": Flags(w4a8="on"), "w4a8_force": Flags(w4a8="force")}
 
 
 def cases():

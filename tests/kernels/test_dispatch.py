@@ -30,12 +30,12 @@ def test_every_recorded_decision_is_made_again(shipped_tables_only):
 
 def test_the_grid_covers_every_path_and_pdl():
     golden = json.loads(OUT.read_text())
-    assert {d["config"]["path"] for d in golden.values()} == {"gemv", "mma", "wgmma", "fma", "dot", "dq"}
+    assert {d["config"]["path"] for d in golden.values()} == {"gemv", "mma", "wgmma", "fma", "dot", "dq", "w4a8"}
     assert any(d.get("pdl") for d in golden.values())
 
 
 def test_flags_follow_the_environment(monkeypatch):
-    for name in ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "TRITON_INTERPRET"):
+    for name in ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "TRITON_INTERPRET", "QUANTPACK_W4A8"):
         monkeypatch.delenv(name, raising=False)
     assert Flags.from_env() == Flags()
     monkeypatch.setenv("QUANTPACK_WGMMA", "0")
