@@ -62,23 +62,28 @@ def _meta_layout(v: torch.Tensor, shape, group_size: int, axis: int) -> torch.Te
 
 
 @torch.no_grad()
-def refit(wg: torch.Tensor, qmax: int, starts, *, floor: torch.Tensor, iters: int = REFIT_ITERS,
-          shrink=REFIT_SHRINK) -> tuple[torch.Tensor, torch.Tensor]:
+def refit(wg: torch.Tensor, qmax: int, starts, *, floor: torch.Tensor, dtype: torch.dtype = torch.float32,
+          iters: int = REFIT_ITERS, shrink=REFIT_SHRINK) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero per group (row of ``wg``) minimising ``||w - scale * (q - zero)||^2``.
 
     Lloyd-style: the codes by rounding, then (scale, zero) by least squares on those codes (a
-    line fit of ``w`` against ``q``), repeated; neither step raises the error. Run from each of
+    line fit of ``w`` against ``q``), repeated; each group keeps the best pair seen. Run from each of
     ``starts`` (``(inverse scale, zero)`` pairs) and from min/max ranges shrunk by ``shrink``
-    about their midpoint; each group keeps the best pair seen. Returns ``(inverse scale, zero)``.
-    All groups at once: a few passes over the weight per step.
+    about their midpoint. Returns ``(inverse scale, zero)``.
+    Scale and zero are rounded to ``dtype`` (their storage dtype) as they are found, so the pairs are
+    compared as the kernel will see them: at 8 bits a bfloat16 scale's rounding (2**-9 relative, times
+    codes up to 255) is as large as what the fit gains. All groups at once: a few passes per step.
     """
+    def stored(x):
+        return x.to(dtype).float()
+
     wmin = wg.amin(dim=1, keepdim=True)
     wmax = wg.amax(dim=1, keepdim=True)
     mid = (wmin + wmax) / 2
-    candidates = [(1 / inv, z) for inv, z in starts]
+    candidates = [(stored(1 / inv), stored(z)) for inv, z in starts]
     for f in shrink:
-        s = torch.maximum((wmax - wmin) * f / qmax, floor)
-        candidates.append((s, qmax / 2 - mid / s))
+        s = stored(torch.maximum((wmax - wmin) * f / qmax, floor))
+        candidates.append((s, stored(qmax / 2 - mid / s)))
     n = wg.shape[1]
     best_e = best_s = best_z = None
     for s, z in candidates:
@@ -99,8 +104,8 @@ def refit(wg: torch.Tensor, qmax: int, starts, *, floor: torch.Tensor, iters: in
             var = dq.square().sum(1, keepdim=True)
             a = (dq * wg).sum(1, keepdim=True) / var.clamp_min(1.0 / n)
             ok = (var > 0) & (a >= floor)  # a flat code group keeps its scale; never below the floor
-            s = torch.where(ok, a, s)
-            z = torch.where(ok, mq - mw / a.clamp_min(1e-30), z)  # w = a q + b with b = mw - a mq = -a z
+            s = torch.where(ok, stored(a), s)
+            z = torch.where(ok, stored(mq - mw / s), z)  # w = s q + b, b = mw - s mq = -s z: the zero for the stored s
     return 1 / best_s, best_z
 
 
@@ -148,7 +153,7 @@ def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 12
                                                         min_max=[0, qmax], axis=1, device=wg.device)
         inv_scale, zero = inv_scale.float(), zero.float()
         if method == "refit":
-            inv_scale, zero = refit(wg, qmax, [start, (inv_scale, zero)], floor=min_scale)
+            inv_scale, zero = refit(wg, qmax, [start, (inv_scale, zero)], floor=min_scale, dtype=dtype)
     # Round scale/zero to the storage dtype first, then pick q against the stored values, so the
     # integers are optimal for what the kernel will actually see.
     scale = (1.0 / inv_scale).to(dtype)
