@@ -122,7 +122,7 @@ class GroupSize(click.ParamType):
               help="hqq: optimized zero points; rtn: round to nearest; sinq: hqq after moving Sinkhorn-balanced "
                    "input-feature scales into the norms and producing rows of Llama-style decoder blocks (same "
                    "format, same function; slower to convert); refit: least-squares scale and zero per group "
-                   "from hqq's start (lower error on trained weights, about 2x hqq's conversion time).")
+                   "from hqq's start (lower weight error than hqq; about 2x hqq's quantizing time).")
 @click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
               help="w4a16/w8a16: weight-only (the default, by --bits). w8a8: int8 weights, one scale per output "
                    "channel, and int8 activations at run time (int8 tensor cores); --group-size, --axis, --method "
