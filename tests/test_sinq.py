@@ -38,6 +38,23 @@ def test_column_scales_balance_a_skewed_weight():
     assert float(after.max() / after.min()) < 0.25 * float(before.max() / before.min())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_vector_is_kept_only_for_a_clear_estimated_gain(bits):
+    # Estimated gains of a few percent were noise on real weights (and made 8-bit worse): dropped.
+    def case(spread):
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 256, generator=g) * torch.exp(torch.randn(256, generator=g) * spread)
+        t = sinq.column_scales([w])
+        act = torch.ones(256)
+        gain = 1 - sinq._weighted_error([w / t], act * t, bits, 128) / sinq._weighted_error([w], act, bits, 128)
+        return gain, sinq._choose([w], t, act, bits, 128)
+
+    gain, kept = case(0.1)  # nearly balanced columns: a small estimated gain
+    assert 0 < gain < sinq.KEEP_GAIN and kept is None
+    gain, kept = case(1.0)  # outlier columns: a large one
+    assert gain > 0.3 and kept is not None
+
+
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_absorb_keeps_the_llama_function(kv_heads):
     model = _llama(num_key_value_heads=kv_heads, attention_bias=True)
