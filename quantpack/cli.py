@@ -118,10 +118,16 @@ class GroupSize(click.ParamType):
               help="Weights per scale/zero group; 'none' for per-channel.")
 @click.option("--axis", type=click.Choice(["1", "0"]), default="1", show_default=True,
               help="1: groups along in-features; 0: along out-features.")
-@click.option("--method", type=click.Choice(["hqq", "rtn", "sinq"]), default="hqq", show_default=True,
+@click.option("--method", type=click.Choice(["hqq", "rtn", "sinq", "gptq"]), default="hqq", show_default=True,
               help="hqq: optimized zero points; rtn: round to nearest; sinq: hqq after moving Sinkhorn-balanced "
                    "input-feature scales into the norms and producing rows of Llama-style decoder blocks (same "
-                   "format, same function; slower to convert).")
+                   "format, same function; slower to convert); gptq: hqq's groups with GPTQ's error-compensating "
+                   "rounding, calibrated on --calibration text, one decoder block at a time (same format).")
+@click.option("--calibration", metavar="FILE|builtin", help="UTF-8 text to calibrate on (implies --method gptq): "
+              "text like the model's own data, ideally 100k+ tokens; 'builtin' uses a short shipped passage, for a "
+              "quick try.")
+@click.option("--calibration-length", type=click.IntRange(min=2), metavar="N",
+              help="Tokens per calibration sequence [default: 512, at most the model's context].")
 @click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
               help="w4a16/w8a16: weight-only (the default, by --bits). w8a8: int8 weights, one scale per output "
                    "channel, and int8 activations at run time (int8 tensor cores); --group-size, --axis, --method "
@@ -146,8 +152,8 @@ class GroupSize(click.ParamType):
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars (shown only when stderr is a terminal).")
 @click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP.replace("report", "summary"))
-def convert_command(source, output, bits, group_size, axis, method, scheme, dtype, device, skip, bits_for,
-                    quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle,
+def convert_command(source, output, bits, group_size, axis, method, calibration, calibration_length, scheme, dtype,
+                    device, skip, bits_for, quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle,
                     trust_remote_code, as_json, no_progress, quiet):
     """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
 
@@ -160,6 +166,7 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
       quantpack convert meta-llama/Llama-3.1-8B --group-size 128
       quantpack convert ./my-model --bits 8 --group-size none --dry-run
       quantpack convert ./my-model --scheme w8a8
+      quantpack convert ./my-model --calibration my-text.txt     # GPTQ, calibrated
     """
     import json
 
@@ -184,7 +191,8 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
                           overwrite=overwrite, strict=strict, revision=revision, token=token,
                           allow_pickle=allow_pickle, progress=_progress_wanted(no_progress, as_json, quiet),
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, calibration=calibration,
+                          calibration_length=calibration_length)
     except click.ClickException:
         raise
     except ValueError as e:  # includes CheckpointError: bad input, already one line
