@@ -279,8 +279,8 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet
         click.echo(report.to_json() if as_json else report.format_table())
 
 
-@cli.command("verify", short_help="Check a packed checkpoint's files and accuracy against its source.")
-@click.argument("packed")
+@cli.command("verify", short_help="Check packed checkpoints' files and accuracy against their source; compare them.")
+@click.argument("packed", nargs=-1, required=True)
 @click.option("--reference", metavar="SRC", help="The original checkpoint (hub repo id or directory) "
               "[default: the source recorded in quantpack.json].")
 @click.option("--no-reference", is_flag=True, help="Check only the files and the kernels; no reference needed.")
@@ -307,33 +307,80 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
     Integrity (checksums, index, shapes, dtypes, layout version), per-layer weight error, the
     kernels against float32, and both models on the same text (perplexity, KL, top-1 agreement;
     cosine similarity for encoders). Exit code 0: pass; 1: a check failed; 2: problems in the files.
+    Several PACKED checkpoints of one source are each verified, then compared in one table (method,
+    bits, group size, KL, top-1, perplexity ratio, worst layer error); the exit code is the worst.
     Examples:
       quantpack verify Llama-3.1-8B-qp4g128
       quantpack verify ./out --reference ./Llama-3.1-8B --text-file wiki.txt --json
+      quantpack verify ./out-hqq ./out-sinq ./out-gptq --text-file wiki.txt
     """
+    import json
+
     from .verify import verify
 
     if no_reference and reference:
         raise UsageFailure("--reference and --no-reference: pass one of them")
-    try:
-        report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
-                        device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
-                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens,
-                        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                        progress=_progress_wanted(no_progress, as_json, quiet))
-    except ValueError as e:  # bad input or an unavailable reference: already one line
-        raise UsageFailure(" ".join(str(e).split())) from None
-    if as_json or not quiet:
-        click.echo(report.to_json() if as_json else report.format_table())
-    _echo_warnings(report.warnings)
-    if report.exit_code == 2:
-        raise UsageFailure(" ".join(report.first_problem().split()))
-    if report.exit_code == 1:
-        failed = [c for c in report.checks if not c.passed]
-        click.echo("Failed: " + "; ".join(
-            c.name if c.value is None or c.threshold is None else f"{c.name} = {c.value:.5g} (must be {c.op} {c.threshold:g})"
-            for c in failed), err=True)
+    if len(packed) > 1 and reference is None and not no_reference:
+        _check_one_source(packed)
+    reports = []
+    for path in packed:
+        try:
+            reports.append(verify(path, reference=False if no_reference else reference, text_file=text_file,
+                                  device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
+                                  max_layer_error=max_layer_error, context_length=context_length,
+                                  max_tokens=max_tokens, allow_pickle=allow_pickle,
+                                  trust_remote_code=trust_remote_code,
+                                  progress=_progress_wanted(no_progress, as_json, quiet)))
+        except ValueError as e:  # bad input or an unavailable reference: already one line
+            raise UsageFailure((f"{path}: " if len(packed) > 1 else "") + " ".join(str(e).split())) from None
+    if len(reports) == 1:
+        report = reports[0]
+        if as_json or not quiet:
+            click.echo(report.to_json() if as_json else report.format_table())
+    elif as_json:
+        from .verify.compare import comparison_rows
+
+        click.echo(json.dumps({"reports": [r.to_dict() for r in reports], "comparison": comparison_rows(reports)},
+                              indent=2, allow_nan=False))
+    elif not quiet:
+        from .verify.compare import format_comparison
+
+        click.echo(format_comparison(reports))
+    several = len(reports) > 1
+    for report in reports:
+        _echo_warnings([f"{report.packed}: {w}" if several else w for w in report.warnings])
+    corrupt = [r for r in reports if r.exit_code == 2]
+    if corrupt:
+        raise UsageFailure((f"{corrupt[0].packed}: " if several else "") + " ".join(corrupt[0].first_problem().split()))
+    for report in reports:
+        if report.exit_code == 1:
+            failed = [c for c in report.checks if not c.passed]
+            click.echo("Failed: " + (f"{report.packed}: " if several else "") + "; ".join(
+                c.name if c.value is None or c.threshold is None else f"{c.name} = {c.value:.5g} (must be {c.op} {c.threshold:g})"
+                for c in failed), err=True)
+    if any(r.exit_code == 1 for r in reports):
         sys.exit(1)
+
+
+def _check_one_source(packed) -> None:
+    """Several checkpoints compared against their recorded sources must share one (else pass --reference)."""
+    from pathlib import Path
+
+    from .checkpoint import CheckpointError, read_manifest
+
+    sources = {}
+    for path in packed:
+        try:
+            source = (read_manifest(Path(path)) or {}).get("source") or {}
+        except CheckpointError:
+            continue  # verify reports it
+        sources[path] = (source.get("repo"), source.get("revision"))
+    items = list(sources.items())
+    other = next((item for item in items if item[1] != items[0][1]), None)
+    if other is not None:
+        raise UsageFailure(f"{items[0][0]} and {other[0]} were converted from different sources ({items[0][1][0]} and "
+                           f"{other[1][0]}); compare checkpoints of one source, or pass --reference SRC to compare "
+                           f"all with it")
 
 
 @cli.command("info", short_help="Show what a packed checkpoint is, without loading or verifying it.")
