@@ -1,7 +1,7 @@
 """Quantization quality on real pretrained weights, per method: per-layer output error on
 activations from real text, and end-to-end error against the source model. CPU only.
 
-    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq]
+    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq,gptq]
 
 Checkpoints:
 * ``all-MiniLM-L6-v2`` (sentence-transformers' BERT encoder, 6 layers, hidden 384), as shipped inside
@@ -15,6 +15,11 @@ Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linea
 captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.sinq.absorb) where
 a data-free estimate says they lower the error at that precision, ``sinq-all`` everywhere they can
 go; their layers are compared with the absorbed unquantized model (the same function as the source).
+``gptq`` (quantpack.gptq.gptq_quantize as ``convert --calibration`` runs it: group parameters from the
+original weight), ``gptq-dynamic`` (from the weight as updated when the loop reaches the group) and
+``gptq-act`` (static groups, columns in decreasing Hessian-diagonal order) quantize the layers in forward order, each with the Hessian of its inputs on
+calibration text through the model quantized so far: the last 60,000 characters of the training part of the
+corpus (the witness was trained on them; disjoint from the held-out evaluation text).
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -35,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_witness import corpus  # noqa: E402
 
 from quantpack import sinq  # noqa: E402
+from quantpack.gptq import gptq_quantize  # noqa: E402
 from quantpack.quantize import quantize  # noqa: E402
 from quantpack.reference import dequantize  # noqa: E402
 from quantpack.tiny import quiet_transformers  # noqa: E402
@@ -76,12 +82,49 @@ def capture_inputs(model, run) -> dict[str, torch.Tensor]:
     return inputs
 
 
+class _Stop(Exception):
+    pass
+
+
 @torch.no_grad()
-def quantize_model(source, run, method: str, bits: int, group_size: int) -> tuple[torch.nn.Module, dict]:
+def layer_hessian(model, lin, calib_run) -> torch.Tensor:
+    """``2 X^T X / tokens`` of ``lin``'s inputs on the calibration text (the forward stops there)."""
+    got = {}
+
+    def hook(mod, args):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        got["h"] = 2 * x.t() @ x / x.shape[0]
+        raise _Stop
+
+    handle = lin.register_forward_pre_hook(hook)
+    try:
+        calib_run(model)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return got["h"]
+
+
+@torch.no_grad()
+def quantize_model(source, run, method: str, bits: int, group_size: int, calib_run=None) -> tuple[torch.nn.Module, dict]:
     """A copy of ``source`` with every quantizable weight replaced by its dequantized codes, and the
     per-layer output errors."""
     model = copy.deepcopy(source)
     solver = method
+    if method.startswith("gptq"):
+        inputs = capture_inputs(model, run)
+        errors = {}
+        for name, lin in quantizable(model).items():  # forward order: each layer sees the earlier ones quantized
+            w = lin.weight.float()
+            pw = gptq_quantize(w, layer_hessian(model, lin, calib_run), bits=bits, group_size=group_size,
+                               dtype=torch.bfloat16, static_groups=method != "gptq-dynamic", act_order=method == "gptq-act")
+            wq = dequantize(pw, torch.float32)
+            x = inputs[name]
+            ref = x @ w.t()
+            errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
+            lin.weight.copy_(wq.to(lin.weight.dtype))
+        return model, errors
     if method == "sinq":  # as `quantpack convert --method sinq`: scales kept where they help at this precision
         sinq.absorb(model, bits=bits, group_size=group_size)
         solver = "hqq"
@@ -101,17 +144,24 @@ def quantize_model(source, run, method: str, bits: int, group_size: int) -> tupl
     return model, errors
 
 
-def encoder_case(path: Path, text: str):
+def sentences(text: str, n: int) -> list[str]:
+    return [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20][:n]
+
+
+def encoder_case(path: Path, text: str, calibration: str):
     from transformers import AutoModel, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     with quiet_transformers():
         model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    lines = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20][:24]
-    batch = tok(lines, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    batch = tok(sentences(text, 24), padding=True, truncation=True, max_length=64, return_tensors="pt")
+    calib = tok(sentences(calibration, 128), padding=True, truncation=True, max_length=64, return_tensors="pt")
 
     def run(m):
         return m(**batch).last_hidden_state
+
+    def calib_run(m):
+        return m(**calib).last_hidden_state
 
     def embed(m):
         h = run(m)
@@ -126,10 +176,10 @@ def encoder_case(path: Path, text: str):
             cos = (embed(q) * ref).sum(-1)
         return {"one_minus_cos": float((1 - cos).mean()), "worst_one_minus_cos": float((1 - cos).max())}
 
-    return model, run, metrics, "one_minus_cos"
+    return model, run, metrics, "one_minus_cos", calib_run
 
 
-def causal_case(path: Path, text: str):
+def causal_case(path: Path, text: str, calibration: str):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -139,9 +189,14 @@ def causal_case(path: Path, text: str):
     seq = 128
     n = min(8, len(ids) // seq)
     batch = ids[: n * seq].reshape(n, seq)
+    cids = torch.tensor(tok(calibration, add_special_tokens=False)["input_ids"])
+    calib = cids[: min(64, len(cids) // seq) * seq].reshape(-1, seq)
 
     def run(m):
         return m(batch).logits
+
+    def calib_run(m):
+        return m(calib).logits
 
     with torch.no_grad():
         ref = run(model).float()
@@ -160,7 +215,7 @@ def causal_case(path: Path, text: str):
         top1 = (logits.argmax(-1) == ref.argmax(-1)).float().mean()
         return {"kl": float(kl), "top1": float(top1), "ppl": ppl(logits), "source_ppl": source_ppl}
 
-    return model, run, metrics, "kl"
+    return model, run, metrics, "kl", calib_run
 
 
 def main() -> None:
@@ -177,26 +232,27 @@ def main() -> None:
     methods = args.methods.split(",")
     if "hqq" not in methods:
         methods.insert(0, "hqq")  # the ratios' reference
-    _, held_out = corpus()
+    train, held_out = corpus()
+    calibration = train[-60000:]  # disjoint from the held-out evaluation text
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     wanted = args.checkpoints.split(",")
     cases = []
     if "minilm" in wanted:
         minilm = args.minilm or fetch_minilm(Path.home() / ".cache" / "quantpack-bench")
-        cases.append(("all-MiniLM-L6-v2", encoder_case(minilm, held_out)))
+        cases.append(("all-MiniLM-L6-v2", encoder_case(minilm, held_out, calibration)))
     if "witness" in wanted:
         if not (args.witness / "model.safetensors").exists():
             subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
-        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out)))
+        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True).stdout.strip()
     date = datetime.date.today().isoformat()
     rows = []
-    for ckpt, (model, run, metrics, headline) in cases:
+    for ckpt, (model, run, metrics, headline, calib_run) in cases:
         for bits, gs in configs:
             results = {}
             for method in methods:
-                q, errors = quantize_model(model, run, method, bits, gs)
+                q, errors = quantize_model(model, run, method, bits, gs, calib_run)
                 results[method] = (metrics(q), errors)
             base_m, base_e = results["hqq"]
             for method, (m, errors) in results.items():
