@@ -225,8 +225,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             from ..gptq import quantize_blocks
 
             source_of = {v: k for k, v in canonical.items()}
+            t_cal = time.perf_counter()
             precomputed = quantize_blocks(type(model), config, lambda n: src.get(source_of[n]), quant_plan, tokens,
                                           store=partial / GPTQ_STORE, dtype=out_dtype, device=dev, progress=progress)
+            summary.timings["calibrate"] = time.perf_counter() - t_cal
         try:
             write_shards(src, shards, names, partial, done, fingerprint, scheme, axis,
                          "hqq" if method in ("sinq", "gptq") else method, dev, out_dtype, progress, summary, rescale,
