@@ -279,7 +279,7 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet
         click.echo(report.to_json() if as_json else report.format_table())
 
 
-@cli.command("verify", short_help="Check packed checkpoints' files and accuracy against their source; compare them.")
+@cli.command("verify", short_help="Check packed checkpoints' files and accuracy against their source.")
 @click.argument("packed", nargs=-1, required=True)
 @click.option("--reference", metavar="SRC", help="The original checkpoint (hub repo id or directory) "
               "[default: the source recorded in quantpack.json].")
