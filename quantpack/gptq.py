@@ -71,6 +71,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
         scales = torch.empty(k // gs, n, dtype=dtype, device=w.device)
         zeros = torch.empty_like(scales)
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else None
+    group_of = list(range(k)) if perm is None else perm.tolist()  # on the host: no device sync per column
     if perm is not None:
         w, h = w[:, perm], h[perm][:, perm]
     hinv = _inverse_cholesky(h, damp)
@@ -90,7 +91,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
                 cols = w1[:, i:i + gs] if i + gs <= i2 - i1 else w[:, col:col + gs]
                 pw = quantize(cols.contiguous(), bits=bits, group_size=gs, method="hqq", dtype=dtype)
                 scales[col // gs], zeros[col // gs] = pw.scales[0], pw.zeros[0]
-            g = (int(perm[col]) if perm is not None else col) // gs
+            g = group_of[col] // gs
             s, z = scales[g].float(), zeros[g].float()
             x = w1[:, i]
             qc = torch.round(x / s + z).clamp_(0, qmax)
