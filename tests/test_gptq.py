@@ -193,3 +193,21 @@ def test_calibrated_conversion_memory_does_not_grow_with_the_layer_count(tiny_ll
     block = (384 * 384 * 2 + 192 * 384 * 2 + 3 * 384 * 1024) * 4  # one float32 block: 6.5 MB
     # Holding the 8 more blocks (weights, or their activations or Hessians) would add 52 MB or more.
     assert many - few < 2 * block, f"peak RSS grew {few / 2**20:.1f} MiB with 2 layers, {many / 2**20:.1f} MiB with 10"
+
+
+def test_interrupted_calibrated_conversion_resumes_to_the_same_bytes(tiny_llama_dir, tmp_path, convert_interrupted):
+    kwargs = dict(group_size=32, calibration="builtin", calibration_length=64, max_shard_size="150KB",
+                  progress=False)
+    fresh = tmp_path / "fresh"
+    convert(tiny_llama_dir, fresh, **kwargs)
+    out = tmp_path / "out"
+    convert_interrupted(tiny_llama_dir, out, at=3, **kwargs)
+    partial = tmp_path / ".out.qp-partial"
+    assert (partial / "gptq-blocks").is_dir() and not out.exists()  # calibrated layers wait there
+    summary = convert(tiny_llama_dir, out, **kwargs)
+    assert summary.resumed_shards == 2 and summary.num_shards == 3
+    assert not partial.exists()
+    files = sorted(p.name for p in fresh.iterdir())
+    assert files == sorted(p.name for p in out.iterdir())
+    for name in files:
+        assert (fresh / name).read_bytes() == (out / name).read_bytes(), name
