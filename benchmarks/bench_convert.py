@@ -6,6 +6,12 @@ hub repo), then converts it with ``convert(method=..., device=...)`` and prints 
 
     python benchmarks/bench_convert.py --method hqq --device cuda          # the acceptance run
     python benchmarks/bench_convert.py --tiny --device cpu                 # smoke test on a CPU
+    python benchmarks/bench_convert.py --calibration text.txt --device cuda   # method gptq, calibrated
+
+With ``--calibration`` the source gets a small BPE tokenizer (quantpack.tiny's, 320 tokens: the token ids
+exercise the same code as a real vocabulary's) and the conversion runs ``--method gptq`` on that text
+(128 sequences of 512 tokens at most, as the converter's defaults). ``--source DIR`` converts an existing
+source (built by an earlier ``--keep`` run) instead of building one.
 
 The conversion time includes everything the command does: reading and hashing every input,
 quantizing, computing each layer's reconstruction error, writing and hashing the shards, copying
@@ -44,6 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tiny", action="store_true", help="small shapes, for a CPU smoke test")
     parser.add_argument("--method", default="hqq", choices=["hqq", "rtn"])
+    parser.add_argument("--calibration", help="UTF-8 text (or 'builtin'): convert with method gptq")
+    parser.add_argument("--source", type=Path, help="convert this existing source instead of building one")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=128)
@@ -59,24 +67,35 @@ def main(argv=None) -> int:
     from quantpack.tiny import make_random_checkpoint
 
     work = Path(args.workdir)
-    src, out = work / "llama3-8b-random", work / "llama3-8b-random-qp"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    src, out = args.source or work / "llama3-8b-random", work / "llama3-8b-random-qp"
     t0 = time.perf_counter()
-    make_random_checkpoint(src, llama3_8b_config(args.layers, args.tiny), dtype=torch.bfloat16,
-                           max_shard_size=args.source_shard_size)
-    os.sync()
+    if args.source is None:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        make_random_checkpoint(src, llama3_8b_config(args.layers, args.tiny), dtype=torch.bfloat16,
+                               max_shard_size=args.source_shard_size)
+        if args.calibration:  # a tokenizer, for the calibration text
+            from quantpack.tiny import make_tiny_llama
+
+            tiny = make_tiny_llama(work / "tokenizer-donor", num_shards=1)
+            for f in tiny.glob("tokenizer*"):
+                shutil.copy(f, src)
+        os.sync()
+    else:
+        shutil.rmtree(out, ignore_errors=True)
     build_s = time.perf_counter() - t0
     source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"built source: {source_bytes / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, "
           f"{build_s:.1f} s", flush=True)
 
-    summary = convert(src, out, bits=args.bits, group_size=args.group_size, method=args.method, device=args.device,
-                      max_shard_size=args.max_shard_size, progress=True)
+    method = "gptq" if args.calibration else args.method
+    summary = convert(src, out, bits=args.bits, group_size=args.group_size, method=method, device=args.device,
+                      max_shard_size=args.max_shard_size, progress=True, calibration=args.calibration)
     print(summary.format_table(), flush=True)
     result = {
         "device": torch.cuda.get_device_name() if summary.settings["device"] == "cuda" else "cpu",
-        "layers": args.layers, "tiny": args.tiny, "method": args.method, "bits": args.bits,
+        "layers": args.layers, "tiny": args.tiny, "method": method,
+        **({"calibration_tokens": summary.settings["calibration"]["tokens"]} if args.calibration else {}), "bits": args.bits,
         "group_size": args.group_size, "source_gb": round(summary.source_bytes / 1e9, 3),
         "output_gb": round(summary.output_bytes / 1e9, 3), "ratio": round(summary.ratio, 3),
         "layers_quantized": len(summary.quantized), "convert_s": round(summary.seconds, 2),

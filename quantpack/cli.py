@@ -118,11 +118,19 @@ class GroupSize(click.ParamType):
               help="Weights per scale/zero group; 'none' for per-channel.")
 @click.option("--axis", type=click.Choice(["1", "0"]), default="1", show_default=True,
               help="1: groups along in-features; 0: along out-features.")
-@click.option("--method", type=click.Choice(["hqq", "rtn", "sinq", "refit"]), default="hqq", show_default=True,
+@click.option("--method", type=click.Choice(["hqq", "rtn", "sinq", "refit", "gptq"]), default="hqq",
+              show_default=True,
               help="hqq: optimized zero points; rtn: round to nearest; sinq: hqq after moving Sinkhorn-balanced "
                    "input-feature scales into the norms and producing rows of Llama-style decoder blocks (same "
                    "format, same function; slower to convert); refit: least-squares scale and zero per group "
-                   "from hqq's start (lower weight error than hqq; about 2x hqq's quantizing time).")
+                   "from hqq's start (lower weight error than hqq; about 2x hqq's quantizing time); gptq: hqq's "
+                   "groups with GPTQ's error-compensating rounding, calibrated on --calibration text, one decoder "
+                   "block at a time (same format).")
+@click.option("--calibration", metavar="FILE|builtin", help="UTF-8 text to calibrate on (implies --method gptq): "
+              "text like the model's own data, ideally 100k+ tokens; 'builtin' uses a short shipped passage, for a "
+              "quick try.")
+@click.option("--calibration-length", type=click.IntRange(min=2), metavar="N",
+              help="Tokens per calibration sequence [default: 512, at most the model's context].")
 @click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
               help="w4a16/w8a16: weight-only (the default, by --bits). w8a8: int8 weights, one scale per output "
                    "channel, and int8 activations at run time (int8 tensor cores); --group-size, --axis, --method "
@@ -147,8 +155,8 @@ class GroupSize(click.ParamType):
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary on stdout.")
 @click.option("--no-progress", is_flag=True, help="Hide progress bars (shown only when stderr is a terminal).")
 @click.option("-q", "--quiet", is_flag=True, help=QUIET_HELP.replace("report", "summary"))
-def convert_command(source, output, bits, group_size, axis, method, scheme, dtype, device, skip, bits_for,
-                    quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle,
+def convert_command(source, output, bits, group_size, axis, method, calibration, calibration_length, scheme, dtype,
+                    device, skip, bits_for, quantize_lm_head, max_shard_size, dry_run, overwrite, strict, revision, token, allow_pickle,
                     trust_remote_code, as_json, no_progress, quiet):
     """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
 
@@ -161,6 +169,7 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
       quantpack convert meta-llama/Llama-3.1-8B --group-size 128
       quantpack convert ./my-model --bits 8 --group-size none --dry-run
       quantpack convert ./my-model --scheme w8a8
+      quantpack convert ./my-model --calibration my-text.txt     # GPTQ, calibrated
     """
     import json
 
@@ -185,7 +194,8 @@ def convert_command(source, output, bits, group_size, axis, method, scheme, dtyp
                           quantize_lm_head=quantize_lm_head, max_shard_size=max_shard_size, dry_run=dry_run,
                           overwrite=overwrite, strict=strict, revision=revision, token=token,
                           allow_pickle=allow_pickle, progress=_progress_wanted(no_progress, as_json, quiet),
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, calibration=calibration,
+                          calibration_length=calibration_length)
     except click.ClickException:
         raise
     except ValueError as e:  # includes CheckpointError: bad input, already one line
@@ -272,8 +282,8 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet
         click.echo(report.to_json() if as_json else report.format_table())
 
 
-@cli.command("verify", short_help="Check a packed checkpoint's files and accuracy against its source.")
-@click.argument("packed")
+@cli.command("verify", short_help="Check packed checkpoints' files and accuracy against their source.")
+@click.argument("packed", nargs=-1, required=True)
 @click.option("--reference", metavar="SRC", help="The original checkpoint (hub repo id or directory) "
               "[default: the source recorded in quantpack.json].")
 @click.option("--no-reference", is_flag=True, help="Check only the files and the kernels; no reference needed.")
@@ -300,33 +310,80 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
     Integrity (checksums, index, shapes, dtypes, layout version), per-layer weight error, the
     kernels against float32, and both models on the same text (perplexity, KL, top-1 agreement;
     cosine similarity for encoders). Exit code 0: pass; 1: a check failed; 2: problems in the files.
+    Several PACKED checkpoints of one source are each verified, then compared in one table (method,
+    bits, group size, KL, top-1, perplexity ratio, worst layer error); the exit code is the worst.
     Examples:
       quantpack verify Llama-3.1-8B-qp4g128
       quantpack verify ./out --reference ./Llama-3.1-8B --text-file wiki.txt --json
+      quantpack verify ./out-hqq ./out-sinq ./out-gptq --text-file wiki.txt
     """
+    import json
+
     from .verify import verify
 
     if no_reference and reference:
         raise UsageFailure("--reference and --no-reference: pass one of them")
-    try:
-        report = verify(packed, reference=False if no_reference else reference, text_file=text_file,
-                        device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
-                        max_layer_error=max_layer_error, context_length=context_length, max_tokens=max_tokens,
-                        allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                        progress=_progress_wanted(no_progress, as_json, quiet))
-    except ValueError as e:  # bad input or an unavailable reference: already one line
-        raise UsageFailure(" ".join(str(e).split())) from None
-    if as_json or not quiet:
-        click.echo(report.to_json() if as_json else report.format_table())
-    _echo_warnings(report.warnings)
-    if report.exit_code == 2:
-        raise UsageFailure(" ".join(report.first_problem().split()))
-    if report.exit_code == 1:
-        failed = [c for c in report.checks if not c.passed]
-        click.echo("Failed: " + "; ".join(
-            c.name if c.value is None or c.threshold is None else f"{c.name} = {c.value:.5g} (must be {c.op} {c.threshold:g})"
-            for c in failed), err=True)
+    if len(packed) > 1 and reference is None and not no_reference:
+        _check_one_source(packed)
+    reports = []
+    for path in packed:
+        try:
+            reports.append(verify(path, reference=False if no_reference else reference, text_file=text_file,
+                                  device=device, max_kl=max_kl, min_top1=min_top1, min_cosine=min_cosine,
+                                  max_layer_error=max_layer_error, context_length=context_length,
+                                  max_tokens=max_tokens, allow_pickle=allow_pickle,
+                                  trust_remote_code=trust_remote_code,
+                                  progress=_progress_wanted(no_progress, as_json, quiet)))
+        except ValueError as e:  # bad input or an unavailable reference: already one line
+            raise UsageFailure((f"{path}: " if len(packed) > 1 else "") + " ".join(str(e).split())) from None
+    if len(reports) == 1:
+        report = reports[0]
+        if as_json or not quiet:
+            click.echo(report.to_json() if as_json else report.format_table())
+    elif as_json:
+        from .verify.compare import comparison_rows
+
+        click.echo(json.dumps({"reports": [r.to_dict() for r in reports], "comparison": comparison_rows(reports)},
+                              indent=2, allow_nan=False))
+    elif not quiet:
+        from .verify.compare import format_comparison
+
+        click.echo(format_comparison(reports))
+    several = len(reports) > 1
+    for report in reports:
+        _echo_warnings([f"{report.packed}: {w}" if several else w for w in report.warnings])
+    corrupt = [r for r in reports if r.exit_code == 2]
+    if corrupt:
+        raise UsageFailure((f"{corrupt[0].packed}: " if several else "") + " ".join(corrupt[0].first_problem().split()))
+    for report in reports:
+        if report.exit_code == 1:
+            failed = [c for c in report.checks if not c.passed]
+            click.echo("Failed: " + (f"{report.packed}: " if several else "") + "; ".join(
+                c.name if c.value is None or c.threshold is None else f"{c.name} = {c.value:.5g} (must be {c.op} {c.threshold:g})"
+                for c in failed), err=True)
+    if any(r.exit_code == 1 for r in reports):
         sys.exit(1)
+
+
+def _check_one_source(packed) -> None:
+    """Several checkpoints compared against their recorded sources must share one (else pass --reference)."""
+    from pathlib import Path
+
+    from .checkpoint import CheckpointError, read_manifest
+
+    sources = {}
+    for path in packed:
+        try:
+            source = (read_manifest(Path(path)) or {}).get("source") or {}
+        except CheckpointError:
+            continue  # verify reports it
+        sources[path] = (source.get("repo"), source.get("revision"))
+    items = list(sources.items())
+    other = next((item for item in items if item[1] != items[0][1]), None)
+    if other is not None:
+        raise UsageFailure(f"{items[0][0]} and {other[0]} were converted from different sources ({items[0][1][0]} and "
+                           f"{other[1][0]}); compare checkpoints of one source, or pass --reference SRC to compare "
+                           f"all with it")
 
 
 @cli.command("info", short_help="Show what a packed checkpoint is, without loading or verifying it.")

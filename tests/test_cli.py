@@ -27,7 +27,7 @@ def test_version():
                                       "(see 'quantpack convert --help')"),
     (["convert", "x", "--no-such-option"], "Error: No such option '--no-such-option'. (see 'quantpack convert --help')"),
     (["nosuch"], "Error: No such command 'nosuch'. (see 'quantpack --help')"),
-    (["verify"], "Error: Missing argument 'PACKED'. (see 'quantpack verify --help')"),
+    (["verify"], "Error: Missing argument 'PACKED...'. (see 'quantpack verify --help')"),
 ])
 def test_usage_errors_are_one_line(args, message):
     result = CliRunner().invoke(cli, args, prog_name="quantpack")

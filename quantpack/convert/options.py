@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..calibration import CalibrationText, read_calibration
 from ..checkpoint import W8A8_CONFIG, SourceCheckpoint, weight_only_scheme
 from ..checkpoint import parse_size
 from ..format import SUPPORTED_AXES, SUPPORTED_BITS, check_group_size
@@ -18,7 +19,8 @@ DEFAULT_GROUP_SIZE = 128
 DEFAULT_METHOD = "hqq"
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 # sinq: hqq's solver after Sinkhorn column scales moved into the norms and producing rows (quantpack.sinq)
-CONVERT_METHODS = (*METHODS, "sinq")
+# gptq: error-compensating rounding on hqq's group parameters, calibrated on text (quantpack.gptq)
+CONVERT_METHODS = (*METHODS, "sinq", "gptq")
 
 
 def parse_bits_for(bits_for) -> list[tuple[re.Pattern, int]]:
@@ -128,10 +130,25 @@ class Arguments:
     bits_rules: list
     shard_limit: int
     device: torch.device
+    calibration: CalibrationText | None = None
 
 
-def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bits_for, max_shard_size) -> Arguments:
-    """Check and resolve the conversion settings, cheapest checks first; a ValueError with a one-line message."""
+def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bits_for, max_shard_size,
+                    calibration=None) -> Arguments:
+    """Check and resolve the conversion settings, cheapest checks first; a ValueError with a one-line message.
+
+    ``calibration`` (a text file's path, or ``"builtin"``) implies ``method="gptq"``, which needs it."""
+    if calibration is not None:
+        if scheme == "w8a8":
+            raise ValueError("calibration does not apply to scheme='w8a8' (symmetric absmax rounding); drop "
+                             "--calibration, or use a weight-only scheme")
+        if method not in (None, "gptq"):
+            raise ValueError(f"calibration is used by method 'gptq' only, not method={method!r}; pass --method gptq "
+                             f"(or leave --method out), or drop --calibration")
+        method = "gptq"
+    elif method == "gptq":
+        raise ValueError("method='gptq' needs calibration text: pass --calibration FILE (UTF-8 text like the "
+                         "model's data), or --calibration builtin for a quick try")
     scheme, bits, group_size, axis, method = resolve_scheme(scheme, bits, group_size, axis, method, bits_for)
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; use 4 or 8")
@@ -141,9 +158,11 @@ def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bit
         raise ValueError(f"method={method!r} is not supported; use one of {', '.join(CONVERT_METHODS)}")
     if method == "sinq" and axis != 1:
         raise ValueError("method='sinq' balances input features, for groups along them; use axis=1")
+    if method == "gptq" and axis != 1:
+        raise ValueError("method='gptq' rounds along input features, with groups along them; use axis=1")
     if group_size is not None:
         check_group_size(group_size)
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
     return Arguments(scheme, bits, group_size, axis, method, skip, [compile_pattern(p, "skip") for p in skip],
                      parse_bits_for((bits_for,) if isinstance(bits_for, str) else bits_for), parse_size(max_shard_size),
-                     resolve_device(device))
+                     resolve_device(device), None if calibration is None else read_calibration(calibration))

@@ -24,12 +24,15 @@ from .plan import (Unit, plan_linears, canonical_names, check_complete, expert_c
 from .summary import ConvertSummary, LayerResult, format_size
 from .writer import write_shards
 
+GPTQ_STORE = "gptq-blocks"  # calibrated layers, in the partial directory until written into their shards
+
 
 def convert(source, output=None, *, bits: int | None = None, group_size: int | None = DEFAULT_GROUP_SIZE,
             axis: int = 1, method: str | None = None, scheme: str | None = None, dtype=None, device: str = "auto",
             skip=(), bits_for=(), quantize_lm_head: bool = False, max_shard_size="5GB", dry_run: bool = False,
             overwrite: bool = False, strict: bool = False, revision: str | None = None, token: str | None = None,
-            allow_pickle: bool = False, progress: bool = True, trust_remote_code: bool = False) -> ConvertSummary:
+            allow_pickle: bool = False, progress: bool = True, trust_remote_code: bool = False, calibration=None,
+            calibration_length: int | None = None) -> ConvertSummary:
     """Convert ``source`` (hub repo id or local directory) into a packed checkpoint at ``output``.
 
     ``scheme``: ``None`` (weight-only ``w<bits>a16``: ``bits`` 4 by default, ``method`` hqq by
@@ -44,6 +47,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     ``bits_for``: ``"REGEX=BITS"`` strings (or (regex, bits) pairs), first match wins.
     ``dtype`` (bfloat16/float16) is the output dtype of scales, zeros and every unquantized floating
     tensor; default: the source weights' dtype if half precision, else bfloat16.
+    ``calibration``: a UTF-8 text file (or ``"builtin"``, a short shipped passage) for ``method="gptq"``
+    (implied): GPTQ's error-compensating rounding on hqq's group parameters, with the Hessians of each decoder
+    block's inputs on that text, one block at a time (see :mod:`quantpack.gptq`); ``calibration_length``:
+    tokens per calibration sequence (default 512, at most the model's context).
     ``trust_remote_code``: let transformers run the Python code the checkpoint ships for its config and
     model (``auto_map``); off by default, so such a checkpoint is refused and nothing ever prompts.
     Raises ``ValueError`` (:class:`~quantpack.checkpoint.CheckpointError` for checkpoint and disk
@@ -51,7 +58,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     """
     t0 = time.perf_counter()
     args = check_arguments(bits=bits, group_size=group_size, axis=axis, method=method, scheme=scheme, device=device,
-                           skip=skip, bits_for=bits_for, max_shard_size=max_shard_size)
+                           skip=skip, bits_for=bits_for, max_shard_size=max_shard_size, calibration=calibration)
     scheme, bits, group_size, axis, method = args.scheme, args.bits, args.group_size, args.axis, args.method
     skip, skip_patterns, bits_rules, shard_limit, dev = args.skip, args.skip_patterns, args.bits_rules, \
         args.shard_limit, args.device
@@ -114,6 +121,17 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                     summary.warnings.append(message)
         if not quant_plan:
             raise ValueError(nothing_to_quantize(summary.layers, bits, group_size, axis))
+        if method == "gptq":  # refused or tokenized before anything is written
+            from .. import calibration as cal
+            from ..gptq import check_model
+
+            check_model(model, config, quant_plan, quantized_experts)
+            tokens = cal.token_sequences(args.calibration, cal.load_tokenizer(resolved.path, trust_remote_code),
+                                         cal.sequence_length(config, calibration_length))
+            settings["calibration"] = {"sha256": args.calibration.sha256, "tokens": tokens.numel(),
+                                       "sequences": tokens.shape[0], "sequence_length": tokens.shape[1],
+                                       **({"builtin": True} if args.calibration.source == cal.BUILTIN else {})}
+            summary.settings["calibration"] = settings["calibration"]
 
         # -- units in source order, then shards
         units = []
@@ -146,6 +164,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         summary.output_bytes = sum(shard_sizes)
         other_files = src.other_files()
         needed = summary.output_bytes + sum((resolved.path / f).stat().st_size for f in other_files) + (1 << 20)
+        if method == "gptq":  # the calibrated layers wait in the partial directory until their shard is written
+            needed += sum(u.nbytes for u in units if u.layer is not None)
 
         # -- output location, disk space
         partial = out_path.parent / f".{out_path.name}{PARTIAL_SUFFIX}"
@@ -200,9 +220,20 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                                       group_size=group_size, device=dev)
             rescale = {source_of[n]: v for n, v in rescale.items()}
             settings["sinq_scales"] = kept  # recorded (not fingerprinted: derived), so verify can redo them
+        precomputed = {}
+        if method == "gptq" and len(done) < len(names):
+            from ..gptq import quantize_blocks
+
+            source_of = {v: k for k, v in canonical.items()}
+            t_cal = time.perf_counter()
+            precomputed = quantize_blocks(type(model), config, lambda n: src.get(source_of[n]), quant_plan, tokens,
+                                          store=partial / GPTQ_STORE, dtype=out_dtype, device=dev, progress=progress)
+            summary.timings["calibrate"] = time.perf_counter() - t_cal
         try:
             write_shards(src, shards, names, partial, done, fingerprint, scheme, axis,
-                         "hqq" if method == "sinq" else method, dev, out_dtype, progress, summary, rescale)
+                         "hqq" if method in ("sinq", "gptq") else method, dev, out_dtype, progress, summary, rescale,
+                         precomputed)
+            shutil.rmtree(partial / GPTQ_STORE, ignore_errors=True)
             t_finish = time.perf_counter()
             # -- the small files, then the manifest last
             for rel in other_files:

@@ -16,8 +16,10 @@ from .summary import LayerResult
 
 
 def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype, progress,
-                 summary, rescale=None):
-    """``rescale``: {source tensor: (row, column factors)} applied before quantizing or copying."""
+                 summary, rescale=None, precomputed=None):
+    """``rescale``: {source tensor: (row, column factors)} applied before quantizing or copying;
+    ``precomputed``: {module: safetensors file holding its packed tensors} (calibrated layers), written as
+    they are instead of quantizing."""
     from tqdm.auto import tqdm
 
     todo_bytes = sum(src.info(u.source).nbytes for i, s in enumerate(shards) if names[i] not in done for u in s)
@@ -61,7 +63,10 @@ def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, m
                     t = time.perf_counter()
                     layer = unit.layer
                     weight = tensor.t().contiguous() if layer.transposed else tensor  # stored as (out, in)
-                    packed = _quantize_layer(SCHEMES[scheme], weight, layer, axis, method, dev, out_dtype)
+                    if precomputed and layer.name in precomputed:
+                        packed = _stored_layer(precomputed[layer.name], weight, layer, dev)
+                    else:
+                        packed = _quantize_layer(SCHEMES[scheme], weight, layer, axis, method, dev, out_dtype)
                     if not math.isfinite(layer.rel_error) or not all(bool(torch.isfinite(v).all()) for v in
                                                                     packed.values() if v.is_floating_point()):
                         raise CheckpointError(f"source: tensor {unit.source}: values up to "
@@ -101,6 +106,25 @@ def _rel_error(deq: torch.Tensor, w: torch.Tensor) -> float:
     scale = torch.exp2(torch.floor(torch.log2(w.abs().amax().clamp_min(1e-30))))
     err = torch.linalg.vector_norm((deq - w) / scale) / torch.linalg.vector_norm(w / scale).clamp_min(1e-30)
     return float(f"{float(err):.6g}")
+
+
+@torch.no_grad()
+def _stored_layer(file, weight, layer: LayerResult, dev) -> dict[str, torch.Tensor]:
+    """A layer quantized ahead (weight-only layout, groups along in-features), read back from ``file``, with
+    its error against the source weight."""
+    from safetensors import safe_open
+
+    from ..format import PackedWeight
+    from ..reference import dequantize
+
+    names = {suffix: f"{layer.name}.{suffix}" for suffix in ("qweight", "scales", "zeros")}
+    with safe_open(file, framework="pt") as f:
+        packed = {name: f.get_tensor(name) for name in names.values()}
+    pw = PackedWeight(packed[names["qweight"]], packed[names["scales"]], packed[names["zeros"]], bits=layer.bits,
+                      group_size=layer.group_size, axis=1, shape=tuple(layer.shape))
+    pw.validate()
+    layer.rel_error = _rel_error(dequantize(pw.to(dev), torch.float32), weight.to(dev).float())
+    return packed
 
 
 @torch.no_grad()

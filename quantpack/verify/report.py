@@ -72,7 +72,7 @@ REPORT_SCHEMA = {
     "type": "object",
     "additionalProperties": False,
     "required": ["schema_version", "quantpack_version", "packed", "reference", "device", "verdict", "exit_code",
-                 "integrity", "layers", "kernels", "end_to_end", "thresholds", "checks", "skipped", "warnings",
+                 "quantization", "integrity", "layers", "kernels", "end_to_end", "thresholds", "checks", "skipped", "warnings",
                  "seconds"],
     "properties": {
         "schema_version": {"type": "integer", "enum": [SCHEMA_VERSION]},
@@ -88,6 +88,13 @@ REPORT_SCHEMA = {
         "device": {"type": "string"},
         "verdict": {"type": "string", "enum": ["pass", "fail", "corrupt"]},
         "exit_code": {"type": "integer", "enum": [0, 1, 2]},
+        "quantization": {
+            "type": ["object", "null"], "additionalProperties": False,
+            "required": ["scheme", "method", "bits", "group_size", "axis", "calibration"],
+            "properties": {"scheme": _STR, "method": _STR, "bits": {"type": ["integer", "null"]},
+                           "group_size": {"type": ["integer", "null"]}, "axis": {"type": ["integer", "null"]},
+                           "calibration": {"type": ["object", "null"]}},
+        },
         "integrity": {
             "type": "object", "additionalProperties": False,
             "required": ["ok", "files_checked", "tensors_checked", "problems"],
@@ -175,6 +182,28 @@ REPORT_SCHEMA = {
 # The report
 
 
+def quantization_summary(qc: dict | None, manifest: dict | None) -> dict | None:
+    """The report's ``quantization``: from the checkpoint's quantization config, else its manifest's settings."""
+    settings = (manifest or {}).get("settings") or {}
+    qc = qc or {}
+    if not qc and not settings:
+        return None
+    pick = (lambda key: qc.get(key, settings.get(key)))
+    return {"scheme": pick("scheme"), "method": pick("method"), "bits": pick("bits"), "group_size": pick("group_size"),
+            "axis": pick("axis"), "calibration": settings.get("calibration")}
+
+
+def describe_quantization(q: dict) -> str:
+    """One line: ``gptq, 4-bit, group 128 (w4a16); calibrated on 8192 tokens (sha256 0e829cb1a64c)``."""
+    group = "per channel" if q.get("group_size") is None else f"group {q['group_size']}"
+    line = f"{q.get('method') or '-'}, {q.get('bits') or '-'}-bit, {group}" + (f" ({q['scheme']})" if q.get("scheme") else "")
+    cal = q.get("calibration")
+    if cal:
+        line += (f"; calibrated on {cal.get('tokens')} tokens ("
+                 + ("built-in passage" if cal.get("builtin") else f"sha256 {str(cal.get('sha256'))[:12]}") + ")")
+    return line
+
+
 @dataclass
 class Problem:
     """Something wrong in the files: which file and (when it could be found) which tensor."""
@@ -210,6 +239,7 @@ class VerifyReport:
     packed: str
     device: str
     reference: dict | None = None
+    quantization: dict | None = None  # scheme, method, bits, group_size, axis, calibration (gptq)
     integrity: dict = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     layers: dict | None = None
@@ -251,6 +281,7 @@ class VerifyReport:
             "device": self.device,
             "verdict": self.verdict,
             "exit_code": self.exit_code,
+            "quantization": self.quantization,
             "integrity": {**self.integrity, "ok": not self.problems,
                           "problems": [p.to_dict() for p in self.problems]},
             "layers": self.layers,
@@ -273,6 +304,8 @@ class VerifyReport:
             ref = self.reference["source"] + (f" @ {self.reference['revision'][:12]}" if self.reference.get("revision") else "")
             lines.append(f"reference  {ref}")
         lines.append(f"device     {self.device}")
+        if self.quantization:
+            lines.append(f"method     {describe_quantization(self.quantization)}")
         lines.append("")
         integ = self.integrity
         lines.append(f"integrity  {'ok' if not self.problems else 'PROBLEMS'}: {integ.get('files_checked', 0)} files, "

@@ -15,7 +15,7 @@ from .integrity import check_integrity, quantized_modules
 from .kernels import kernel_errors
 from .layers import layer_errors
 from .report import (CONFIDENT_MARGIN, DEFAULT_CONTEXT_LENGTH, DEFAULT_MAX_KL, DEFAULT_MAX_TOKENS, DEFAULT_MIN_COSINE,
-                     DEFAULT_MIN_TOP1, DEFAULT_TEXT, MIN_CONFIDENT_POSITIONS, Check, VerifyReport)
+                     DEFAULT_MIN_TOP1, DEFAULT_TEXT, MIN_CONFIDENT_POSITIONS, Check, VerifyReport, quantization_summary)
 
 
 def _resolve_device(device) -> torch.device:
@@ -190,6 +190,7 @@ def _verify(root: Path, bar, t0: float, *, reference, text, text_desc, dev, max_
     summary, report.problems, qc = check_integrity(root, reference=ref_dir, allow_pickle=allow_pickle,
                                                   trust_remote_code=trust_remote_code)
     report.integrity = summary
+    report.quantization = quantization_summary(qc, manifest)
     if report.problems:
         for section in ("layers", "kernels", "end_to_end"):
             report.skipped[section] = "the files have problems (see integrity)"
