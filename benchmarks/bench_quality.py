@@ -19,9 +19,10 @@ go; their layers are compared with the absorbed unquantized model (the same func
 kernel path computes it; on the witness it also reports ``kl_vs_hqq``, KL(hqq || hqq-w4a8): what FP8 activations add.
 ``refit`` is the least-squares scale/zero solver (quantpack.quantize.refit), no absorption.
 ``gptq`` (quantpack.gptq.gptq_quantize as ``convert --calibration`` runs it: group parameters from the
-original weight), ``gptq-dynamic`` (from the weight as updated when the loop reaches the group) and
-``gptq-act`` (static groups, columns in decreasing Hessian-diagonal order) quantize the layers in forward order, each with the Hessian of its inputs on
-calibration text through the model quantized so far: the last 60,000 characters of the training part of the
+original weight, columns in decreasing Hessian-diagonal order), ``gptq-act`` (the same, named explicitly),
+``gptq-static`` (original-weight groups, columns in order) and ``gptq-dynamic`` (groups from the weight as updated
+when the loop reaches them, columns in order) quantize the layers in forward order, each with the Hessian of its
+inputs on calibration text through the model quantized so far: the last 60,000 characters of the training part of the
 corpus (the witness was trained on them; disjoint from the held-out evaluation text).
 Results are appended to benchmarks/results/quality.jsonl.
 """
@@ -121,7 +122,8 @@ def quantize_model(source, run, method: str, bits: int, group_size: int, calib_r
         for name, lin in quantizable(model).items():  # forward order: each layer sees the earlier ones quantized
             w = lin.weight.float()
             pw = gptq_quantize(w, layer_hessian(model, lin, calib_run), bits=bits, group_size=group_size,
-                               dtype=torch.bfloat16, static_groups=method != "gptq-dynamic", act_order=method == "gptq-act")
+                               dtype=torch.bfloat16, static_groups=method != "gptq-dynamic",
+                               act_order=method in ("gptq", "gptq-act"))
             wq = dequantize(pw, torch.float32)
             x = inputs[name]
             ref = x @ w.t()

@@ -33,6 +33,9 @@ from .reference import dequantize
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_DAMP = 0.01
 STATIC_GROUPS = True  # group parameters from the original weight: a lower KL than GPTQ's usual (BENCHMARKS.md)
+# columns rounded in decreasing order of the Hessian's diagonal (with static groups): the lowest KL and worst-layer
+# error of the variants measured (BENCHMARKS.md), at no extra cost
+ACT_ORDER = True
 
 
 class _Stop(Exception):
@@ -41,15 +44,19 @@ class _Stop(Exception):
 
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4, group_size: int | None = 128,
-                  dtype: torch.dtype = torch.bfloat16, static_groups: bool = STATIC_GROUPS, act_order: bool = False,
-                  block_size: int = DEFAULT_BLOCK_SIZE, damp: float = DEFAULT_DAMP) -> PackedWeight:
+                  dtype: torch.dtype = torch.bfloat16, static_groups: bool = STATIC_GROUPS,
+                  act_order: bool | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                  damp: float = DEFAULT_DAMP) -> PackedWeight:
     """Quantize a (N, K) weight whose inputs have the (K, K) Hessian ``hessian``; groups along K (axis 1).
 
     ``static_groups``: every group's scale and zero from the original weight, else from the weight as
     updated when the loop reaches the group. ``act_order`` rounds columns in decreasing order of the
     Hessian's diagonal; it needs static groups (a group must stay contiguous along K with fixed
-    parameters in this format). Returns the packed weight (scales and zeros in ``dtype``).
+    parameters in this format); ``None``: :data:`ACT_ORDER` with static groups, off without. Returns the packed
+    weight (scales and zeros in ``dtype``).
     """
+    if act_order is None:
+        act_order = ACT_ORDER and static_groups
     n, k = weight.shape
     gs = group_size or k
     check_layout_args((n, k), bits, gs, 1)
@@ -219,7 +226,7 @@ def _run_block(block: nn.Module, hidden: torch.Tensor, call) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_blocks(model_class, config, read, quant_plan: dict, tokens: torch.Tensor, *, store: Path,
-                    dtype: torch.dtype, device, static_groups: bool = STATIC_GROUPS, act_order: bool = False,
+                    dtype: torch.dtype, device, static_groups: bool = STATIC_GROUPS, act_order: bool | None = None,
                     progress: bool = False) -> dict[str, Path]:
     """GPTQ every quantized linear of the decoder blocks, one block at a time; write each block's packed
     tensors (``<module>.qweight/.scales/.zeros``) to ``store/block-<i>.safetensors``.
@@ -300,7 +307,7 @@ def quantize_blocks(model_class, config, read, quant_plan: dict, tokens: torch.T
 
 
 def _quantize_block(block: nn.Module, prefix: str, hidden: list[torch.Tensor], call, quant_plan: dict, *,
-                    dtype, static_groups: bool, act_order: bool) -> dict[str, torch.Tensor]:
+                    dtype, static_groups: bool, act_order: bool | None) -> dict[str, torch.Tensor]:
     """GPTQ the planned linears of one block, in the order the block calls them; returns their packed
     tensors by output name and leaves the block computing with the dequantized weights."""
     linears = {prefix + n: m for n, m in block.named_modules() if prefix + n in quant_plan}
