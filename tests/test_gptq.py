@@ -55,6 +55,18 @@ def test_gptq_with_uncorrelated_unit_inputs_is_hqq_exactly(static_groups):
         assert torch.equal(getattr(pw, name), getattr(ref, name)), name
 
 
+def test_gptq_rounds_in_act_order_by_default_with_static_groups():
+    w, x = correlated()
+    h = 2 * x.t() @ x / x.shape[0]
+
+    def codes(**kw):
+        return gptq_quantize(w, h, bits=4, group_size=64, **kw).qweight
+
+    assert torch.equal(codes(), codes(static_groups=True, act_order=True))
+    assert not torch.equal(codes(), codes(static_groups=True, act_order=False))
+    assert torch.equal(codes(static_groups=False), codes(static_groups=False, act_order=False))
+
+
 def test_gptq_argument_errors():
     w, x = correlated()
     with pytest.raises(ValueError, match="act_order=True needs static_groups=True"):
