@@ -41,13 +41,15 @@ SWEEP = [KernelConfig("w4a8", block_m=bm, block_n=bn, block_r=br, num_warps=w, n
 
 
 # the Gluon wgmma kernel (w4a8_wgmma.py; K steps of 128 in-features, BLOCK_N / 16 MMA warps and a producer warp)
-GLUON = [KernelConfig("w4a8", block_m=bm, block_n=bn, block_r=64, num_warps=bn // 16, num_stages=st, producer=True)
-         for bm, bn, st in [(128, 64, 4), (128, 64, 3), (128, 128, 3), (64, 64, 4), (64, 128, 4)]]
+GLUON = [KernelConfig("w4a8", block_m=bm, block_n=bn, block_r=64, num_warps=bn // 16, num_stages=st, wgmma=True,
+                      producer=prod)
+         for bm, bn, st, prod in [(128, 64, 4, False), (128, 64, 3, False), (128, 64, 4, True), (128, 128, 3, False),
+                                  (64, 64, 4, True), (64, 128, 4, False)]]
 
 
 def name(c):
-    if c.producer:
-        return f"w4a8 gluon {c.block_m}x{c.block_n}x128 w{c.num_warps}+1 s{c.num_stages}"
+    if c.wgmma:
+        return f"w4a8 gluon {c.block_m}x{c.block_n}x128 w{c.num_warps}{'+1' if c.producer else ''} s{c.num_stages}"
     return (f"w4a8 {c.block_m}x{c.block_n}x{2 * c.block_r} w{c.num_warps} s{c.num_stages}"
             + (" swap" if c.swap else "") + (" pair" if c.pair else ""))
 
@@ -148,7 +150,7 @@ def main():
                 bad.append((n, k, gs, m, err, same))
     configs = SWEEP if a.sweep else []
     if a.gluon:
-        configs = [c for c in GLUON + SWEEP if c.producer or c == w4a8_config()]
+        configs = [c for c in GLUON + SWEEP if c.wgmma or c == w4a8_config()]
     for c in list(configs):
         err, same = check(4000, 4096, 128, 300, c)
         if not err < 1e-3:

@@ -268,30 +268,33 @@ def w4a8_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, tran
 
 
 def w4a8_config(gluon: bool = False):
-    """The tiles for every call. ``gluon`` (Hopper with Gluon): the warp-specialized wgmma kernel (w4a8_wgmma.py; the
-    config's ``producer`` flag), 128 rows of x by 64 of the weight, a 4-deep ring. Else the Triton kernel: 128 rows of
+    """The tiles for every call. ``gluon`` (Hopper with Gluon): the wgmma kernel (w4a8_wgmma.py; the config's
+    ``wgmma`` flag), 128 rows of x by 64 of the weight, four MMA warps issuing their own TMA copies into a 4-deep ring
+    (of the variants timed on an H100, the fastest at every shape and M = 256-4096; 5% ahead of a producer warp,
+    which costs a warpgroup's registers). Else the Triton kernel: 128 rows of
     x by 64 of the weight, K steps of 128, 4 warps, 3 stages; of the variants timed on an H100 (BENCHMARKS.md,
     "W4A8-FP8"), the fastest or within 4% of it at every shape and M = 256-4096."""
     from .configs import KernelConfig
     if gluon:
-        return KernelConfig("w4a8", block_m=128, block_n=64, block_r=64, num_warps=4, num_stages=4, producer=True)
+        return KernelConfig("w4a8", block_m=128, block_n=64, block_r=64, num_warps=4, num_stages=4, wgmma=True)
     return KernelConfig("w4a8", block_m=128, block_n=64, block_r=64, num_warps=4, num_stages=3)
 
 
 def w4a8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None, out: torch.Tensor, *, n: int, k: int, group_size: int, cfg) -> torch.Tensor:
     """``out`` (M, N) = ``x2 @ W.T (+ bias)`` with x2 quantized per token to FP8 (:func:`quantize_activations_fp8`)
-    and the packed 4-bit W (groups along K, :func:`w4a8_layout_fits`); ``cfg`` a ``w4a8`` KernelConfig (``producer``:
-    the Gluon wgmma kernel, where the tensors fit its TMA copies, else the Triton one)."""
+    and the packed 4-bit W (groups along K, :func:`w4a8_layout_fits`); ``cfg`` a ``w4a8`` KernelConfig (``wgmma``:
+    the Gluon kernel, where the tensors fit its TMA copies, else the Triton one)."""
     m = x2.shape[0]
     if m == 0:
         return out
     interp = interpreting()
-    if cfg.producer and not interp and x2.is_cuda and w4a8_wgmma_fits(x2, qweight, scales, zeros, n, k, group_size):
+    if cfg.wgmma and not interp and x2.is_cuda and w4a8_wgmma_fits(x2, qweight, scales, zeros, n, k, group_size):
         bk = block_k(group_size)
         xq, xs, xsum = quantize_activations_fp8(x2, bk, bk // 2, sums_by_group=True)
         return w4a8_wgmma_matmul(xq, xs, xsum, qweight, scales, zeros, bias, out, n=n, k=k, group_size=group_size,
-                                 block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages)
+                                 block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
+                                 producer=cfg.producer)
     bm, bn = (16, 32) if interp else (cfg.block_m, cfg.block_n)  # (the interpreter: small tiles, several per call)
     block_r = min(cfg.block_r, group_size // 2)
     xq, xs, xsum = quantize_activations_fp8(x2, group_size, block_r)

@@ -5,17 +5,18 @@ the codes 0..15, exact in e4m3; per K step ``acc += s[g, n] * (q . xq) - (z * s)
 ``out = acc * xs[m] (+ bias)``) on the schedule of wgmma_mm.py: each program computes a (BLOCK_N x BLOCK_M) tile of
 ``out^T = W xq^T``, the weight's rows on the wgmma M side, xq's on its N side.
 
-- A producer warp (Gluon ``warp_specialize``) TMA-copies each K step's xq tile (BLOCK_M, BLOCK_K) and packed bytes
-  (BLOCK_K / 2, BLOCK_N, read as 16-bit words: the bytes of weight rows 2p, 2p + 1) into a ring of STAGES slots.
+- TMA copies each K step's xq tile (BLOCK_M, BLOCK_K) and packed bytes (BLOCK_K / 2, BLOCK_N, read as 16-bit words:
+  the bytes of weight rows 2p, 2p + 1) into a ring of STAGES slots, issued by the MMA warps as each slot is consumed
+  or, with PRODUCER, by one extra warp (Gluon ``warp_specialize``; 5% slower on an H100: this Triton gives the MMA
+  warps none of its warpgroup's registers, so two programs per SM leave them 128).
 - The MMA warps load the words of the A fragment they own, turn each nibble into its e4m3 code with a 16-entry
   PRMT lookup (_CODES: 2 instructions per code, no float arithmetic), and start an FP8 wgmma (A from registers,
   xq's tile as B, K-major) into a fresh accumulator; the step's scale and zero rows and xsum column load meanwhile.
 - The quantizer writes each K step's in-features as the step's even ones, then its odd ones (w4a8.py), so a
   packed byte's low nibble meets column j and its high nibble column BLOCK_K / 2 + j of the same step: each thread
   owns both nibbles of every byte it reads (columns 4t..4t+3 + 16i of the e4m3 fragment, k_width 4).
-- With OVERLAP the step's MMA starts before the previous step's is folded (two accumulators alternating, one MMA in
-  flight while the other is folded); without, each step waits for its MMA and two resident programs per SM overlap
-  each other's folds instead.
+- Each step's MMA is waited for and folded before the next step's operand is built: two resident programs per SM
+  (four MMA warps each, up to 248 registers per thread) overlap one's folds and conversions with the other's MMAs.
 
 The weight's rows reach the MMA permuted as in wgmma_mm.py (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a
 thread's two rows are one 16-bit load); the epilogue undoes it. Gluon has no interpreter: CI compiles the kernel
@@ -38,7 +39,7 @@ if HAVE_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .wgmma_mm import _store_out, _tma_load, _vector_layout, _weight_rows
+    from .wgmma_mm import _cta_barrier, _store_out, _tma_load, _vector_layout, _weight_rows
 
 __all__ = ["w4a8_wgmma_fits", "w4a8_wgmma_matmul", "descriptor_types", "block_k"]
 
@@ -89,7 +90,9 @@ if HAVE_GLUON:
         t = gl.join(_halves(r_lo, r_hi), _halves(s_lo, s_hi))  # (P, BK, b): weight rows 2p + b
         t = gl.permute(gl.reshape(t, (BN // 16, 8, BK, 2)), (0, 3, 1, 2))  # (w, b, g, k)
         a = gl.reshape(t, (BN, BK)).to(gl.float8e4nv, bitcast=True)
-        return gl.convert_layout(a, a_layout)
+        # (a relabelling: the codes already sit in the fragment's registers; a layout change through shared memory
+        # would cost more than the MMA, so it is a compile error)
+        return gl.convert_layout(a, a_layout, assert_trivial=True)
 
     @gluon.jit
     def _mma_weight_rows(BN: gl.constexpr, layout: gl.constexpr):
@@ -115,16 +118,20 @@ if HAVE_GLUON:
         return acc + s[:, None] * part - zs[:, None] * xsum[None, :]
 
     @gluon.jit
-    def _load_ring(x_desc, q_desc, x_s, q_s, ready, empty, steps, m0, n0, STAGES: gl.constexpr):
-        """The producer warp: each K step's xq tile and packed words into its ring slot, once released."""
+    def _issue(x_desc, q_desc, x_s, q_s, bar, step, slot, m0, n0, pred):
+        """Start the TMA copies of K step ``step`` (xq's tile, the packed words) into ring slot ``slot``."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
+        mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes, pred=pred)
+        _tma_load(x_desc, [m0, step * BK], bar, x_s.index(slot), pred=pred)
+        _tma_load(q_desc, [step * (BK // 2), n0 // 2], bar, q_s.index(slot), pred=pred)
+
+    @gluon.jit
+    def _load_ring(x_desc, q_desc, x_s, q_s, ready, empty, steps, m0, n0, STAGES: gl.constexpr):
+        """The producer warp: each K step's copies into its ring slot, once the MMA warps have released it."""
         for i in range(steps):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            _tma_load(x_desc, [m0, i * BK], bar, x_s.index(slot))
-            _tma_load(q_desc, [i * (BK // 2), n0 // 2], bar, q_s.index(slot))
+            _issue(x_desc, q_desc, x_s, q_s, ready.index(slot), i, slot, m0, n0, True)
 
     @gluon.jit
     def _start_step(x_s, q_s, ready, i, STAGES: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr):
@@ -139,65 +146,42 @@ if HAVE_GLUON:
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _release(empty, i, STAGES: gl.constexpr):
+    def _release(ring, i, steps, STAGES: gl.constexpr, PRODUCER: gl.constexpr):
+        """Step i's MMA is done: hand its slot to the producer warp, or (without one) refill it with step
+        i + STAGES once every MMA warp is past it."""
+        x_desc, q_desc, x_s, q_s, ready, empty, m0, n0 = ring
         fence_async_shared()  # (the slot's words were read by ordinary loads: before the TMA that refills it)
-        mbarrier.arrive(empty.index(i % STAGES))
+        if PRODUCER:
+            mbarrier.arrive(empty.index(i % STAGES))
+        else:
+            _cta_barrier()
+            _issue(x_desc, q_desc, x_s, q_s, ready.index(i % STAGES), i + STAGES, i % STAGES, m0, n0,
+                   i + STAGES < steps)
 
     @gluon.jit
-    def _overlap_step(x_s, q_s, ready, empty, i, acc, prev, s, zs, xsum, s_ptr, z_ptr, xsum_ptr, n0, m0, M, N,
-                      G: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr):
-        """OVERLAP: start step i's MMA, then retire step i - 1's (``prev``) and fold it while step i's runs."""
-        BK: gl.constexpr = x_s.shape[2]
-        BN: gl.constexpr = 2 * q_s.shape[2]
-        BM: gl.constexpr = x_s.shape[1]
-        part = _start_step(x_s, q_s, ready, i, STAGES, a_layout, acc_layout)
-        prev = warpgroup_mma_wait(1, deps=(prev, ))
-        _release(empty, i - 1, STAGES)
-        acc = _fold(acc, prev, s, zs, xsum)
-        s, zs, xsum = _step_meta(s_ptr, z_ptr, xsum_ptr, i, n0, m0, M, N, BK, G, acc_layout, BN, BM)
-        return acc, part, s, zs, xsum
-
-    @gluon.jit
-    def _consume_ring(x_s, q_s, ready, empty, steps, s_ptr, z_ptr, xsum_ptr, n0, m0, M, N, G: gl.constexpr,
-                      STAGES: gl.constexpr, OVERLAP: gl.constexpr, a_layout: gl.constexpr,
-                      acc_layout: gl.constexpr):
-        """The MMA warps' K loop. Returns (accumulator in MMA-row order, before xq's scale,)."""
+    def _consume_ring(ring, steps, s_ptr, z_ptr, xsum_ptr, M, N, G: gl.constexpr, STAGES: gl.constexpr,
+                      PRODUCER: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr):
+        """The MMA warps' K loop: per step, its operand, its MMA into a fresh accumulator (the scales and sums load
+        meanwhile), waited for, then folded. Building the next step's operand while a step's MMA runs (two static MMA
+        sites) spilled at 128 rows of x and ran 1.5x slower on an H100. Returns (accumulator in MMA-row order, before
+        xq's scale,)."""
+        x_desc, q_desc, x_s, q_s, ready, empty, m0, n0 = ring
         BK: gl.constexpr = x_s.shape[2]
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
         acc = gl.zeros((BN, BM), gl.float32, acc_layout)
-        if OVERLAP:
-            part = _start_step(x_s, q_s, ready, 0, STAGES, a_layout, acc_layout)
-            s, zs, xsum = _step_meta(s_ptr, z_ptr, xsum_ptr, 0, n0, m0, M, N, BK, G, acc_layout, BN, BM)
-            # two steps per iteration: each static MMA site builds its operand in its own registers, which the
-            # other site's MMA in flight does not read (as in wgmma_mm.py)
-            for i in range(1, steps - 1, 2):
-                acc, part, s, zs, xsum = _overlap_step(x_s, q_s, ready, empty, i, acc, part, s, zs, xsum, s_ptr,
-                                                       z_ptr, xsum_ptr, n0, m0, M, N, G, STAGES, a_layout,
-                                                       acc_layout)
-                acc, part, s, zs, xsum = _overlap_step(x_s, q_s, ready, empty, i + 1, acc, part, s, zs, xsum, s_ptr,
-                                                       z_ptr, xsum_ptr, n0, m0, M, N, G, STAGES, a_layout,
-                                                       acc_layout)
-            if steps % 2 == 0:
-                acc, part, s, zs, xsum = _overlap_step(x_s, q_s, ready, empty, steps - 1, acc, part, s, zs, xsum,
-                                                       s_ptr, z_ptr, xsum_ptr, n0, m0, M, N, G, STAGES, a_layout,
-                                                       acc_layout)
+        for i in range(steps):
+            part = _start_step(x_s, q_s, ready, i, STAGES, a_layout, acc_layout)
+            s, zs, xsum = _step_meta(s_ptr, z_ptr, xsum_ptr, i, n0, m0, M, N, BK, G, acc_layout, BN, BM)
             part = warpgroup_mma_wait(0, deps=(part, ))
-            _release(empty, steps - 1, STAGES)
+            _release(ring, i, steps, STAGES, PRODUCER)
             acc = _fold(acc, part, s, zs, xsum)
-        else:
-            for i in range(steps):
-                part = _start_step(x_s, q_s, ready, i, STAGES, a_layout, acc_layout)
-                s, zs, xsum = _step_meta(s_ptr, z_ptr, xsum_ptr, i, n0, m0, M, N, BK, G, acc_layout, BN, BM)
-                part = warpgroup_mma_wait(0, deps=(part, ))
-                _release(empty, i, STAGES)
-                acc = _fold(acc, part, s, zs, xsum)
         return (acc, )
 
     @gluon.jit
     def _w4a8_wgmma_kernel(x_desc, q_desc, s_ptr, z_ptr, xsum_ptr, xs_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
-                           G: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           G: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr,
+                           PRODUCER: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = 2 * q_desc.block_type.shape[1]
@@ -218,10 +202,16 @@ if HAVE_GLUON:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        acc = gl.warp_specialize([(_consume_ring, (x_s, q_s, ready, empty, steps, s_ptr, z_ptr, xsum_ptr, n0, m0, M,
-                                                   N, G, STAGES, OVERLAP, a_layout, acc_layout)),
-                                  (_load_ring, (x_desc, q_desc, x_s, q_s, ready, empty, steps, m0, n0, STAGES))],
-                                 [1], [24])[0]
+        ring = (x_desc, q_desc, x_s, q_s, ready, empty, m0, n0)
+        if PRODUCER:
+            acc = gl.warp_specialize([(_consume_ring, (ring, steps, s_ptr, z_ptr, xsum_ptr, M, N, G, STAGES, PRODUCER,
+                                                       a_layout, acc_layout)),
+                                      (_load_ring, (x_desc, q_desc, x_s, q_s, ready, empty, steps, m0, n0, STAGES))],
+                                     [1], [24])[0]
+        else:
+            for i in gl.static_range(STAGES):
+                _issue(x_desc, q_desc, x_s, q_s, ready.index(i), i, i, m0, n0, i < steps)
+            acc = _consume_ring(ring, steps, s_ptr, z_ptr, xsum_ptr, M, N, G, STAGES, PRODUCER, a_layout, acc_layout)[0]
         # (before the epilogue: its layout change reuses the ring's shared memory; see wgmma_mm.py)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -265,18 +255,19 @@ def descriptor_types(block_m: int, block_n: int, bk: int) -> dict:
     return {"x_desc": f"tensordesc<fp8e4nv{xb},{xl!r}>", "q_desc": f"tensordesc<i16{qb},{ql!r}>"}
 
 
-def maxnreg(block_m: int, warps: int) -> int:
-    """The register limit with the producer warp (its group keeps 24): two programs per SM up to 128 rows of x
-    with four MMA warps, else what one program per SM may have."""
-    if warps == 4 and block_m <= 128:
-        return 128
-    return min(256, 65536 // (32 * (warps + 4)) // 8 * 8)
+def maxnreg(block_m: int, warps: int, producer: bool) -> int:
+    """The register limit: two programs per SM up to 128 rows of x with four MMA warps, else what one program per SM
+    may have. A producer warp counts as a whole warpgroup (and this Triton hands the MMA warps none of its registers:
+    its PTX has no setmaxnreg)."""
+    total = warps + (4 if producer else 0)
+    per_sm = 2 if warps == 4 and block_m <= 128 else 1
+    return min(248, 65536 // (32 * total * per_sm) // 8 * 8)
 
 
 def w4a8_wgmma_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum_t: torch.Tensor, qweight: torch.Tensor,
                       scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, *,
                       n: int, k: int, group_size: int, block_m: int = 128, block_n: int = 64, stages: int = 4,
-                      overlap: bool = False) -> torch.Tensor:
+                      producer: bool = False) -> torch.Tensor:
     """``out`` (M, N) from xq (M, K) e4m3 in K steps of :func:`block_k` (each step's even in-features, then its odd
     ones), its row scales ``xs`` (M,) and per-step sums ``xsum_t`` (K / block_k, M), and the packed 4-bit weight."""
     m = xq.shape[0]
@@ -288,6 +279,6 @@ def w4a8_wgmma_matmul(xq: torch.Tensor, xs: torch.Tensor, xsum_t: torch.Tensor, 
     with on_device(xq):
         launch_plan.launch(_w4a8_wgmma_kernel, grid, x_desc, q_desc, scales, zeros, xsum_t, xs,
                            bias if bias is not None else out, out, m, n, k, out.stride(0), G=group_size,
-                           HAS_BIAS=bias is not None, STAGES=stages, OVERLAP=overlap, num_warps=block_n // 16,
-                           maxnreg=maxnreg(block_m, block_n // 16))
+                           HAS_BIAS=bias is not None, STAGES=stages, PRODUCER=producer,
+                           num_warps=block_n // 16, maxnreg=maxnreg(block_m, block_n // 16, producer))
     return out

@@ -95,14 +95,15 @@ HOPPER_GLUON = FP8 and HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.skipif(not HOPPER_GLUON, reason="the wgmma kernel needs Hopper and Gluon")
 @pytest.mark.parametrize("n,k,gs,m", [(4096, 4096, 128, 4096), (14336, 4096, 128, 1024), (4096, 14336, 64, 256),
                                       (4000, 4160, 64, 300), (4096, 4096, 256, 17), (8192, 8192, 128, 1)])
-@pytest.mark.parametrize("block_m,block_n,stages", [(128, 64, 4), (128, 128, 3), (64, 64, 4)])
-def test_wgmma_kernel_matches_the_fp8_reference(monkeypatch, n, k, gs, m, block_m, block_n, stages):
+@pytest.mark.parametrize("block_m,block_n,stages,producer", [(128, 64, 4, False), (128, 64, 4, True),
+                                                              (128, 128, 3, False), (64, 64, 2, True)])
+def test_wgmma_kernel_matches_the_fp8_reference(monkeypatch, n, k, gs, m, block_m, block_n, stages, producer):
     """The Gluon kernel (dispatched on Hopper) at full shapes, N, M and K off its tiles, groups of 64-256."""
     ran = []
     real = w4a8_mod.w4a8_wgmma_matmul
     monkeypatch.setattr(w4a8_mod, "w4a8_wgmma_matmul", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     cfg = KernelConfig("w4a8", block_m=block_m, block_n=block_n, block_r=64, num_warps=block_n // 16,
-                       num_stages=stages, producer=True)
+                       num_stages=stages, wgmma=True, producer=producer)
     pw = packed(n, k, gs, seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     x *= torch.logspace(-1, 1, m, device="cuda")[:, None].bfloat16()
@@ -118,7 +119,7 @@ def test_wgmma_kernel_matches_the_fp8_reference(monkeypatch, n, k, gs, m, block_
 def test_hopper_dispatches_the_wgmma_kernel(monkeypatch):
     monkeypatch.setenv("QUANTPACK_W4A8", "1")
     assert choose(device_props(torch.device("cuda")), 1024, 4096, 4096, 4, torch.bfloat16, group_size=128,
-                  flags=Flags.from_env()).config.producer
+                  flags=Flags.from_env()).config.wgmma
     monkeypatch.setenv("QUANTPACK_WGMMA", "0")  # (the Triton kernel where the wgmma kernels are turned off)
     assert not choose(device_props(torch.device("cuda")), 1024, 4096, 4096, 4, torch.bfloat16, group_size=128,
-                      flags=Flags.from_env()).config.producer
+                      flags=Flags.from_env()).config.wgmma
