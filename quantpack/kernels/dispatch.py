@@ -391,7 +391,7 @@ def choose(props: DeviceProps, m: int, n: int, k: int, bits: int, dtype: torch.d
         steps = [("forced",)]
     else:
         if w4a8:
-            return Decision(w4a8_config(wgmma_device(props, flags)), False, (w4a8_step,))
+            return Decision(w4a8_config(wgmma_device(props, flags), m, n, props.sms), False, (w4a8_step,))
         config, source = table_pick(props, flags, transposed, bits, m, n, k)
         steps = [source] + ([w4a8_step] if w4a8_step is not None else [])
     fitted = fit_config(config, transposed, m, axis, group_size)

@@ -267,15 +267,19 @@ def w4a8_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, tran
             and group_size & (group_size - 1) == 0 and k % group_size == 0 and n >= 1)
 
 
-def w4a8_config(gluon: bool = False):
-    """The tiles for every call. ``gluon`` (Hopper with Gluon): the wgmma kernel (w4a8_wgmma.py; the config's
-    ``wgmma`` flag), 128 rows of x by 64 of the weight, four MMA warps issuing their own TMA copies into a 4-deep ring
-    (of the variants timed on an H100, the fastest at every shape and M = 256-4096; 5% ahead of a producer warp,
-    which costs a warpgroup's registers). Else the Triton kernel: 128 rows of
-    x by 64 of the weight, K steps of 128, 4 warps, 3 stages; of the variants timed on an H100 (BENCHMARKS.md,
-    "W4A8-FP8"), the fastest or within 4% of it at every shape and M = 256-4096."""
+def w4a8_config(gluon: bool = False, m: int = 0, n: int = 0, sms: int = 0):
+    """The tiles of a call of ``m`` rows of x and ``n`` of the weight on a GPU of ``sms`` SMs. ``gluon`` (Hopper with
+    Gluon): the wgmma kernel (w4a8_wgmma.py; the config's ``wgmma`` flag), 128 rows of x by 64 of the weight, four MMA
+    warps issuing their own TMA copies into a 4-deep ring; where those tiles would not give every SM a program
+    (two run at once), 64 rows of x with a producer warp. Of the variants timed on an H100 (BENCHMARKS.md, "W4A8-FP8"), the
+    fastest or within 2% of it at every shape and M = 256-4096 (a producer warp costs its warpgroup's registers: 5%
+    at 128 rows). Else the Triton kernel: 128 rows of x by 64 of the weight, K steps of 128, 4 warps, 3 stages, the
+    fastest of its variants or within 4% of it."""
     from .configs import KernelConfig
     if gluon:
+        if cdiv(m, 128) * cdiv(n, 64) <= sms:
+            return KernelConfig("w4a8", block_m=64, block_n=64, block_r=64, num_warps=4, num_stages=4, wgmma=True,
+                                producer=True)
         return KernelConfig("w4a8", block_m=128, block_n=64, block_r=64, num_warps=4, num_stages=4, wgmma=True)
     return KernelConfig("w4a8", block_m=128, block_n=64, block_r=64, num_warps=4, num_stages=3)
 

@@ -98,6 +98,10 @@ def test_dispatch_takes_it_where_turned_on_from_256_rows_on_hopper_only():
     # on Hopper with Gluon the wgmma kernel (w4a8_wgmma.py), else (or with QUANTPACK_WGMMA=0) the Triton one
     from quantpack.kernels.wgmma_mm import HAVE_GLUON
     assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on).config.wgmma == HAVE_GLUON
+    if HAVE_GLUON:  # (64 rows of x where 128 leave SMs without a program: 2 x 64 tiles on 132 SMs, not 2 x 128)
+        assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on).config.block_m == 128
+        assert choose(H100, 256, 4096, 4096, 4, torch.bfloat16, flags=on).config.block_m == 64
+        assert choose(H100, 256, 8192, 8192, 4, torch.bfloat16, flags=on).config.block_m == 128
     no_wgmma = Flags(w4a8="on", wgmma=False)
     assert not choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=no_wgmma).config.wgmma
     cpu = DeviceProps("interpreter", None, 8, gpu=False)
