@@ -272,7 +272,7 @@ def w4a8_config(gluon: bool = False, m: int = 0, n: int = 0, sms: int = 0):
     Gluon): the wgmma kernel (w4a8_wgmma.py; the config's ``wgmma`` flag), 128 rows of x by 64 of the weight, four MMA
     warps issuing their own TMA copies into a 4-deep ring; where those tiles would not give every SM a program
     (two run at once), 64 rows of x with a producer warp. Of the variants timed on an H100 (BENCHMARKS.md, "W4A8-FP8"), the
-    fastest or within 2% of it at every shape and M = 256-4096 (a producer warp costs its warpgroup's registers: 5%
+    fastest or within 2% of it at every shape and M = 256-4096 (a producer warp costs its warpgroup's registers: 6%
     at 128 rows). Else the Triton kernel: 128 rows of x by 64 of the weight, K steps of 128, 4 warps, 3 stages, the
     fastest of its variants or within 4% of it."""
     from .configs import KernelConfig
@@ -293,12 +293,14 @@ def w4a8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if m == 0:
         return out
     interp = interpreting()
-    if cfg.wgmma and not interp and x2.is_cuda and w4a8_wgmma_fits(x2, qweight, scales, zeros, n, k, group_size):
-        bk = block_k(group_size)
-        xq, xs, xsum = quantize_activations_fp8(x2, bk, bk // 2, sums_by_group=True)
-        return w4a8_wgmma_matmul(xq, xs, xsum, qweight, scales, zeros, bias, out, n=n, k=k, group_size=group_size,
-                                 block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
-                                 producer=cfg.producer)
+    if cfg.wgmma:
+        if not interp and x2.is_cuda and w4a8_wgmma_fits(x2, qweight, scales, zeros, n, k, group_size):
+            bk = block_k(group_size)
+            xq, xs, xsum = quantize_activations_fp8(x2, bk, bk // 2, sums_by_group=True)
+            return w4a8_wgmma_matmul(xq, xs, xsum, qweight, scales, zeros, bias, out, n=n, k=k, group_size=group_size,
+                                     block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
+                                     producer=cfg.producer)
+        cfg = w4a8_config()  # (tensors its TMA copies cannot take: the Triton kernel's own tiles)
     bm, bn = (16, 32) if interp else (cfg.block_m, cfg.block_n)  # (the interpreter: small tiles, several per call)
     block_r = min(cfg.block_r, group_size // 2)
     xq, xs, xsum = quantize_activations_fp8(x2, group_size, block_r)

@@ -7,7 +7,7 @@ the codes 0..15, exact in e4m3; per K step ``acc += s[g, n] * (q . xq) - (z * s)
 
 - TMA copies each K step's xq tile (BLOCK_M, BLOCK_K) and packed bytes (BLOCK_K / 2, BLOCK_N, read as 16-bit words:
   the bytes of weight rows 2p, 2p + 1) into a ring of STAGES slots, issued by the MMA warps as each slot is consumed
-  or, with PRODUCER, by one extra warp (Gluon ``warp_specialize``; 5% slower on an H100: this Triton gives the MMA
+  or, with PRODUCER, by one extra warp (Gluon ``warp_specialize``; 6% slower on an H100: this Triton gives the MMA
   warps none of its warpgroup's registers, so two programs per SM leave them 128).
 - The MMA warps load the words of the A fragment they own, turn each nibble into its e4m3 code with a 16-entry
   PRMT lookup (_CODES: 2 instructions per code, no float arithmetic), and start an FP8 wgmma (A from registers,

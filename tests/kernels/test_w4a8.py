@@ -39,7 +39,8 @@ def activations(m, k, seed=0):
 
 CASES = [(1, 40, 128, 64, {}), (3, 33, 256, 128, {}), (17, 70, 384, 128, {}), (5, 48, 512, 256, {}),
          (2, 16, 512, 128, {"swap": True}), (2, 16, 512, 128, {"pair": True}),
-         (17, 70, 512, 128, {"swap": True, "pair": True}), (3, 33, 256, 128, {"block_r": 32})]
+         (17, 70, 512, 128, {"swap": True, "pair": True}), (3, 33, 256, 128, {"block_r": 32}),
+         (2, 40, 256, 64, {"wgmma": True, "producer": True})]  # (the Gluon kernel's config: the Triton kernel here)
 
 
 @interp
