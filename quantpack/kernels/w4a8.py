@@ -270,11 +270,11 @@ def w4a8_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, tran
 def w4a8_config(gluon: bool = False, m: int = 0, n: int = 0, sms: int = 0):
     """The tiles of a call of ``m`` rows of x and ``n`` of the weight on a GPU of ``sms`` SMs. ``gluon`` (Hopper with
     Gluon): the wgmma kernel (w4a8_wgmma.py; the config's ``wgmma`` flag), 128 rows of x by 64 of the weight, four MMA
-    warps issuing their own TMA copies into a 4-deep ring; where those tiles would not give every SM a program
-    (two run at once), 64 rows of x with a producer warp. Of the variants timed on an H100 (BENCHMARKS.md, "W4A8-FP8"), the
-    fastest or within 2% of it at every shape and M = 256-4096 (a producer warp costs its warpgroup's registers: 6%
-    at 128 rows). Else the Triton kernel: 128 rows of x by 64 of the weight, K steps of 128, 4 warps, 3 stages, the
-    fastest of its variants or within 4% of it."""
+    warps issuing their own TMA copies into a 4-deep ring; where those tiles would not give every SM a program (two
+    run at once), 64 rows of x with a producer warp. Of the variants timed on an H100 (BENCHMARKS.md, "W4A8-FP8"),
+    the fastest or within 2% of it at every shape and M = 256-4096 (a producer warp costs its warpgroup's registers:
+    6% at 128 rows). Else the Triton kernel: 128 rows of x by 64 of the weight, K steps of 128, 4 warps, 3 stages,
+    the fastest of its variants or within 4% of it."""
     from .configs import KernelConfig
     if gluon:
         if cdiv(m, 128) * cdiv(n, 64) <= sms:

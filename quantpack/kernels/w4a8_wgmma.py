@@ -47,9 +47,9 @@ if HAVE_GLUON:
     # Four 16-bit words (pack=4: $4 = words j, j+1; $5 = j+2, j+3), each the bytes of weight rows r (low byte) and
     # r + 1 at pair row j, -> four registers of four e4m3 codes: $0 row r's low nibbles (j..j+3), $1 its high ones,
     # $2, $3 row r + 1's. PRMT looks a byte up by a selector nibble's low 3 bits (bit 3 set replicates a sign
-    # instead): codes 0..7 from LO0:LO1 with the selector as it is, codes 8..15 from HI0:HI1 with bit 3 flipped,
-    # and a third PRMT takes each byte from the right one (selector nibble k, or k + 4 where bit 3 was set). A
-    # selector (a byte's nibbles low, high) gives [L0, H0, L1, H1]; two PRMTs regroup lows and highs.
+    # instead): codes 0..7 from bytes 00 38 40 44 48 4A 4C 4E with the selector as it is, codes 8..15 from 50..57
+    # with bit 3 flipped, and a third PRMT takes each byte from the right one (selector nibble k, or k + 4 where bit 3
+    # was set). A selector (a byte's nibbles low, high) gives [L0, H0, L1, H1]; two PRMTs regroup lows and highs.
     _LUT = ("prmt.b32 lo, 0x44403800, 0x4E4C4A48, {s}; xor.b32 v, {s}, 0x8888; prmt.b32 hi, 0x53525150, 0x57565554, v; "
             "shr.b32 v, {s}, 1; lop3.b32 v, v, 0x4444, 0x3210, 0xEA; prmt.b32 {d}, lo, hi, v; ")
     _CODES = gl.constexpr(

@@ -55,7 +55,8 @@ def compile_variant(bm, bn, gs, stages, bias, producer):
     log = done.stdout + done.stderr
     spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     mmas = re.findall(r"wgmma\.mma_async\S*", ptx)
-    return len(mmas), "C7515" in log, spills, all(".e4m3.e4m3" in m for m in mmas), re.findall(r"Used (\d+) registers", log)
+    regs = re.findall(r"Used (\d+) registers", log)
+    return len(mmas), "C7515" in log, spills, all(".e4m3.e4m3" in m for m in mmas), regs
 
 
 if __name__ == "__main__":
