@@ -29,7 +29,7 @@ from quantpack.format import PackedWeight  # noqa: E402
 from quantpack.kernels import mixed_mm  # noqa: E402
 from quantpack.kernels.configs import KernelConfig  # noqa: E402
 from quantpack.kernels.dispatch import choose, device_props, Flags  # noqa: E402
-from quantpack.kernels.w4a8 import quantize_activations_fp8  # noqa: E402
+from quantpack.kernels.w4a8 import quantize_activations_fp8, w4a8_config  # noqa: E402
 
 SHAPES = "4096x4096,14336x4096,4096x14336,8192x8192,28672x8192,8192x28672"  # N x K
 SWEEP = [KernelConfig("w4a8", block_m=bm, block_n=bn, block_r=br, num_warps=w, num_stages=st, swap=sw, pair=pr)
@@ -40,7 +40,16 @@ SWEEP = [KernelConfig("w4a8", block_m=bm, block_n=bn, block_r=br, num_warps=w, n
              (True, False, 256, 128, 64, 8, 2), (False, False, 128, 128, 32, 8, 4)]]
 
 
+# the Gluon wgmma kernel (w4a8_wgmma.py; K steps of 128 in-features, BLOCK_N / 16 MMA warps and a producer warp)
+GLUON = [KernelConfig("w4a8", block_m=bm, block_n=bn, block_r=64, num_warps=bn // 16, num_stages=st, wgmma=True,
+                      producer=prod)
+         for bm, bn, st, prod in [(128, 64, 4, False), (128, 64, 3, False), (128, 64, 4, True), (128, 128, 3, False),
+                                  (64, 64, 4, True), (64, 128, 4, False)]]
+
+
 def name(c):
+    if c.wgmma:
+        return f"w4a8 gluon {c.block_m}x{c.block_n}x128 w{c.num_warps}{'+1' if c.producer else ''} s{c.num_stages}"
     return (f"w4a8 {c.block_m}x{c.block_n}x{2 * c.block_r} w{c.num_warps} s{c.num_stages}"
             + (" swap" if c.swap else "") + (" pair" if c.pair else ""))
 
@@ -125,6 +134,7 @@ def main():
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--gs", type=int, default=128)
     ap.add_argument("--sweep", action="store_true", help="time every SWEEP config (else the dispatched one)")
+    ap.add_argument("--gluon", action="store_true", help="time the GLUON configs and the Triton kernel's default")
     ap.add_argument("--top", type=int, default=0, help="with --sweep: after the first three shapes, time only the "
                                                        "TOP configs that were fastest on them")
     ap.add_argument("--limits", action="store_true", help="also time cuBLAS FP8 and plain Triton FP8 GEMMs")
@@ -139,6 +149,8 @@ def main():
             if not (err < 1e-3 and same):  # (Hopper FP8 MMAs accumulate a group with ~14 bits: ~1e-4)
                 bad.append((n, k, gs, m, err, same))
     configs = SWEEP if a.sweep else []
+    if a.gluon:
+        configs = [c for c in GLUON + SWEEP if c.wgmma or c == w4a8_config()]
     for c in list(configs):
         err, same = check(4000, 4096, 128, 300, c)
         if not err < 1e-3:

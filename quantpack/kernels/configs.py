@@ -39,6 +39,7 @@ class KernelConfig:
     k_warps: int = 1  # mma path: warps of a program splitting its K range (summed in shared memory), x num_warps
     swap: bool = False  # w4a8 path: out^T = W xq^T (the codes as the MMA's A operand, xq's tile as B)
     pair: bool = False  # w4a8 path: two groups' MMAs in flight before the first is folded (a K step per group)
+    wgmma: bool = False  # w4a8 path: the Gluon warpgroup-MMA kernel (w4a8_wgmma.py; Hopper), ``producer`` its TMA warp
 
     def __post_init__(self):
         if self.path not in PATHS:

@@ -47,7 +47,7 @@ SMALL_M = 16  # heuristic: the tensor-core GEMV (forward) or 16-row tiles up to 
 FUSED_MAX_M = 64  # heuristic off Hopper: fused tensor-core tiles up to here, dequantize + cuBLAS beyond (the fused
 # large-M tiles lost to cuBLAS by 2-10x)
 W4A8_MIN_M = 256  # from which the W4A8-FP8 path runs where QUANTPACK_W4A8=1 turns it on
-W4A8_DEFAULT = "off"  # while QUANTPACK_W4A8 is unset: on an H100 it ran at 0.30-0.39x cuBLAS bf16, W4A16 at 0.85-1.16x
+W4A8_DEFAULT = "off"  # while QUANTPACK_W4A8 is unset: on an H100 it ran at 0.64-0.82x cuBLAS bf16, W4A16 at 0.91-1.17x
 # (BENCHMARKS.md, "W4A8-FP8"; docs/kernels.md says why)
 DECODE_WAVES_M = 8  # heuristic: up to here, split-K until about 8 programs per SM (2 beyond): latency-bound GEMVs
 
@@ -391,7 +391,7 @@ def choose(props: DeviceProps, m: int, n: int, k: int, bits: int, dtype: torch.d
         steps = [("forced",)]
     else:
         if w4a8:
-            return Decision(w4a8_config(), False, (w4a8_step,))
+            return Decision(w4a8_config(wgmma_device(props, flags), m, n, props.sms), False, (w4a8_step,))
         config, source = table_pick(props, flags, transposed, bits, m, n, k)
         steps = [source] + ([w4a8_step] if w4a8_step is not None else [])
     fitted = fit_config(config, transposed, m, axis, group_size)
@@ -449,7 +449,8 @@ PATH_NAMES = {
     "dot": "the tensor-core tiles (mixed_mm.py, dot)",
     "dot_t": "the transposed tensor-core tiles, C^T = W x^T (mixed_mm.py, dot_t)",
     "dq": "dequantize + cuBLAS",
-    "w4a8": "the W4A8-FP8 kernel: activations quantized per token to FP8 e4m3, FP8 tensor cores (w4a8.py)",
+    "w4a8": ("the W4A8-FP8 kernel: activations quantized per token to FP8 e4m3, FP8 tensor cores (w4a8.py; on Hopper "
+             "w4a8_wgmma.py)"),
 }
 
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from . import launch_plan
 from .dequant import cdiv, interpreting, next_power_of_2, on_device
+from .w4a8_wgmma import block_k, w4a8_wgmma_fits, w4a8_wgmma_matmul
 from ..reference import FP8_AMAX_FLOOR
 
 __all__ = ["quantize_activations_fp8", "w4a8_matmul", "w4a8_layout_fits", "w4a8_config", "MIN_GROUP"]
@@ -58,7 +59,7 @@ def _to_e4m3(y, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS: tl.constexpr, CHUNK: tl.constexpr, R: tl.constexpr,
+def _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, SG, GS: tl.constexpr, CHUNK: tl.constexpr, R: tl.constexpr,
                     EMULATE: tl.constexpr):
     """Quantize pair rows [c0, c0 + CHUNK) of one row; store them in blocks of R pair rows (evens, then odds) and the
     group sums."""
@@ -75,17 +76,17 @@ def _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS: tl.constexpr, CHUNK:
     both = q_e.to(tl.float32) + q_o.to(tl.float32)
     sums = tl.sum(tl.reshape(both, (CHUNK // PAIRS, PAIRS)), axis=1)
     g = c0 // PAIRS + tl.arange(0, CHUNK // PAIRS)
-    tl.store(sum_row + g, sums, mask=g < KH // PAIRS)
+    tl.store(sum_row + g * SG, sums, mask=g < KH // PAIRS)
 
 
 @triton.jit
-def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, AMAX_FLOOR: tl.constexpr,
+def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, SR, SG, AMAX_FLOOR: tl.constexpr,
                          GS: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr, R: tl.constexpr,
                          EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * K
-    sum_row = sum_ptr + row * (K // GS)
+    sum_row = sum_ptr + row * SR
     KH = K // 2
     offs = tl.arange(0, 2 * CHUNK)
     if ONE_CHUNK:
@@ -100,27 +101,30 @@ def _quantize_fp8_kernel(x_ptr, q_ptr, s_ptr, sum_ptr, K, stride_xm, AMAX_FLOOR:
     inv = tl.math.div_rn(448.0, amax)
     tl.store(s_ptr + row, tl.math.div_rn(amax, 448.0))
     for c0 in range(0, KH, CHUNK):  # (a second read of the row mostly hits L2)
-        _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, GS, CHUNK, R, EMULATE)
+        _quantize_chunk(x_row, q_row, sum_row, c0, KH, inv, SG, GS, CHUNK, R, EMULATE)
 
 
-def quantize_activations_fp8(x2: torch.Tensor, group_size: int, block_r: int | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations_fp8(x2: torch.Tensor, group_size: int, block_r: int | None = None,
+                             sums_by_group: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token FP8 e4m3 quantization of ``x2`` (M, K) for :func:`w4a8_matmul`: ``(xq, scale, xsum)`` with ``xq``
     (M, K) float8_e4m3fn, ``scale`` (M,) float32 (x ~ xq * scale) and ``xsum`` (M, K / group_size) float32, the sum
     of each group's quantized values. ``xq`` holds each row in blocks of ``2 * block_r`` in-features (default: the
     whole row), the block's even in-features first, then its odd ones: a K step of the GEMM is one contiguous block.
-    ``group_size``: a power of two >= 2 dividing K; ``block_r``: a power of two dividing ``group_size / 2``."""
+    ``group_size``: a power of two >= 2 dividing K; ``block_r``: a power of two dividing ``group_size / 2``.
+    ``sums_by_group``: ``xsum`` as (K / group_size, M) instead, a group's sums contiguous (the Gluon kernel's loads)."""
     m, k = x2.shape
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x2.device)
-    xsum = torch.empty((m, k // group_size), dtype=torch.float32, device=x2.device)
+    groups = k // group_size
+    xsum = torch.empty((groups, m) if sums_by_group else (m, groups), dtype=torch.float32, device=x2.device)
+    sr, sg = (1, m) if sums_by_group else (groups, 1)
     if m:
         chunk = max(group_size // 2, min(_CHUNK, next_power_of_2(k // 2)))
         r = block_r if block_r is not None else k // 2
         with on_device(x2):
-            launch_plan.launch(_quantize_fp8_kernel, (m,), x2, q, scale, xsum, k, x2.stride(0),
+            launch_plan.launch(_quantize_fp8_kernel, (m,), x2, q, scale, xsum, k, x2.stride(0), sr, sg,
                                AMAX_FLOOR=FP8_AMAX_FLOOR, GS=group_size, CHUNK=chunk, ONE_CHUNK=k <= 2 * chunk, R=r,
                                EMULATE=interpreting(), num_warps=4 if chunk <= 512 else 8)
     return q, scale, xsum
@@ -263,21 +267,40 @@ def w4a8_layout_fits(n: int, k: int, group_size: int, bits: int, axis: int, tran
             and group_size & (group_size - 1) == 0 and k % group_size == 0 and n >= 1)
 
 
-def w4a8_config():
-    """The tiles for every call: 128 rows of x by 64 of the weight, K steps of 128, 4 warps, 3 stages. Of the variants
-    timed on an H100 (BENCHMARKS.md, "W4A8-FP8"), the fastest or within 4% of it at every shape and M = 256-4096."""
+def w4a8_config(gluon: bool = False, m: int = 0, n: int = 0, sms: int = 0):
+    """The tiles of a call of ``m`` rows of x and ``n`` of the weight on a GPU of ``sms`` SMs. ``gluon`` (Hopper with
+    Gluon): the wgmma kernel (w4a8_wgmma.py; the config's ``wgmma`` flag), 128 rows of x by 64 of the weight, four MMA
+    warps issuing their own TMA copies into a 4-deep ring; where those tiles would not give every SM a program (two
+    run at once), 64 rows of x with a producer warp. Of the variants timed on an H100 (BENCHMARKS.md, "W4A8-FP8"),
+    the fastest or within 2% of it at every shape and M = 256-4096 (a producer warp costs its warpgroup's registers:
+    6% at 128 rows). Else the Triton kernel: 128 rows of x by 64 of the weight, K steps of 128, 4 warps, 3 stages,
+    the fastest of its variants or within 4% of it."""
     from .configs import KernelConfig
+    if gluon:
+        if cdiv(m, 128) * cdiv(n, 64) <= sms:
+            return KernelConfig("w4a8", block_m=64, block_n=64, block_r=64, num_warps=4, num_stages=4, wgmma=True,
+                                producer=True)
+        return KernelConfig("w4a8", block_m=128, block_n=64, block_r=64, num_warps=4, num_stages=4, wgmma=True)
     return KernelConfig("w4a8", block_m=128, block_n=64, block_r=64, num_warps=4, num_stages=3)
 
 
 def w4a8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None, out: torch.Tensor, *, n: int, k: int, group_size: int, cfg) -> torch.Tensor:
     """``out`` (M, N) = ``x2 @ W.T (+ bias)`` with x2 quantized per token to FP8 (:func:`quantize_activations_fp8`)
-    and the packed 4-bit W (groups along K, :func:`w4a8_layout_fits`); ``cfg`` a ``w4a8`` KernelConfig."""
+    and the packed 4-bit W (groups along K, :func:`w4a8_layout_fits`); ``cfg`` a ``w4a8`` KernelConfig (``wgmma``:
+    the Gluon kernel, where the tensors fit its TMA copies, else the Triton one)."""
     m = x2.shape[0]
     if m == 0:
         return out
     interp = interpreting()
+    if cfg.wgmma:
+        if not interp and x2.is_cuda and w4a8_wgmma_fits(x2, qweight, scales, zeros, n, k, group_size):
+            bk = block_k(group_size)
+            xq, xs, xsum = quantize_activations_fp8(x2, bk, bk // 2, sums_by_group=True)
+            return w4a8_wgmma_matmul(xq, xs, xsum, qweight, scales, zeros, bias, out, n=n, k=k, group_size=group_size,
+                                     block_m=cfg.block_m, block_n=cfg.block_n, stages=cfg.num_stages,
+                                     producer=cfg.producer)
+        cfg = w4a8_config()  # (tensors its TMA copies cannot take: the Triton kernel's own tiles)
     bm, bn = (16, 32) if interp else (cfg.block_m, cfg.block_n)  # (the interpreter: small tiles, several per call)
     block_r = min(cfg.block_r, group_size // 2)
     xq, xs, xsum = quantize_activations_fp8(x2, group_size, block_r)

@@ -39,7 +39,8 @@ def activations(m, k, seed=0):
 
 CASES = [(1, 40, 128, 64, {}), (3, 33, 256, 128, {}), (17, 70, 384, 128, {}), (5, 48, 512, 256, {}),
          (2, 16, 512, 128, {"swap": True}), (2, 16, 512, 128, {"pair": True}),
-         (17, 70, 512, 128, {"swap": True, "pair": True}), (3, 33, 256, 128, {"block_r": 32})]
+         (17, 70, 512, 128, {"swap": True, "pair": True}), (3, 33, 256, 128, {"block_r": 32}),
+         (2, 40, 256, 64, {"wgmma": True, "producer": True})]  # (the Gluon kernel's config: the Triton kernel here)
 
 
 @interp
@@ -70,6 +71,9 @@ def test_quantizer_is_the_reference_bit_for_bit(dtype):
     assert torch.equal(xq.view(torch.uint8), even_then_odd.view(torch.uint8))
     assert torch.equal(scale, want_scale) and scale[1] > 0
     assert torch.allclose(xsum, want_q.float().view(m, k // gs, gs).sum(-1), rtol=1e-6, atol=1e-6)
+    xq_g, scale_g, xsum_g = w4a8_mod.quantize_activations_fp8(x, gs, sums_by_group=True)  # (the wgmma kernel's)
+    assert torch.equal(xq_g.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(scale_g, scale)
+    assert xsum_g.shape == (k // gs, m) and torch.equal(xsum_g, xsum.t())
 
 
 @interp
@@ -92,8 +96,18 @@ def test_dispatch_takes_it_where_turned_on_from_256_rows_on_hopper_only():
     a100 = DeviceProps("NVIDIA A100-SXM4-80GB", (8, 0), 108)
     assert choose(a100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on).path == "dq"
     assert choose(H100, 1, 4096, 4096, 4, torch.bfloat16, flags=Flags(w4a8="force")).path == "w4a8"
+    # on Hopper with Gluon the wgmma kernel (w4a8_wgmma.py), else (or with QUANTPACK_WGMMA=0) the Triton one
+    from quantpack.kernels.wgmma_mm import HAVE_GLUON
+    assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on).config.wgmma == HAVE_GLUON
+    if HAVE_GLUON:  # (64 rows of x where 128 leave SMs without a program: 2 x 64 tiles on 132 SMs, not 2 x 128)
+        assert choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=on).config.block_m == 128
+        assert choose(H100, 256, 4096, 4096, 4, torch.bfloat16, flags=on).config.block_m == 64
+        assert choose(H100, 256, 8192, 8192, 4, torch.bfloat16, flags=on).config.block_m == 128
+    no_wgmma = Flags(w4a8="on", wgmma=False)
+    assert not choose(H100, 1024, 4096, 4096, 4, torch.bfloat16, flags=no_wgmma).config.wgmma
     cpu = DeviceProps("interpreter", None, 8, gpu=False)
     assert choose(cpu, 1024, 64, 128, 4, torch.float32, flags=Flags(w4a8="on", interpret=True)).path != "w4a8"
+    assert not choose(cpu, 1, 64, 128, 4, torch.float32, flags=Flags(w4a8="force", interpret=True)).config.wgmma
     assert choose(cpu, 1, 64, 128, 4, torch.float32, flags=Flags(w4a8="force", interpret=True)).path == "w4a8"
 
 
@@ -129,3 +143,21 @@ def test_forced_on_a_cpu_the_reference_rounds_activations_to_fp8(monkeypatch):
     assert torch.equal(layer(x), reference.matmul(x, pw))
     monkeypatch.setenv("QUANTPACK_W4A8", "force")
     assert torch.equal(layer(x), fp8)
+
+
+def test_sm90_compile_of_the_wgmma_kernel():
+    """Every variant of the Gluon kernel (w4a8_wgmma.py: tiles, 64- to 256-wide groups, bias, producer warp) gets
+    through Gluon and ptxas for sm_90 with BLOCK_K / 32 FP8 (e4m3 x e4m3) wgmma per K step, asynchronous (no C7515),
+    without spills, and with the codes built straight into the A fragment's registers (a non-trivial layout change
+    to the operand is a compile error)."""
+    pytest.importorskip("triton.backends.nvidia")
+    from quantpack.kernels.wgmma_mm import HAVE_GLUON
+    if not HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from sm90_compile import run_script  # tests/kernels/sm90_compile.py
+    from sm90_compile_w4a8 import VARIANTS  # tests/kernels/sm90_compile_w4a8.py
+
+    for line in run_script("sm90_compile_w4a8.py", VARIANTS):
+        assert "error" not in line, line
+        assert line["wgmma"] == line["per_step"] and line["fp8"], line
+        assert not line["serialized"] and line["spills"] == 0, line

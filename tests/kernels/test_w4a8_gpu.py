@@ -11,6 +11,7 @@ from quantpack import reference
 from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, mixed_mm
 from quantpack.kernels.dispatch import Flags, choose, device_props
+from quantpack.kernels.wgmma_mm import HAVE_GLUON
 from quantpack.modules.linear import QuantLinear
 
 FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -86,3 +87,39 @@ def test_quantlinear_takes_it_from_256_rows_where_turned_on(monkeypatch):
     monkeypatch.delenv("QUANTPACK_W4A8")  # (off by default)
     off = layer(x)
     assert rel(off, bf16) < 8e-3 and rel(off, bf16) < rel(off, fp8) / 2
+
+
+HOPPER_GLUON = FP8 and HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER_GLUON, reason="the wgmma kernel needs Hopper and Gluon")
+@pytest.mark.parametrize("n,k,gs,m", [(4096, 4096, 128, 4096), (14336, 4096, 128, 1024), (4096, 14336, 64, 256),
+                                      (4000, 4160, 64, 300), (4096, 4096, 256, 17), (8192, 8192, 128, 1)])
+@pytest.mark.parametrize("block_m,block_n,stages,producer", [(128, 64, 4, False), (128, 64, 4, True),
+                                                              (128, 128, 3, False), (64, 64, 2, True)])
+def test_wgmma_kernel_matches_the_fp8_reference(monkeypatch, n, k, gs, m, block_m, block_n, stages, producer):
+    """The Gluon kernel (dispatched on Hopper) at full shapes, N, M and K off its tiles, groups of 64-256."""
+    ran = []
+    real = w4a8_mod.w4a8_wgmma_matmul
+    monkeypatch.setattr(w4a8_mod, "w4a8_wgmma_matmul", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    cfg = KernelConfig("w4a8", block_m=block_m, block_n=block_n, block_r=64, num_warps=block_n // 16,
+                       num_stages=stages, wgmma=True, producer=producer)
+    pw = packed(n, k, gs, seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    x *= torch.logspace(-1, 1, m, device="cuda")[:, None].bfloat16()
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = reference.matmul_fp8_activations(x.float(), pw, bias)
+    out32 = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, bias=bias, config=cfg, out_dtype=torch.float32)
+    assert ran and rel(out32, want) < 5e-4
+    out = mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=gs, config=cfg)
+    assert out.dtype == torch.bfloat16 and rel(out, reference.matmul_fp8_activations(x.float(), pw)) < 8e-3
+
+
+@pytest.mark.skipif(not HOPPER_GLUON, reason="the wgmma kernel needs Hopper and Gluon")
+def test_hopper_dispatches_the_wgmma_kernel(monkeypatch):
+    monkeypatch.setenv("QUANTPACK_W4A8", "1")
+    assert choose(device_props(torch.device("cuda")), 1024, 4096, 4096, 4, torch.bfloat16, group_size=128,
+                  flags=Flags.from_env()).config.wgmma
+    monkeypatch.setenv("QUANTPACK_WGMMA", "0")  # (the Triton kernel where the wgmma kernels are turned off)
+    assert not choose(device_props(torch.device("cuda")), 1024, 4096, 4096, 4, torch.bfloat16, group_size=128,
+                      flags=Flags.from_env()).config.wgmma
