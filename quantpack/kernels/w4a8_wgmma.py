@@ -39,7 +39,7 @@ if HAVE_GLUON:
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .wgmma_mm import _cta_barrier, _store_out, _tma_load, _vector_layout, _weight_rows
+    from .wgmma_mm import cta_barrier, store_out, tma_load, vector_layout, weight_rows
 
 __all__ = ["w4a8_wgmma_fits", "w4a8_wgmma_matmul", "descriptor_types", "block_k"]
 
@@ -122,8 +122,8 @@ if HAVE_GLUON:
         """Start the TMA copies of K step ``step`` (xq's tile, the packed words) into ring slot ``slot``."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
         mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes, pred=pred)
-        _tma_load(x_desc, [m0, step * BK], bar, x_s.index(slot), pred=pred)
-        _tma_load(q_desc, [step * (BK // 2), n0 // 2], bar, q_s.index(slot), pred=pred)
+        tma_load(x_desc, [m0, step * BK], bar, x_s.index(slot), pred=pred)
+        tma_load(q_desc, [step * (BK // 2), n0 // 2], bar, q_s.index(slot), pred=pred)
 
     @gluon.jit
     def _load_ring(x_desc, q_desc, x_s, q_s, ready, empty, steps, m0, n0, STAGES: gl.constexpr):
@@ -154,7 +154,7 @@ if HAVE_GLUON:
         if PRODUCER:
             mbarrier.arrive(empty.index(i % STAGES))
         else:
-            _cta_barrier()
+            cta_barrier()
             _issue(x_desc, q_desc, x_s, q_s, ready.index(i % STAGES), i + STAGES, i % STAGES, m0, n0,
                    i + STAGES < steps)
 
@@ -222,10 +222,10 @@ if HAVE_GLUON:
         if HAS_BIAS:  # (in float32, before the one rounding to out's dtype)
             n = n0 + _mma_weight_rows(BN, gl.SliceLayout(1, acc_layout))
             acc += gl.load(bias_ptr + n, mask=n < N, other=0.0).to(gl.float32)[:, None]
-        o_layout: gl.constexpr = _vector_layout(BN, BM, 8 if out_ptr.dtype.element_ty.primitive_bitwidth == 16 else 4,
+        o_layout: gl.constexpr = vector_layout(BN, BM, 8 if out_ptr.dtype.element_ty.primitive_bitwidth == 16 else 4,
                                                 num_warps)
-        tile = gl.convert_layout(_weight_rows(acc.to(out_ptr.dtype.element_ty)), o_layout)
-        _store_out(tile, n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout)),
+        tile = gl.convert_layout(weight_rows(acc.to(out_ptr.dtype.element_ty)), o_layout)
+        store_out(tile, n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout)),
                    m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, o_layout)), M, N, out_ptr, stride_om)
 
 

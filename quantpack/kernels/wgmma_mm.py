@@ -53,9 +53,9 @@ __all__ = ["HAVE_GLUON", "descriptor_types", "launch_wgmma", "resident_programs"
 
 if HAVE_GLUON:
     # one CTA-wide barrier, whatever this Triton calls it (3.6: thread_barrier, 3.9: barrier)
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
     # the TMA load, whatever this Triton calls it (3.6: async_copy_global_to_shared, 3.9: async_load)
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
     # one int32 word = pair rows kk and kk + 4 (in-features 2kk, 2kk + 1 and 2kk + 8, 2kk + 9) of weight rows
     # r and r + 1: bytes [r kk, r+1 kk, r kk+4, r+1 kk+4]. One shift puts a byte's low nibble at mantissa
@@ -161,7 +161,7 @@ if HAVE_GLUON:
         return gl.reshape(gl.join(even, odd), (2 * P, 2 * KK))
 
     @gluon.jit
-    def _weight_rows(acc):
+    def weight_rows(acc):
         """The accumulator (BN, BM) from MMA-row order back to weight-row order (the inverse of _mma_rows)."""
         BN: gl.constexpr = acc.shape[0]
         BM: gl.constexpr = acc.shape[1]
@@ -287,7 +287,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mma_order(acc):
-        """The inverse of _weight_rows: a (BN, BM) tile from weight-row order to MMA-row order (a relabelling)."""
+        """The inverse of weight_rows: a (BN, BM) tile from weight-row order to MMA-row order (a relabelling)."""
         BN: gl.constexpr = acc.shape[0]
         BM: gl.constexpr = acc.shape[1]
         return gl.reshape(gl.permute(gl.reshape(acc, (BN // 16, 8, 2, BM)), (0, 2, 1, 3)), (BN, BM))
@@ -305,7 +305,7 @@ if HAVE_GLUON:
         BM: gl.constexpr = x_s.shape[1]
         DTYPE: gl.constexpr = x_s.dtype
         WARPS: gl.constexpr = acc_layout.warps_per_cta[0]
-        acc = _weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
+        acc = weight_rows(gl.zeros((BN, BM), gl.float32, acc_layout))
         rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
         for i in range(steps):
             slot = i % STAGES
@@ -322,7 +322,7 @@ if HAVE_GLUON:
             part = warpgroup_mma_wait(0, deps=(part, ))
             fence_async_shared()  # (the slot's words and scale rows were read by ordinary loads)
             mbarrier.arrive(empty.index(slot))
-            acc = acc + s[:, None] * _weight_rows(part)
+            acc = acc + s[:, None] * weight_rows(part)
         return (_mma_order(acc), )
 
     @gluon.jit
@@ -356,10 +356,10 @@ if HAVE_GLUON:
         mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes + sz_desc.block_type.nbytes,
                         pred=pred)
         k0 = step * BK
-        _tma_load(x_desc, [m0, k0], bar, x_s.index(slot), pred=pred)
+        tma_load(x_desc, [m0, k0], bar, x_s.index(slot), pred=pred)
         QK: gl.constexpr = q_desc.block_type.shape[0]  # packed rows per step: BK / 2 (4-bit) or BK (8-bit)
-        _tma_load(q_desc, [step * QK, n0 // 2], bar, q_s.index(slot), pred=pred)
-        _tma_load(sz_desc, [0, k0 // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
+        tma_load(q_desc, [step * QK, n0 // 2], bar, q_s.index(slot), pred=pred)
+        tma_load(sz_desc, [0, k0 // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
 
     @gluon.jit
     def _load_ring(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, empty, first, steps, m0, n0, G: gl.constexpr,
@@ -505,7 +505,7 @@ if HAVE_GLUON:
                                 STAGES, S_PLANE, a_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
         _stamp(trace_ptr, pid, 2, TRACE)
-        acc = _weight_rows(acc)
+        acc = weight_rows(acc)
         # (here, before the epilogue: the CTA barrier that comes with the invalidates also keeps the epilogue's
         # convert_layout scratch, which reuses the ring's shared memory, from overwriting x's slot while other
         # warps' last wgmma may still read it; moved after the epilogue, 3-stage rings gave NaN)
@@ -516,7 +516,7 @@ if HAVE_GLUON:
                   HAS_BIAS, SPLIT, TRACE, num_warps)
 
     @gluon.constexpr_function
-    def _vector_layout(BN, BM, per_thread, num_warps):
+    def vector_layout(BN, BM, per_thread, num_warps):
         """(BN, BM) with ``per_thread`` consecutive n per thread (one 16-byte access), lanes along n first, warps
         along m: out's and the partials' contiguous dimension is n."""
         lanes_n = min(32, BN // per_thread)
@@ -544,18 +544,18 @@ if HAVE_GLUON:
             # the partial goes to a (BM, BN) float32 block past the whole tiles in 16-byte stores (stored straight
             # from the accumulator's registers, 4-byte stores, they took 1.4x as long); the last program reads the
             # blocks back in column chunks, so neither its accumulator nor a whole tile of partials stays live
-            p_layout: gl.constexpr = _vector_layout(BN, BM, 4, num_warps)
+            p_layout: gl.constexpr = vector_layout(BN, BM, 4, num_warps)
             n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, p_layout))
             m_p = gl.arange(0, BM, layout=gl.SliceLayout(0, p_layout))
             gl.store(ws_ptr + (pid - whole) * (BN * BM) + m_p[None, :] * BN + n_p[:, None],
                      gl.convert_layout(acc, p_layout))
-            _cta_barrier()
+            cta_barrier()
             counter = cnt_ptr + (tile - whole)
             arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             _stamp(trace_ptr, pid, 3, TRACE)
             if arrived == SPLIT - 1:
                 CM: gl.constexpr = _chunk_cols(BN, BM, SPLIT, num_warps)
-                r_layout: gl.constexpr = _vector_layout(BN, CM, 4, num_warps)
+                r_layout: gl.constexpr = vector_layout(BN, CM, 4, num_warps)
                 nr = gl.arange(0, BN, layout=gl.SliceLayout(1, r_layout))
                 mr = gl.arange(0, CM, layout=gl.SliceLayout(0, r_layout))
                 local = mr[None, :] * BN + nr[:, None]
@@ -566,7 +566,7 @@ if HAVE_GLUON:
                                          cache_modifier=".cg")
                     if HAS_BIAS:
                         chunk += gl.load(bias_ptr + n0 + nr, mask=n0 + nr < N, other=0.0).to(gl.float32)[:, None]
-                    _store_out(chunk.to(out_ptr.dtype.element_ty), n0 + nr, m0 + c + mr, M, N, out_ptr, stride_om)
+                    store_out(chunk.to(out_ptr.dtype.element_ty), n0 + nr, m0 + c + mr, M, N, out_ptr, stride_om)
                 gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 _stamp(trace_ptr, pid, 4, TRACE)
         else:
@@ -574,14 +574,14 @@ if HAVE_GLUON:
                 na = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
                 acc += gl.load(bias_ptr + na, mask=na < N, other=0.0).to(gl.float32)[:, None]
             # rounded first, so the layout change through shared memory moves 16-bit values
-            o_layout: gl.constexpr = _vector_layout(BN, BM, 8, num_warps)
+            o_layout: gl.constexpr = vector_layout(BN, BM, 8, num_warps)
             tile_out = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), o_layout)
-            _store_out(tile_out, n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout)),
+            store_out(tile_out, n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, o_layout)),
                        m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, o_layout)), M, N, out_ptr, stride_om)
             _stamp(trace_ptr, pid, 3, TRACE)
 
     @gluon.jit
-    def _store_out(tile, n, m, M, N, out_ptr, stride_om):
+    def store_out(tile, n, m, M, N, out_ptr, stride_om):
         gl.store(out_ptr + m[None, :] * stride_om + n[:, None], tile, mask=(n < N)[:, None] & (m < M)[None, :])
 
 
