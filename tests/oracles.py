@@ -128,3 +128,43 @@ def pretend_device(monkeypatch, key: str, *, capability=None, sms: int = 8, gpu:
     for name in ("configs", "autotune"):
         monkeypatch.setattr(importlib.import_module(f"quantpack.kernels.{name}"), "device_key",
                             lambda device=None: key)
+
+
+def stored_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a packed checkpoint's shards, by name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def assert_stored_layer_matches_float_product(packed: Path, layer: str) -> None:
+    """``layer``'s stored codes, through the reference path and the kernels (the CUDA-core GEMV at one row, the
+    tensor-core tiles at five; on the CPU under TRITON_INTERPRET=1, else on the GPU), give the float32 product of
+    its dequantized weight."""
+    import json
+    import os
+
+    from quantpack import reference
+    from quantpack.format import PackedWeight
+    from quantpack.kernels import KernelConfig, mixed_mm
+
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    qc = json.loads((packed / "config.json").read_text())["quantization_config"]
+    t = stored_tensors(packed)
+    scales = t[f"{layer}.scales"]
+    k = scales.shape[0] * qc["group_size"]
+    pw = PackedWeight(t[f"{layer}.qweight"], scales, t[f"{layer}.zeros"], qc["bits"], qc["group_size"], 1,
+                      (scales.shape[1], k)).to(dev)
+    w = reference.dequantize(pw, torch.float32)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0)).to(scales.dtype).to(dev)
+    want = x.float() @ w.t()
+    torch.testing.assert_close(reference.matmul(x, pw).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    for rows, cfg in ((1, KernelConfig("gemv", block_n=32, block_r=16, split=1, num_warps=1)),
+                      (5, KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=1))):
+        got = mixed_mm(x[:rows], pw.qweight, pw.scales, pw.zeros, group_size=pw.group_size, bits=pw.bits,
+                       config=cfg, out_dtype=torch.float32)
+        assert not torch.isnan(got).any()
+        assert float((got - want[:rows]).norm() / want[:rows].norm()) < 1e-2, cfg.path

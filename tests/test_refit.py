@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from oracles import assert_stored_layer_matches_float_product
+
 
 @pytest.fixture(scope="module")
 def refit_converted(tiny_llama_dir, tmp_path_factory):
@@ -19,15 +21,6 @@ def refit_converted(tiny_llama_dir, tmp_path_factory):
                                       "--group-size", "32", "--no-progress"])
     assert result.exit_code == 0, result.output
     return out
-
-
-def _stored(path):
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for f in path.glob("*.safetensors"):
-        tensors.update(load_file(f))
-    return tensors
 
 
 def test_convert_method_refit_is_recorded_and_verifies(refit_converted):
@@ -47,25 +40,4 @@ def test_convert_method_refit_is_recorded_and_verifies(refit_converted):
                     reason="needs TRITON_INTERPRET=1 or a GPU")
 @pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py) unwritten outputs are NaN
 def test_refit_codes_through_reference_and_kernels_match_the_float_product(refit_converted):
-    from quantpack import reference
-    from quantpack.format import PackedWeight
-    from quantpack.kernels import KernelConfig, mixed_mm
-
-    dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-    qc = json.loads((refit_converted / "config.json").read_text())["quantization_config"]
-    t = _stored(refit_converted)
-    layer = "model.layers.1.mlp.down_proj"
-    scales = t[f"{layer}.scales"]
-    k = scales.shape[0] * qc["group_size"]
-    pw = PackedWeight(t[f"{layer}.qweight"], scales, t[f"{layer}.zeros"], qc["bits"], qc["group_size"], 1,
-                      (scales.shape[1], k)).to(dev)
-    w = reference.dequantize(pw, torch.float32)
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0)).to(scales.dtype).to(dev)
-    want = x.float() @ w.t()
-    torch.testing.assert_close(reference.matmul(x, pw).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    for rows, cfg in ((1, KernelConfig("gemv", block_n=32, block_r=16, split=1, num_warps=1)),
-                      (5, KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=1))):
-        got = mixed_mm(x[:rows], pw.qweight, pw.scales, pw.zeros, group_size=pw.group_size, bits=pw.bits,
-                       config=cfg, out_dtype=torch.float32)
-        assert not torch.isnan(got).any()
-        assert float((got - want[:rows]).norm() / want[:rows].norm()) < 1e-2, cfg.path
+    assert_stored_layer_matches_float_product(refit_converted, "model.layers.1.mlp.down_proj")

@@ -10,6 +10,8 @@ import torch
 from quantpack import sinq
 from quantpack.tiny import quiet_transformers
 
+from oracles import assert_stored_layer_matches_float_product, stored_tensors
+
 
 def _llama(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -116,15 +118,6 @@ def sinq_converted(skewed_llama_dir, tmp_path_factory):
     return out
 
 
-def _stored(path):
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for f in path.glob("*.safetensors"):
-        tensors.update(load_file(f))
-    return tensors
-
-
 def test_convert_method_sinq_stores_absorbed_norms_and_keeps_the_function(skewed_llama_dir, sinq_converted):
     import json
 
@@ -141,7 +134,7 @@ def test_convert_method_sinq_stores_absorbed_norms_and_keeps_the_function(skewed
 
     # The stored norms are the source's times the absorbed vectors (bfloat16 storage rounding aside).
     source = load_file(skewed_llama_dir / "model.safetensors")
-    stored = _stored(out)
+    stored = stored_tensors(out)
     rescale, again = sinq.plan(source, source.__getitem__, AutoConfig.from_pretrained(skewed_llama_dir), bits=None,
                                group_size=None, kept=kept)
     assert again == kept
@@ -196,27 +189,7 @@ def test_convert_method_sinq_refuses_groups_along_out_features(skewed_llama_dir,
 def test_sinq_codes_through_reference_and_kernels_match_the_float_product(sinq_converted, layer):
     import json
 
-    from quantpack import reference
-    from quantpack.format import PackedWeight
-    from quantpack.kernels import KernelConfig, mixed_mm
-
-    dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-    qc = json.loads((sinq_converted / "config.json").read_text())["quantization_config"]
     kept = json.loads((sinq_converted / "quantpack.json").read_text())["settings"]["sinq_scales"]
     block, site = ("model.layers.0", "qkv") if "v_proj" in layer else ("model.layers.1", "down")
     assert site in kept[block]  # the layer's columns were rescaled before quantization
-    t = _stored(sinq_converted)
-    scales = t[f"{layer}.scales"]
-    k = scales.shape[0] * qc["group_size"]
-    pw = PackedWeight(t[f"{layer}.qweight"], scales, t[f"{layer}.zeros"], qc["bits"], qc["group_size"], 1,
-                      (scales.shape[1], k)).to(dev)
-    w = reference.dequantize(pw, torch.float32)
-    x = torch.randn(5, k, generator=torch.Generator().manual_seed(0)).to(scales.dtype).to(dev)
-    want = x.float() @ w.t()
-    torch.testing.assert_close(reference.matmul(x, pw).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    for rows, cfg in ((1, KernelConfig("gemv", block_n=32, block_r=16, split=1, num_warps=1)),
-                      (5, KernelConfig("dot", block_m=16, block_n=32, block_r=16, split=1))):
-        got = mixed_mm(x[:rows], pw.qweight, pw.scales, pw.zeros, group_size=pw.group_size, bits=pw.bits,
-                       config=cfg, out_dtype=torch.float32)
-        assert not torch.isnan(got).any()
-        assert float((got - want[:rows]).norm() / want[:rows].norm()) < 1e-2, cfg.path
+    assert_stored_layer_matches_float_product(sinq_converted, layer)
