@@ -207,6 +207,63 @@ def _no_launch_hooks(runtime) -> bool:
     return not (getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
+class KernelReplays:
+    """Launches of one Triton kernel by call key (fused_ops.py's RMSNorm and rotary, which take several per-call
+    tensors, so no :class:`Plan`): a key's first launch goes through Triton (binding, specialization, the compile
+    cache), later ones hand the arguments straight to that compiled kernel's launcher (:func:`_direct_launcher`).
+
+    Sound when the key fixes everything Triton specializes a launch on: each tensor argument's dtype and 16-byte
+    alignment, each integer argument's value (whether it is 1 or a multiple of 16, its width), the constexpr
+    arguments, launch options and the device. Callers key on the shapes, strides, dtypes, alignments and device of
+    the tensors every argument derives from. Under TRITON_INTERPRET, with ``QUANTPACK_LAUNCH_PLANS=0`` and while a
+    launch hook is set, every launch goes through Triton."""
+
+    def __init__(self, kernel, limit: int = 256):
+        self.kernel, self.limit = kernel, limit
+        self._hits: dict = {}
+        self._direct_known = True  # (False once this Triton has no direct launcher: no further tries)
+
+    def __call__(self, key, grid: tuple, device_of: torch.Tensor, *args, **kwargs) -> None:
+        """``kernel[grid](*args, **kwargs)``; ``grid`` has three dimensions, ``device_of`` is a tensor on the device
+        the launch runs on (the caller made it current)."""
+        hit = self._hits.get(key)
+        if hit is not None:
+            run, function, metadata, stream, hooks, tail = hit
+            if _no_launch_hooks(hooks) and _plans_on():
+                run(grid[0], grid[1], grid[2], stream(device_of.get_device()), function, metadata, None, None, None,
+                    *args, *tail)
+                return
+        compiled = self.kernel[grid](*args, **kwargs)
+        if hit is None and self._direct_known and device_of.is_cuda and _plans_on():
+            self._remember(key, compiled, len(args), kwargs)
+
+    def _remember(self, key, compiled, count: int, kwargs: dict) -> None:
+        params = getattr(self.kernel, "params", None)
+        direct = _direct_launcher(compiled) if params is not None and hasattr(compiled, "run") else None
+        if direct is None:
+            self._direct_known = False
+            return
+        names = [p.name for p in params]
+        if count > len(names) or any(k not in names and k not in _LAUNCH_OPTIONS for k in kwargs):
+            return
+        tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params[count:])
+        if len(self._hits) >= self.limit:
+            self._hits.clear()
+        self._hits[key] = direct + (tail,)
+
+    def clear(self) -> None:
+        self._hits.clear()
+
+    def __len__(self) -> int:
+        return len(self._hits)
+
+
+def _plans_on() -> bool:
+    from .dispatch import launch_plans_enabled  # (dispatch imports configs and more: not at this module's import)
+
+    return launch_plans_enabled()
+
+
 # keywords of a JIT launch that are compile options, not kernel arguments (their values are in the compiled kernel)
 _LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "enable_fp_fusion",
                              "launch_cooperative_grid"})

@@ -115,6 +115,29 @@ def test_rotary_other_layouts(dtype):
         assert torch.equal(got, want) and got.is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_repeated_calls_match_through_the_replayed_launch(dtype):
+    """Repeated calls of one key replay the compiled launch on the GPU (launch_plan.KernelReplays): new data,
+    views of other alignment, strides and shapes each still match torch, called alternately."""
+    norm = LlamaRMSNorm(96, eps=1e-6).to(DEV, dtype)
+    norm.weight.data = _randn(96, dtype=dtype, seed=1)
+    base = _randn(4 * 96 + 8, dtype=dtype)
+    norms = [base[:4 * 96].view(4, 96), base[1:4 * 96 + 1].view(4, 96), base[8:].view(2, 2, 96),
+             base[:2 * 192].view(2, 192)[:, :96]]
+    q, k_, cos, sin = _qkv(2, 3, 4, 2, 64, dtype)
+    rotaries = [(q, k_, cos, sin), (q.contiguous(), k_.contiguous(), cos[:1], sin[:1]), _qkv(1, 1, 32, 8, 128, dtype)]
+    for rnd in range(3):
+        base.copy_(_randn(base.numel(), dtype=dtype, seed=10 + rnd) * (rnd + 1))
+        for x in norms:
+            _close(k.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+        for i, (q, k_, cos, sin) in enumerate(rotaries):
+            q = q * (rnd + 1)  # (new data, same layout)
+            for got, want in zip(k.rotary(q, k_, cos, sin), ORIGINAL_ROTARY(q, k_, cos, sin)):
+                assert torch.equal(got, want), (rnd, i)
+    if DEV == "cuda":
+        assert len(k._RMS_NORM) >= len(norms) and len(k._ROTARY) >= 2  # (the replays were remembered)
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k_, c, s: (q[..., :63], k_[..., :63], c[..., :63], s[..., :63], 1), "even head size"),
     (lambda q, k_, c, s: (q, k_, c, s, 0), "unsqueeze_dim=0"),

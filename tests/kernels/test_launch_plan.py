@@ -352,6 +352,78 @@ def test_a_compiled_replay_calls_the_launcher_directly_unless_a_launch_hook_is_s
     assert launch_plan._direct_launcher(object()) is None
 
 
+class _FakeJitRunner(_FakeJit):
+    """A JIT function whose ``[grid]`` launch records the call and returns the compiled kernel."""
+
+    def __init__(self, compiled):
+        self.compiled, self.launches = compiled, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+def test_kernel_replays_launch_directly_after_a_keys_first_launch(monkeypatch):
+    """A key's first launch goes through Triton; later launches of that key hand the launcher the grid, the stream of
+    the tensor's device, the function, its metadata, no launch metadata or hooks, then the arguments and the
+    remaining parameters (keywords given, else defaults). Another key, a launch hook, QUANTPACK_LAUNCH_PLANS=0 or a
+    CPU tensor go through Triton; a Triton without a direct launcher is not asked again."""
+    class Hooks:
+        launch_enter_hook = launch_exit_hook = None
+
+    compiled = _FakeCompiled()
+    kernel = _FakeJitRunner(compiled)
+    streams = []
+    lookups = []
+
+    def direct(c):
+        lookups.append(c)
+        return (c.run, c.function, c.packed_metadata, lambda index: streams.append(index) or 99, Hooks)
+
+    monkeypatch.setattr(launch_plan, "_direct_launcher", direct)
+    monkeypatch.delenv("QUANTPACK_LAUNCH_PLANS", raising=False)
+    replays = launch_plan.KernelReplays(kernel, limit=2)
+    gpu_like = torch.ones(1)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is gpu_like))
+    x, out = torch.ones(2), torch.zeros(2)
+    replays("a", (3, 1, 1), gpu_like, x, out, 5, BLOCK=64, num_warps=4)
+    assert kernel.launches == [((3, 1, 1), (x, out, 5), {"BLOCK": 64, "num_warps": 4})] and compiled.run_calls == []
+    x2, out2 = torch.ones(2), torch.zeros(2)
+    replays("a", (4, 2, 1), gpu_like, x2, out2, 6, BLOCK=64, num_warps=4)
+    (call,) = compiled.run_calls
+    assert call[:9] == (4, 2, 1, 99, "function handle", "packed metadata", None, None, None)
+    assert call[9] is x2 and call[10] is out2 and call[11:] == (6, 64) and len(kernel.launches) == 1
+    assert streams == [gpu_like.get_device()]
+    replays("b", (1, 1, 1), gpu_like, x, out, 7)  # (another key: through Triton, then remembered with the default)
+    replays("b", (1, 1, 1), gpu_like, x, out, 7)
+    assert len(kernel.launches) == 2 and compiled.run_calls[-1][11:] == (7, 32)
+    Hooks.launch_enter_hook = print  # (a profiler's hook: every launch through Triton)
+    replays("a", (4, 2, 1), gpu_like, x2, out2, 6, BLOCK=64, num_warps=4)
+    assert len(kernel.launches) == 3 and len(compiled.run_calls) == 2
+    Hooks.launch_enter_hook = None
+    monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
+    replays("a", (4, 2, 1), gpu_like, x2, out2, 6, BLOCK=64, num_warps=4)
+    assert len(kernel.launches) == 4 and len(compiled.run_calls) == 2
+    monkeypatch.delenv("QUANTPACK_LAUNCH_PLANS")
+    replays("c", (1, 1, 1), gpu_like, x, out, 7)  # (past the limit: the old keys are dropped)
+    assert len(replays) == 1
+    cpu = launch_plan.KernelReplays(kernel)
+    for _ in range(2):
+        cpu("a", (1, 1, 1), x, x, out, 7)
+    assert len(cpu) == 0 and len(kernel.launches) == 7
+    monkeypatch.setattr(launch_plan, "_direct_launcher", lambda c: lookups.append(c))
+    lookups.clear()
+    none = launch_plan.KernelReplays(kernel)
+    for key in ("a", "b"):
+        none(key, (1, 1, 1), gpu_like, x, out, 7)
+    assert len(none) == 0 and len(lookups) == 1
+    odd = launch_plan.KernelReplays(kernel)  # (a keyword that is neither a parameter nor a launch option)
+    odd("a", (1, 1, 1), gpu_like, x, out, 7, surprise=1)
+    assert len(odd) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (1040, 640, 64)])
