@@ -7,6 +7,8 @@ hub repo), then converts it with ``convert(method=..., device=...)`` and prints 
     python benchmarks/bench_convert.py --method hqq --device cuda          # the acceptance run
     python benchmarks/bench_convert.py --tiny --device cpu                 # smoke test on a CPU
     python benchmarks/bench_convert.py --calibration text.txt --device cuda   # method gptq, calibrated
+    python benchmarks/bench_convert.py --calibration text.txt --build-only   # build the source only, then:
+    python benchmarks/bench_convert.py --calibration text.txt --device cuda --source /tmp/qp-bench-convert/llama3-8b-random
 
 With ``--calibration`` the source gets a small BPE tokenizer (quantpack.tiny's, 320 tokens: the token ids
 exercise the same code as a real vocabulary's) and the conversion runs ``--method gptq`` on that text
@@ -59,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--json", help="also write the result as JSON to this file")
     parser.add_argument("--keep", action="store_true", help="keep the source and output directories")
+    parser.add_argument("--build-only", action="store_true", help="build the source and stop (for later --source "
+                        "runs: a long conversion then fits one run's time limit)")
     parser.add_argument("--results", default=None, help="append the result to DIR/conversion.jsonl (default "
                         "benchmarks/results, for full-size runs only; '' records nothing)")
     args = parser.parse_args(argv)
@@ -87,6 +91,8 @@ def main(argv=None) -> int:
     source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     print(f"built source: {source_bytes / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, "
           f"{build_s:.1f} s", flush=True)
+    if args.build_only:
+        return 0
 
     method = "gptq" if args.calibration else args.method
     summary = convert(src, out, bits=args.bits, group_size=args.group_size, method=method, device=args.device,
