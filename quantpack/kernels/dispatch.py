@@ -123,6 +123,12 @@ def w4a8_forced(env: tuple | None = None) -> bool:
     return Flags.from_env(env).w4a8 == "force"
 
 
+def w4a8_reference(n: int, k: int, group_size: int, bits: int, axis: int, transposed: bool = False) -> bool:
+    """Whether a call off the GPU computes with the W4A8 path's FP8-rounded activations (QUANTPACK_W4A8=force and a
+    forward call of a weight that path takes): the one rule for every reference fallback."""
+    return not transposed and w4a8_forced() and w4a8_layout_fits(n, k, group_size, bits, axis)
+
+
 @dataclass(frozen=True)
 class DeviceProps:
     """What a decision needs to know of a device: ``name`` (as ``torch.cuda.get_device_name``), compute

@@ -41,10 +41,9 @@ from .dequant import infer_layout, on_device, triton_usable
 from .fused_call import FusedOp
 from .dispatch import (MMA_MAX_M, PDL_MAX_M, WGMMA_MAX_M, Flags, choose, device_props, explain, fit_config,
                        heuristic_config, launch_plans_enabled, mma_config, mma_decision, pick_config, read_env,
-                       w4a8_forced, without_mma)
+                       w4a8_reference, without_mma)
 from .launcher import launch
 from .mma_gemv import CHUNK, mma_usable
-from .w4a8 import w4a8_layout_fits
 from .wgmma_mm import wgmma_usable
 from .. import reference
 from ..format import PackedWeight
@@ -166,7 +165,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     x2 = x.reshape(-1, x.shape[-1])
     if not triton_usable(x2):
         pw = PackedWeight(qweight, scales, zeros, bits, group_size, axis, (n, k))
-        if not transposed and w4a8_forced() and w4a8_layout_fits(n, k, group_size, bits, axis):
+        if w4a8_reference(n, k, group_size, bits, axis, transposed):
             return reference.matmul_fp8_activations(x2, pw, bias).to(out_dtype).reshape(*lead, -1)
         w = reference.dequantize(pw, torch.float32)
         out = x2.float() @ (w if transposed else w.t())

@@ -10,9 +10,8 @@ from ..format import PackedWeight, packed_shapes, check_layout_args
 from ..quantize import quantize, resolve_group_size
 from .. import kernels, reference
 from ..kernels.launch_plan import PlanCache
-from ..kernels.dispatch import w4a8_forced
+from ..kernels.dispatch import w4a8_reference
 from ..kernels.mixed_mm import MIXED_MM
-from ..kernels.w4a8 import w4a8_layout_fits
 
 
 def linear_dims(module: nn.Module) -> tuple[int, int, bool] | None:
@@ -135,8 +134,7 @@ class QuantLinear(nn.Module):
                                      self._plans)
             return kernels.mixed_mm(x, qweight, scales, zeros, group_size=self.group_size, bits=self.bits,
                                     axis=self.axis, bias=bias, plans=self._plans)
-        if w4a8_forced() and w4a8_layout_fits(self.out_features, self.in_features, self.group_size, self.bits,
-                                              self.axis):  # (the W4A8 path's FP8 activation rounding, on a CPU)
+        if w4a8_reference(self.out_features, self.in_features, self.group_size, self.bits, self.axis):
             return reference.matmul_fp8_activations(x, self.packed, bias)
         return reference.matmul(x, self.packed, bias)
 
