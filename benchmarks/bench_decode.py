@@ -27,6 +27,7 @@ weights. Prints a table and writes JSON (``--json``).
     python benchmarks/bench_decode.py                          # 8B shape, batch 1 and 16
     python benchmarks/bench_decode.py --layers 4 --new-tokens 32   # quick look
     python benchmarks/bench_decode.py --modes compiled graph       # skip the eager timings
+    python benchmarks/bench_decode.py --modes default graph --lm-head-bits 8 4   # + lm_head quantized too
     python benchmarks/bench_decode.py --profile                    # + where a decode step's GPU time goes
 
 Each measured cell is appended to benchmarks/results/decode.jsonl (device, commit, date, batch, model, path,
@@ -279,6 +280,8 @@ def append_results(args, results) -> None:
         for row in results["rows"]:
             model = "bf16" if row["model"] == "bf16" else "quantpack"
             variant = "merged" if row["model"].endswith("merged") else "layers"
+            if " lm_head w" in row["model"]:
+                variant = f"merged, lm_head {row['model'].rsplit(' ', 1)[1]}"
             for key, value in row.items():
                 if key.endswith("_tok_s"):
                     path_name = key.removesuffix("_tok_s")
@@ -352,6 +355,9 @@ def main(argv=None) -> int:
     parser.add_argument("--results", help="JSON-lines file to append to [default: benchmarks/results/decode.jsonl]")
     parser.add_argument("--no-merged", dest="merged", action="store_false",
                         help="skip the quantized model with merged projections (q/k/v, gate/up)")
+    parser.add_argument("--lm-head-bits", type=int, nargs="*", default=[], choices=[4, 8],
+                        help="also measure the merged model with lm_head quantized to these bits, group size as the "
+                             "rest (convert --quantize-lm-head [--bits-for lm_head=8])")
     parser.add_argument("--unmerged", action="store_true",
                         help="also measure each quantized layer alone (quantpack.load(..., merge=False))")
     parser.add_argument("--json", help="write the results here")
@@ -397,6 +403,17 @@ def main(argv=None) -> int:
         results["merged_kernel_vs_reference_rel_err"] = kernel_vs_reference(model, one_token)
         print(json.dumps({k: v for k, v in results.items() if k.startswith("merged")}), flush=True)
         measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged", results, quantized=True)
+    bf16_head = model.lm_head
+    for bits in args.lm_head_bits:  # (last: the rows above keep the bf16 lm_head, as convert does by default)
+        from quantpack.modules.linear import QuantLinear
+
+        with torch.no_grad():
+            model.lm_head = QuantLinear.from_linear(bf16_head, bits=bits, group_size=args.group_size,
+                                                    method=args.method, dtype=torch.bfloat16)
+        torch.cuda.empty_cache()
+        results[f"lm_head_w{bits}_weight_bytes"] = weight_bytes(model)
+        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged lm_head w{bits}", results,
+                quantized=True)
 
     nan = float("nan")
     print(f"\n{'model':<30}{'batch':>6}{'default tok/s':>15}{'(first s)':>10}{'eager tok/s':>14}{'graph tok/s':>14}"
