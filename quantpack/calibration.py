@@ -17,6 +17,9 @@ BUILTIN = "builtin"
 BUILTIN_FILE = Path(__file__).with_name("calibration.txt")
 DEFAULT_SEQUENCE_LENGTH = 512  # tokens per calibration sequence (capped at the model's context)
 DEFAULT_MAX_SEQUENCES = 128  # more sequences add little to a 4096-wide Hessian and cost time
+SELF = "self"  # --calibration self: text the model writes itself
+SELF_SEED = 0
+SELF_BATCH = 32  # sequences generated together: bounds the KV cache (an 8B Llama: 2 GiB at 512 tokens)
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,60 @@ def token_sequences(cal: CalibrationText, tokenizer, length: int,
     if bos is not None:
         seqs = torch.cat([torch.full((count, 1), bos, dtype=torch.long), seqs], dim=1)
     return seqs
+
+
+# -- inputs the model makes itself (``--calibration self``): no text from the user
+
+
+def ordinary_token_ids(tokenizer, vocab_size: int) -> torch.Tensor:
+    """The ids a random sequence draws from: the tokenizer's vocabulary below ``vocab_size`` (the
+    embedding's rows), without its special tokens (BOS, EOS, padding, masks, ...)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    n = min(vocab_size, len(tokenizer))
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[[i for i in special if 0 <= i < n]] = False
+    return keep.nonzero().flatten()
+
+
+def random_token_sequences(ids: torch.Tensor, count: int, length: int, *, seed: int, lead: int | None = None,
+                           tail: int | None = None) -> torch.Tensor:
+    """(count, length) token ids drawn uniformly from ``ids`` with a generator seeded by ``seed``, led by
+    ``lead`` (BOS, [CLS]) and closed by ``tail`` ([SEP]) when given."""
+    gen = torch.Generator().manual_seed(seed)
+    body = length - (lead is not None) - (tail is not None)
+    seqs = ids[torch.randint(len(ids), (count, body), generator=gen)]
+    parts = ([torch.full((count, 1), lead)] if lead is not None else []) + [seqs] + (
+        [torch.full((count, 1), tail)] if tail is not None else [])
+    return torch.cat(parts, dim=1)
+
+
+@torch.no_grad()
+def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *, seed: int, bos: int | None,
+                            batch: int = SELF_BATCH) -> torch.Tensor:
+    """(count, length) tokens the causal LM ``model`` writes itself: each sequence starts from BOS (when the
+    tokenizer has one) and a random ordinary token, then samples at temperature 1 from the model's own
+    next-token distribution, never a token outside ``ids`` (no EOS: every sequence runs its full length).
+    ``batch`` sequences at a time bound the KV cache. Deterministic for a seed on one device."""
+    from .tiny import quiet_transformers
+
+    device = next(model.parameters()).device
+    rows = model.get_output_embeddings().out_features
+    allowed = torch.zeros(rows, dtype=torch.bool)
+    allowed[ids] = True
+    suppress = (~allowed).nonzero().flatten().tolist()
+    gen = torch.Generator().manual_seed(seed)
+    starts = ids[torch.randint(len(ids), (count, 1), generator=gen)]
+    if bos is not None:
+        starts = torch.cat([torch.full((count, 1), bos), starts], dim=1)
+    new = length - starts.shape[1]
+    out = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), quiet_transformers():
+        torch.manual_seed(seed)
+        for i in range(0, count, batch):
+            prompt = starts[i:i + batch].to(device)
+            seqs = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
+                                  top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
+                                  suppress_tokens=suppress, pad_token_id=bos if bos is not None else int(ids[0]),
+                                  use_cache=True)
+            out.append(seqs[:, :length].cpu())
+    return torch.cat(out)
