@@ -1,9 +1,14 @@
 """Calibration text for the calibrated method (``--method gptq``): reading and checking it, and cutting it
-into token sequences with the source's own tokenizer.
+into token sequences with the source's own tokenizer; or, with ``self``, text the model writes itself.
 
 ``builtin`` names a short passage shipped with quantpack (``calibration.txt``: about 1,100 words of
 varied English prose, dialogue, code and numbers), enough for a quick try; real use wants text like
 the model's own data, a few hundred thousand tokens or more.
+
+``self`` needs no text: a causal LM samples its own calibration sequences (temperature 1, from BOS and a
+random first token; LLM-QAT's data-free generation), once, at the start of the conversion, on the
+conversion device. Generating holds the whole model there (an 8B model in bfloat16: 16 GB, plus the
+KV cache of :data:`SELF_BATCH` sequences); the block-streamed quantizing that follows does not.
 """
 from __future__ import annotations
 
@@ -23,6 +28,14 @@ SELF_BATCH = 32  # sequences generated together: bounds the KV cache (an 8B Llam
 
 
 @dataclass(frozen=True)
+class SelfCalibration:
+    """``--calibration self``: sequences the model samples itself, :data:`SELF_SEED` seeding the sampling."""
+
+    source: str = SELF
+    seed: int = SELF_SEED
+
+
+@dataclass(frozen=True)
 class CalibrationText:
     """The text, its origin (``builtin`` or the file's path) and the sha256 of its bytes."""
 
@@ -31,18 +44,22 @@ class CalibrationText:
     sha256: str
 
 
-def read_calibration(spec: str | Path) -> CalibrationText:
-    """The calibration text named by ``spec``: a UTF-8 text file, or ``"builtin"``.
+def read_calibration(spec: str | Path) -> CalibrationText | SelfCalibration:
+    """The calibration text named by ``spec``: a UTF-8 text file, ``"builtin"``, or ``"self"`` (the model
+    writes it; a file named ``self`` is ``./self``).
 
     Raises ``ValueError`` with a one-line message for a missing, unreadable, empty or binary file.
     """
+    if str(spec) == SELF:
+        return SelfCalibration()
     if str(spec) == BUILTIN:
         path, source = BUILTIN_FILE, BUILTIN
     else:
         path = Path(spec).expanduser()
         source = str(spec)
     what = f"calibration: {source}"
-    hint = "pass a UTF-8 text file, or --calibration builtin for the built-in passage"
+    hint = ("pass a UTF-8 text file, --calibration builtin for the built-in passage, or --calibration self for text "
+            "the model writes itself")
     if not path.exists():
         raise ValueError(f"{what} does not exist; {hint}")
     if path.is_dir():
@@ -164,3 +181,30 @@ def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *
                                   use_cache=True)
             out.append(seqs[:, :length].cpu())
     return torch.cat(out)
+
+
+def self_calibration_tokens(model_class, path: Path, tokenizer, vocab_size: int, count: int, length: int, *,
+                            device, dtype: torch.dtype, seed: int = SELF_SEED,
+                            trust_remote_code: bool = False) -> torch.Tensor:
+    """``count`` sequences of ``length`` tokens that the causal LM stored at ``path`` (built as
+    ``model_class``) samples itself on ``device`` (see :func:`sampled_token_sequences`); the model is
+    loaded whole there, in ``dtype``, and freed before returning. A one-line ``ValueError`` when it does not
+    fit the device."""
+    from .tiny import quiet_transformers
+
+    device = torch.device(device)
+    ids = ordinary_token_ids(tokenizer, vocab_size)
+    try:
+        with quiet_transformers():
+            model = model_class.from_pretrained(path, dtype=dtype, device_map={"": device},
+                                                trust_remote_code=trust_remote_code).eval()
+        try:
+            return sampled_token_sequences(model, ids, count, length, seed=seed,
+                                           bos=getattr(tokenizer, "bos_token_id", None))
+        finally:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except torch.OutOfMemoryError:
+        raise ValueError(f"calibration: self: the whole model does not fit in {device}'s memory to write its own "
+                         f"calibration text; pass --calibration FILE (quantized one block at a time)") from None
