@@ -155,9 +155,12 @@ def random_token_sequences(ids: torch.Tensor, count: int, length: int, *, seed: 
 def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *, seed: int, bos: int | None,
                             batch: int = SELF_BATCH) -> torch.Tensor:
     """(count, length) tokens the causal LM ``model`` writes itself: each sequence starts from BOS (when the
-    tokenizer has one) and a random ordinary token, then samples at temperature 1 from the model's own
-    next-token distribution, never a token outside ``ids`` (no EOS: every sequence runs its full length).
-    ``batch`` sequences at a time bound the KV cache. Deterministic for a seed on one device."""
+    tokenizer has one) and a random ordinary token, then samples at temperature 1 from the model's whole
+    next-token distribution (whatever its ``generation_config`` says), never a token outside ``ids`` (no EOS:
+    every sequence runs its full length). ``batch`` sequences at a time bound the KV cache. Deterministic for
+    a seed on one device."""
+    from transformers import GenerationConfig
+
     from .tiny import quiet_transformers
 
     device = next(model.parameters()).device
@@ -170,16 +173,24 @@ def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *
     if bos is not None:
         starts = torch.cat([torch.full((count, 1), bos), starts], dim=1)
     new = length - starts.shape[1]
+    if new <= 0:  # nothing left to write
+        return starts[:, :length]
+    # a config of its own, with the model's set aside while generating (generate fills unset values from it): a
+    # checkpoint's generation_config.json (top-k/top-p, repetition penalties, ...) does not apply
+    settings = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+                                min_new_tokens=new, suppress_tokens=suppress, use_cache=True,
+                                pad_token_id=bos if bos is not None else int(ids[0]))
     out = []
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), quiet_transformers():
-        torch.manual_seed(seed)
-        for i in range(0, count, batch):
-            prompt = starts[i:i + batch].to(device)
-            seqs = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0,
-                                  top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
-                                  suppress_tokens=suppress, pad_token_id=bos if bos is not None else int(ids[0]),
-                                  use_cache=True)
-            out.append(seqs[:, :length].cpu())
+    own, model.generation_config = model.generation_config, GenerationConfig()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), quiet_transformers():
+            torch.manual_seed(seed)
+            for i in range(0, count, batch):
+                prompt = starts[i:i + batch].to(device)
+                seqs = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=settings)
+                out.append(seqs[:, :length].cpu())
+    finally:
+        model.generation_config = own
     return torch.cat(out)
 
 

@@ -44,6 +44,11 @@ def test_sampled_sequences_are_deterministic_and_respect_the_budget(tiny_llama_d
     assert len(rows) == 3 * (8 - 2)  # three batches, one forward per new token
     assert torch.equal(a, cal.sampled_token_sequences(model, ids, 5, 8, seed=7, bos=tok.bos_token_id, batch=2))
     assert not torch.equal(a, cal.sampled_token_sequences(model, ids, 5, 8, seed=8, bos=tok.bos_token_id, batch=2))
+    # the checkpoint's own generation settings (greedy, penalties) do not change what is drawn
+    own = model.generation_config
+    own.top_k, own.repetition_penalty, own.no_repeat_ngram_size = 1, 50.0, 1
+    assert torch.equal(a, cal.sampled_token_sequences(model, ids, 5, 8, seed=7, bos=tok.bos_token_id, batch=2))
+    assert model.generation_config is own
     # drawn from the model's own distribution: a model sure of one token writes only that token
     favourite = int(ids[5])
 
