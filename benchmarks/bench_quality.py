@@ -24,6 +24,12 @@ original weight, columns in decreasing Hessian-diagonal order), ``gptq-act`` (th
 when the loop reaches them, columns in order) quantize the layers in forward order, each with the Hessian of its
 inputs on calibration text through the model quantized so far: the last 60,000 characters of the training part of the
 corpus (the witness was trained on them; disjoint from the held-out evaluation text).
+``gptq-self`` is ``gptq`` calibrated on no text, as ``convert --calibration self`` runs it: on the witness, sequences
+the model samples itself (quantpack.calibration.sampled_token_sequences: BOS, a random token, then temperature 1,
+as many sequences and as long as the text's); on the encoder, which writes nothing, random ordinary tokens between
+[CLS] and [SEP]. Candidates measured on the way: ``self-random`` (random ordinary tokens), ``self-gen`` (the same as
+``gptq-self``), ``self-mix`` (half each); a ``+guard`` suffix keeps hqq's rounding for a layer where it has the lower
+output error on the calibration inputs, ``+damp=X`` damps the Hessian by X times its mean diagonal (default 0.01).
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_witness import corpus  # noqa: E402
 
+from quantpack import calibration as calibration_mod  # noqa: E402
 from quantpack import sinq  # noqa: E402
 from quantpack.gptq import gptq_quantize  # noqa: E402
 from quantpack.quantize import quantize  # noqa: E402
@@ -90,6 +97,17 @@ class _Stop(Exception):
     pass
 
 
+# calibration inputs of the self-calibrated candidates (gptq's rounding on each): random ordinary tokens; sequences
+# the causal LM samples itself (random tokens for an encoder); half of each
+SELF_SOURCES = {"gptq-self": "gen", "self-random": "random", "self-gen": "gen", "self-mix": "mix"}
+
+
+def hessian_error(d: torch.Tensor, h: torch.Tensor) -> float:
+    """``tr(D H D^T)``: the squared output error of a weight change ``D`` on the inputs of Hessian ``H`` (up to a
+    constant factor)."""
+    return float(((d @ h) * d).sum())
+
+
 @torch.no_grad()
 def layer_hessian(model, lin, calib_run) -> torch.Tensor:
     """``2 X^T X / tokens`` of ``lin``'s inputs on the calibration text (the forward stops there)."""
@@ -111,20 +129,29 @@ def layer_hessian(model, lin, calib_run) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_model(source, run, method: str, bits: int, group_size: int, calib_run=None) -> tuple[torch.nn.Module, dict]:
+def quantize_model(source, run, method: str, bits: int, group_size: int, calib_runs=None) -> tuple[torch.nn.Module, dict]:
     """A copy of ``source`` with every quantizable weight replaced by its dequantized codes, and the
-    per-layer output errors."""
+    per-layer output errors. ``calib_runs``: {calibration source: function running a model on it}."""
     model = copy.deepcopy(source)
     solver = method
-    if method.startswith("gptq"):
+    if method.startswith("gptq") or method.startswith("self"):
+        source_name, _, variant = method.partition("+")
+        calib_run = calib_runs[SELF_SOURCES.get(source_name, "text")]
         inputs = capture_inputs(model, run)
         errors = {}
         for name, lin in quantizable(model).items():  # forward order: each layer sees the earlier ones quantized
             w = lin.weight.float()
-            pw = gptq_quantize(w, layer_hessian(model, lin, calib_run), bits=bits, group_size=group_size,
+            h = layer_hessian(model, lin, calib_run)
+            damp = float(variant[5:]) if variant.startswith("damp=") else 0.01
+            pw = gptq_quantize(w, h, bits=bits, group_size=group_size, damp=damp,
                                dtype=torch.bfloat16, static_groups=method != "gptq-dynamic",
-                               act_order=method in ("gptq", "gptq-act"))
+                               act_order=method not in ("gptq-static", "gptq-dynamic"))
             wq = dequantize(pw, torch.float32)
+            if variant == "guard":  # hqq's rounding where it has the lower output error on the calibration inputs
+                wh = dequantize(quantize(w, bits=bits, group_size=group_size, method="hqq", dtype=torch.bfloat16),
+                                torch.float32)
+                if hessian_error(wh - w, h) < hessian_error(wq - w, h):
+                    wq = wh
             x = inputs[name]
             ref = x @ w.t()
             errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
@@ -180,6 +207,18 @@ def encoder_case(path: Path, text: str, calibration: str):
     def calib_run(m):
         return m(**calib).last_hidden_state
 
+    # an encoder writes nothing: its self-calibration is random ordinary tokens, [CLS] ... [SEP], as many sequences
+    # and as long as the text path's
+    ids = calibration_mod.ordinary_token_ids(tok, model.config.vocab_size)
+    shape = calib["input_ids"].shape
+    rand = calibration_mod.random_token_sequences(ids, shape[0], shape[1], seed=0, lead=tok.cls_token_id,
+                                                   tail=tok.sep_token_id)
+
+    def random_run(m):
+        return m(input_ids=rand, attention_mask=torch.ones_like(rand)).last_hidden_state
+
+    calib_runs = {"text": calib_run, "random": random_run, "gen": random_run, "mix": random_run}
+
     def embed(m):
         h = run(m)
         mask = batch["attention_mask"][..., None].float()
@@ -193,7 +232,7 @@ def encoder_case(path: Path, text: str, calibration: str):
             cos = (embed(q) * ref).sum(-1)
         return {"one_minus_cos": float((1 - cos).mean()), "worst_one_minus_cos": float((1 - cos).max())}
 
-    return model, run, metrics, "one_minus_cos", calib_run
+    return model, run, metrics, "one_minus_cos", calib_runs
 
 
 def causal_case(path: Path, text: str, calibration: str):
@@ -214,6 +253,15 @@ def causal_case(path: Path, text: str, calibration: str):
 
     def calib_run(m):
         return m(calib).logits
+
+    ids_ok = calibration_mod.ordinary_token_ids(tok, model.config.vocab_size)
+    count, length = calib.shape
+    rand = calibration_mod.random_token_sequences(ids_ok, count, length, seed=0, lead=tok.bos_token_id)
+    gen = calibration_mod.sampled_token_sequences(model, ids_ok, count, length, seed=calibration_mod.SELF_SEED,
+                                                  bos=tok.bos_token_id)
+    mix = torch.cat([rand[: count // 2], gen[count // 2:]])
+    calib_runs = {"text": calib_run, **{name: (lambda m, t=t: m(t).logits) for name, t in
+                                        (("random", rand), ("gen", gen), ("mix", mix))}}
 
     with torch.no_grad():
         ref = run(model).float()
@@ -237,7 +285,7 @@ def causal_case(path: Path, text: str, calibration: str):
             out["kl_vs_hqq"] = float((base_logp.exp() * (base_logp - logp)).sum(-1).mean())
         return out
 
-    return model, run, metrics, "kl", calib_run
+    return model, run, metrics, "kl", calib_runs
 
 
 def main() -> None:
@@ -270,11 +318,11 @@ def main() -> None:
                             text=True).stdout.strip()
     date = datetime.date.today().isoformat()
     rows = []
-    for ckpt, (model, run, metrics, headline, calib_run) in cases:
+    for ckpt, (model, run, metrics, headline, calib_runs) in cases:
         for bits, gs in configs:
             results, models = {}, {}
             for method in methods:
-                q, errors = quantize_model(model, run, method, bits, gs, calib_run)
+                q, errors = quantize_model(model, run, method, bits, gs, calib_runs)
                 base = models.get("hqq") if method == "hqq-w4a8" and ckpt.startswith("witness") else None
                 results[method] = (metrics(q, base) if base is not None else metrics(q), errors)
                 models[method] = q

@@ -50,6 +50,9 @@ def convert_command(source: str, revision: str | None, settings: dict) -> str:
         group = "none" if settings["group_size"] is None else str(settings["group_size"])
         args += ["--bits", str(settings["bits"]), "--group-size", group, "--axis", str(settings["axis"]),
                  "--method", settings["method"]]
+        calibration = settings.get("calibration") or {}
+        if calibration.get("self") or calibration.get("builtin"):  # a user's file cannot be named here
+            args += ["--calibration", "self" if calibration.get("self") else "builtin"]
         for pattern, bits in settings.get("bits_for", {}).items():
             args += ["--bits-for", f"{pattern}={bits}"]
     args += ["--dtype", settings["dtype"]]

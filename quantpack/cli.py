@@ -126,9 +126,10 @@ class GroupSize(click.ParamType):
                    "from hqq's start (lower weight error than hqq; about 2x hqq's quantizing time); gptq: hqq's "
                    "groups with GPTQ's error-compensating rounding, calibrated on --calibration text, one decoder "
                    "block at a time (same format).")
-@click.option("--calibration", metavar="FILE|builtin", help="UTF-8 text to calibrate on (implies --method gptq): "
-              "text like the model's own data, ideally 100k+ tokens; 'builtin' uses a short shipped passage, for a "
-              "quick try.")
+@click.option("--calibration", metavar="FILE|self|builtin", help="UTF-8 text to calibrate on (implies --method "
+              "gptq): text like the model's own data, ideally 100k+ tokens; 'self': no text needed, a causal LM "
+              "samples its own (128 sequences, on --device, holding the whole model there while it writes); "
+              "'builtin': a short shipped passage, for a quick try.")
 @click.option("--calibration-length", type=click.IntRange(min=2), metavar="N",
               help="Tokens per calibration sequence [default: 512, at most the model's context].")
 @click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
@@ -170,6 +171,7 @@ def convert_command(source, output, bits, group_size, axis, method, calibration,
       quantpack convert ./my-model --bits 8 --group-size none --dry-run
       quantpack convert ./my-model --scheme w8a8
       quantpack convert ./my-model --calibration my-text.txt     # GPTQ, calibrated
+      quantpack convert ./my-model --calibration self            # GPTQ on text the model writes
     """
     import json
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..calibration import CalibrationText, read_calibration
+from ..calibration import CalibrationText, SelfCalibration, read_calibration
 from ..checkpoint import W8A8_CONFIG, SourceCheckpoint, weight_only_scheme
 from ..checkpoint import parse_size
 from ..format import SUPPORTED_AXES, SUPPORTED_BITS, check_group_size
@@ -130,14 +130,14 @@ class Arguments:
     bits_rules: list
     shard_limit: int
     device: torch.device
-    calibration: CalibrationText | None = None
+    calibration: CalibrationText | SelfCalibration | None = None
 
 
 def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bits_for, max_shard_size,
                     calibration=None) -> Arguments:
     """Check and resolve the conversion settings, cheapest checks first; a ValueError with a one-line message.
 
-    ``calibration`` (a text file's path, or ``"builtin"``) implies ``method="gptq"``, which needs it."""
+    ``calibration`` (a text file's path, ``"builtin"`` or ``"self"``) implies ``method="gptq"``, which needs it."""
     if calibration is not None:
         if scheme == "w8a8":
             raise ValueError("calibration does not apply to scheme='w8a8' (symmetric absmax rounding); drop "
@@ -148,7 +148,8 @@ def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bit
         method = "gptq"
     elif method == "gptq":
         raise ValueError("method='gptq' needs calibration text: pass --calibration FILE (UTF-8 text like the "
-                         "model's data), or --calibration builtin for a quick try")
+                         "model's data), --calibration self (text the model writes itself), or --calibration builtin "
+                         "for a quick try")
     scheme, bits, group_size, axis, method = resolve_scheme(scheme, bits, group_size, axis, method, bits_for)
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; use 4 or 8")

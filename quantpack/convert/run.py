@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
+
 from .. import __version__
 from ..card import CARD_NAME, write_model_card
 from ..checkpoint import (CONFIG_NAME, MANIFEST_NAME, SAFE_INDEX_NAME, SHARD_METADATA, CheckpointError,
@@ -47,7 +49,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     ``bits_for``: ``"REGEX=BITS"`` strings (or (regex, bits) pairs), first match wins.
     ``dtype`` (bfloat16/float16) is the output dtype of scales, zeros and every unquantized floating
     tensor; default: the source weights' dtype if half precision, else bfloat16.
-    ``calibration``: a UTF-8 text file (or ``"builtin"``, a short shipped passage) for ``method="gptq"``
+    ``calibration``: a UTF-8 text file (or ``"builtin"``, a short shipped passage; or ``"self"``: text the causal
+    LM samples itself at the start, see :mod:`quantpack.calibration`) for ``method="gptq"``
     (implied): GPTQ's error-compensating rounding on hqq's group parameters, with the Hessians of each decoder
     block's inputs on that text, one block at a time (see :mod:`quantpack.gptq`); ``calibration_length``:
     tokens per calibration sequence (default 512, at most the model's context).
@@ -126,11 +129,18 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             from ..gptq import check_model
 
             check_model(model, config, quant_plan, quantized_experts)
-            tokens = cal.token_sequences(args.calibration, cal.load_tokenizer(resolved.path, trust_remote_code),
-                                         cal.sequence_length(config, calibration_length))
-            settings["calibration"] = {"sha256": args.calibration.sha256, "tokens": tokens.numel(),
-                                       "sequences": tokens.shape[0], "sequence_length": tokens.shape[1],
-                                       **({"builtin": True} if args.calibration.source == cal.BUILTIN else {})}
+            tokenizer = cal.load_tokenizer(resolved.path, trust_remote_code)
+            length = cal.sequence_length(config, calibration_length)
+            if isinstance(args.calibration, cal.SelfCalibration):  # written by the model once calibrating starts
+                tokens = None
+                settings["calibration"] = {"self": True, "seed": args.calibration.seed,
+                                           "tokens": cal.DEFAULT_MAX_SEQUENCES * length,
+                                           "sequences": cal.DEFAULT_MAX_SEQUENCES, "sequence_length": length}
+            else:
+                tokens = cal.token_sequences(args.calibration, tokenizer, length)
+                settings["calibration"] = {"sha256": args.calibration.sha256, "tokens": tokens.numel(),
+                                           "sequences": tokens.shape[0], "sequence_length": tokens.shape[1],
+                                           **({"builtin": True} if args.calibration.source == cal.BUILTIN else {})}
             summary.settings["calibration"] = settings["calibration"]
 
         # -- units in source order, then shards
@@ -225,6 +235,21 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             from ..gptq import quantize_blocks
 
             source_of = {v: k for k, v in canonical.items()}
+            if tokens is None:
+                from .. import calibration as cal
+
+                t_gen = time.perf_counter()
+                count, length = settings["calibration"]["sequences"], settings["calibration"]["sequence_length"]
+                try:
+                    tokens = cal.self_calibration_tokens(
+                        type(model), resolved.path, tokenizer, config.get_text_config().vocab_size, count, length,
+                        device=dev, dtype=out_dtype if dev.type == "cuda" else torch.float32,
+                        seed=settings["calibration"]["seed"], trust_remote_code=trust_remote_code)
+                except ValueError:  # the model did not fit: nothing of this run to keep
+                    if created:
+                        shutil.rmtree(partial, ignore_errors=True)
+                    raise
+                summary.timings["generate"] = time.perf_counter() - t_gen
             t_cal = time.perf_counter()
             precomputed = quantize_blocks(type(model), config, lambda n: src.get(source_of[n]), quant_plan, tokens,
                                           store=partial / GPTQ_STORE, dtype=out_dtype, device=dev, progress=progress)

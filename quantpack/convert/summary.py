@@ -34,7 +34,7 @@ class ConvertSummary:
     output_bytes: int = 0  # size of the output shards (exact, also for a dry run)
     disk_free: int | None = None
     seconds: float = 0.0
-    timings: dict = field(default_factory=dict)  # seconds per phase: plan, calibrate (gptq), read_wait, quantize, write, finish
+    timings: dict = field(default_factory=dict)  # seconds per phase: plan, generate (calibration self), calibrate (gptq), read_wait, quantize, write, finish
 
     @property
     def quantized(self) -> list[LayerResult]:

@@ -200,7 +200,8 @@ def describe_quantization(q: dict) -> str:
     cal = q.get("calibration")
     if cal:
         line += (f"; calibrated on {cal.get('tokens')} tokens ("
-                 + ("built-in passage" if cal.get("builtin") else f"sha256 {str(cal.get('sha256'))[:12]}") + ")")
+                 + ("built-in passage" if cal.get("builtin") else f"written by the model, seed {cal.get('seed')}"
+                    if cal.get("self") else f"sha256 {str(cal.get('sha256'))[:12]}") + ")")
     return line
 
 
