@@ -127,15 +127,15 @@ def plot_kernels(rows, out: Path, plt) -> list[Path]:
 def plot_decode(rows, out: Path, plt) -> list[Path]:
     def label(r):
         name = r["model"]
-        if r.get("projections") == "merged":
-            name += " merged"
+        if str(r.get("projections", "")).startswith("merged"):
+            name += " " + r["projections"]  # ("merged", or "merged, lm_head w8": lm_head quantized too)
         if r.get("launch_plans") is False:
             name += " no plans"
         return name
 
-    # One run per GPU, its newest: bars of one group come from one process (same-run ratios).
-    last_run = {r["device"]: r["commit"] for r in rows}
-    rows = [r for r in rows if r["commit"] == last_run[r["device"]]]
+    # One run per GPU and path, its newest: bars of one group come from one process (same-run ratios).
+    last_run = {(r["device"], r["path"]): r["commit"] for r in rows}
+    rows = [r for r in rows if r["commit"] == last_run[r["device"], r["path"]]]
     cells = newest(rows, lambda r: (r["device"], r["path"], r["batch"], label(r)))
     groups = sorted({(r["device"], r["path"], r["batch"]) for r in cells}, key=lambda g: (g[1], g[0], g[2]))
     labels = sorted({label(r) for r in cells}, key=lambda s: (s != "bf16", s))
@@ -152,7 +152,7 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
                 ys.append(r["tok_s"])
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]} {last_run[d]}" for d, m, b in groups],
+    ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]} {last_run[d, m]}" for d, m, b in groups],
                        fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s (log)", fontsize=8)
