@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     result = {
         "device": torch.cuda.get_device_name() if summary.settings["device"] == "cuda" else "cpu",
         "layers": args.layers, "tiny": args.tiny, "method": method,
-        **({"calibration_tokens": summary.settings["calibration"]["tokens"]} if args.calibration else {}), "bits": args.bits,
+        **({"calibration": "self" if args.calibration == "self" else "builtin" if args.calibration == "builtin" else "file",
+            "calibration_tokens": summary.settings["calibration"]["tokens"]} if args.calibration else {}), "bits": args.bits,
         "group_size": args.group_size, "source_gb": round(summary.source_bytes / 1e9, 3),
         "output_gb": round(summary.output_bytes / 1e9, 3), "ratio": round(summary.ratio, 3),
         "layers_quantized": len(summary.quantized), "convert_s": round(summary.seconds, 2),
