@@ -5,6 +5,8 @@ Each module family's calls are timed inclusively with forward hooks (perf_counte
 own cost lands on both models alike. An experiment, not a product benchmark:
 
     python benchmarks/dev/eager_host_breakdown.py --batch 1 --new-tokens 32
+    python benchmarks/dev/eager_host_breakdown.py --ab --batch 16 --rounds 3   # bf16 and quantpack alternately
+    python benchmarks/dev/eager_host_breakdown.py --ops --batch 16             # torch.profiler's host op table
 """
 from __future__ import annotations
 
@@ -129,8 +131,8 @@ def kernel_replays(on: bool):
         r._direct_known = on
 
 
-def ab(a, args, prompt):
-    """bf16 and quantpack (fused-op replays on and off) alternately, same process, ms a token."""
+def both_models(args):
+    """The bf16 8B-shaped model and its quantized copy as ``quantpack.load`` makes it, decoding eagerly."""
     import copy
 
     from quantpack import generation
@@ -143,6 +145,14 @@ def ab(a, args, prompt):
     fused.apply(qmodel)
     merge_projections(qmodel)
     generation.enable(qmodel, "eager")
+    return model, qmodel
+
+
+def ab(a, args, prompt):
+    """bf16 and quantpack (fused-op replays on and off) alternately, same process, ms a token."""
+    from quantpack.modules import fused
+
+    model, qmodel = both_models(args)
     for r in range(a.rounds):
         fused.remove(qmodel)
         ref = generate_ms(model, prompt, a.new_tokens)
@@ -158,20 +168,11 @@ def ab(a, args, prompt):
 
 def op_profile(a, args, prompt):
     """torch.profiler's host-side records of one eager generate per model: aten ops by self CPU time and count."""
-    import copy
-
     from torch.profiler import ProfilerActivity, profile
 
-    from quantpack import generation
     from quantpack.modules import fused
-    from quantpack.modules.merged import merge_projections
 
-    model = bench_decode.build_model(args, torch.device("cuda"))
-    qmodel = copy.deepcopy(model)
-    bench_decode.quantize_in_place(qmodel, bits=4, group_size=128, method="rtn")
-    fused.apply(qmodel)
-    merge_projections(qmodel)
-    generation.enable(qmodel, "eager")
+    model, qmodel = both_models(args)
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens)
     for label, m in (("bf16", model), ("quantpack", qmodel)):
         if label == "bf16":
