@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import dequant as _dq  # (module attribute lookups: tests swap ``_alloc`` for a NaN-filling one)
 from .dequant import cdiv, next_power_of_2, on_device, triton_usable
+from .dispatch import launch_plans_enabled
 from .launch_plan import KernelReplays
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,7 +90,8 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     y = _dq._alloc((rows, n), torch.promote_types(weight.dtype, x.dtype), x.device)
     block = next_power_of_2(n)
     # (every integer argument follows from x's shape and strides; y is a fresh, aligned allocation)
-    key = (x.shape, x.stride(), x.dtype, weight.dtype, x.device, x.data_ptr() % 16, weight.data_ptr() % 16)
+    key = ((x.shape, x.stride(), x.dtype, weight.dtype, x.device, x.data_ptr() % 16, weight.data_ptr() % 16)
+           if launch_plans_enabled() else None)
     with on_device(x):
         _RMS_NORM(key, (rows, 1, 1), x, x, weight, y, _row_stride(x), n, n, float(eps), BLOCK=block,
                   num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
@@ -217,8 +219,9 @@ def rotary_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     nqb = cdiv(hq, block_h)
     qo, ko = _alloc_like(q), _alloc_like(k)
     # (the outputs' strides follow from q's and k's; every integer argument from the four inputs' shapes and strides)
-    key = (q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.stride(), q.dtype, q.device,
-           unsqueeze_dim, q.data_ptr() % 16, k.data_ptr() % 16, cos.data_ptr() % 16, sin.data_ptr() % 16)
+    key = ((q.shape, q.stride(), k.shape, k.stride(), cos.shape, cos.stride(), sin.stride(), q.dtype, q.device,
+            unsqueeze_dim, q.data_ptr() % 16, k.data_ptr() % 16, cos.data_ptr() % 16, sin.data_ptr() % 16)
+           if launch_plans_enabled() else None)
     with on_device(q):
         # no fused multiply-add: torch rounds the float32 products before adding them
         _ROTARY(key, (b * seq, nqb + cdiv(hk, block_h), 1), q,

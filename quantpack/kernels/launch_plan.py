@@ -215,8 +215,8 @@ class KernelReplays:
     Sound when the key fixes everything Triton specializes a launch on: each tensor argument's dtype and 16-byte
     alignment, each integer argument's value (whether it is 1 or a multiple of 16, its width), the constexpr
     arguments, launch options and the device. Callers key on the shapes, strides, dtypes, alignments and device of
-    the tensors every argument derives from. Under TRITON_INTERPRET, with ``QUANTPACK_LAUNCH_PLANS=0`` and while a
-    launch hook is set, every launch goes through Triton."""
+    the tensors every argument derives from, and pass ``None`` for no key (``QUANTPACK_LAUNCH_PLANS=0``). Off the
+    GPU (TRITON_INTERPRET), without a key and while a launch hook is set, every launch goes through Triton."""
 
     def __init__(self, kernel, limit: int = 256):
         self.kernel, self.limit = kernel, limit
@@ -225,16 +225,16 @@ class KernelReplays:
 
     def __call__(self, key, grid: tuple, device_of: torch.Tensor, *args, **kwargs) -> None:
         """``kernel[grid](*args, **kwargs)``; ``grid`` has three dimensions, ``device_of`` is a tensor on the device
-        the launch runs on (the caller made it current)."""
-        hit = self._hits.get(key)
+        the launch runs on (the caller made it current); ``key`` ``None``: through Triton, not remembered."""
+        hit = self._hits.get(key) if key is not None else None
         if hit is not None:
             run, function, metadata, stream, hooks, tail = hit
-            if _no_launch_hooks(hooks) and _plans_on():
+            if _no_launch_hooks(hooks):
                 run(grid[0], grid[1], grid[2], stream(device_of.get_device()), function, metadata, None, None, None,
                     *args, *tail)
                 return
         compiled = self.kernel[grid](*args, **kwargs)
-        if hit is None and self._direct_known and device_of.is_cuda and _plans_on():
+        if hit is None and key is not None and self._direct_known and device_of.is_cuda:
             self._remember(key, compiled, len(args), kwargs)
 
     def _remember(self, key, compiled, count: int, kwargs: dict) -> None:
@@ -256,12 +256,6 @@ class KernelReplays:
 
     def __len__(self) -> int:
         return len(self._hits)
-
-
-def _plans_on() -> bool:
-    from .dispatch import launch_plans_enabled  # (dispatch imports configs and more: not at this module's import)
-
-    return launch_plans_enabled()
 
 
 # keywords of a JIT launch that are compile options, not kernel arguments (their values are in the compiled kernel)

@@ -138,6 +138,24 @@ def test_repeated_calls_match_through_the_replayed_launch(dtype):
         assert len(k._RMS_NORM) >= len(norms) and len(k._ROTARY) >= 2  # (the replays were remembered)
 
 
+def test_launch_plans_off_gives_the_fused_ops_no_replay_key(monkeypatch):
+    """QUANTPACK_LAUNCH_PLANS=0 turns the fused ops' direct launches off with the linears' plans: no key."""
+    keys = []
+    for name in ("_RMS_NORM", "_ROTARY"):
+        real = getattr(k, name)
+        monkeypatch.setattr(k, name, lambda key, *a, _real=real, **kw: keys.append(key) or _real(key, *a, **kw))
+    x, w = _randn(2, 64, dtype=torch.float32), _randn(64, dtype=torch.float32, seed=1)
+    q, k_, cos, sin = _qkv(1, 2, 2, 2, 64, torch.float32)
+    for env in ("0", None):
+        if env is None:
+            monkeypatch.delenv("QUANTPACK_LAUNCH_PLANS", raising=False)
+        else:
+            monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", env)
+        k.rms_norm(x, w, 1e-6)
+        k.rotary(q, k_, cos, sin)
+    assert keys[:2] == [None, None] and all(isinstance(key, tuple) for key in keys[2:]) and len(keys) == 4
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k_, c, s: (q[..., :63], k_[..., :63], c[..., :63], s[..., :63], 1), "even head size"),
     (lambda q, k_, c, s: (q, k_, c, s, 0), "unsqueeze_dim=0"),

@@ -368,8 +368,8 @@ class _FakeJitRunner(_FakeJit):
 def test_kernel_replays_launch_directly_after_a_keys_first_launch(monkeypatch):
     """A key's first launch goes through Triton; later launches of that key hand the launcher the grid, the stream of
     the tensor's device, the function, its metadata, no launch metadata or hooks, then the arguments and the
-    remaining parameters (keywords given, else defaults). Another key, a launch hook, QUANTPACK_LAUNCH_PLANS=0 or a
-    CPU tensor go through Triton; a Triton without a direct launcher is not asked again."""
+    remaining parameters (keywords given, else defaults). Another key, a launch hook, no key or a CPU tensor go
+    through Triton; a Triton without a direct launcher is not asked again."""
     class Hooks:
         launch_enter_hook = launch_exit_hook = None
 
@@ -383,7 +383,6 @@ def test_kernel_replays_launch_directly_after_a_keys_first_launch(monkeypatch):
         return (c.run, c.function, c.packed_metadata, lambda index: streams.append(index) or 99, Hooks)
 
     monkeypatch.setattr(launch_plan, "_direct_launcher", direct)
-    monkeypatch.delenv("QUANTPACK_LAUNCH_PLANS", raising=False)
     replays = launch_plan.KernelReplays(kernel, limit=2)
     gpu_like = torch.ones(1)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is gpu_like))
@@ -403,16 +402,15 @@ def test_kernel_replays_launch_directly_after_a_keys_first_launch(monkeypatch):
     replays("a", (4, 2, 1), gpu_like, x2, out2, 6, BLOCK=64, num_warps=4)
     assert len(kernel.launches) == 3 and len(compiled.run_calls) == 2
     Hooks.launch_enter_hook = None
-    monkeypatch.setenv("QUANTPACK_LAUNCH_PLANS", "0")
-    replays("a", (4, 2, 1), gpu_like, x2, out2, 6, BLOCK=64, num_warps=4)
-    assert len(kernel.launches) == 4 and len(compiled.run_calls) == 2
-    monkeypatch.delenv("QUANTPACK_LAUNCH_PLANS")
+    for _ in range(2):  # (no key: through Triton, never remembered)
+        replays(None, (4, 2, 1), gpu_like, x2, out2, 6, BLOCK=64, num_warps=4)
+    assert len(kernel.launches) == 5 and len(compiled.run_calls) == 2
     replays("c", (1, 1, 1), gpu_like, x, out, 7)  # (past the limit: the old keys are dropped)
     assert len(replays) == 1
     cpu = launch_plan.KernelReplays(kernel)
     for _ in range(2):
         cpu("a", (1, 1, 1), x, x, out, 7)
-    assert len(cpu) == 0 and len(kernel.launches) == 7
+    assert len(cpu) == 0 and len(kernel.launches) == 8
     monkeypatch.setattr(launch_plan, "_direct_launcher", lambda c: lookups.append(c))
     lookups.clear()
     none = launch_plan.KernelReplays(kernel)
