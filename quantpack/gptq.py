@@ -85,6 +85,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
     # Block boundaries on group starts: a group's parameters are then computed from up-to-date columns.
     bs = block_size if gs >= block_size or act_order else max(gs, block_size // gs * gs)
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    # each group's scale and zero in float32 once, not once per column (two launches a column on a GPU)
+    params = (scales.float(), zeros.float()) if static_groups else None
+    current = None  # (group, its float32 scale and zero) where groups are computed as the loop goes
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
         w1 = w[:, i1:i2].clone()
@@ -99,7 +102,12 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
                 pw = quantize(cols.contiguous(), bits=bits, group_size=gs, method="hqq", dtype=dtype)
                 scales[col // gs], zeros[col // gs] = pw.scales[0], pw.zeros[0]
             g = group_of[col] // gs
-            s, z = scales[g].float(), zeros[g].float()
+            if params is not None:
+                s, z = params[0][g], params[1][g]
+            else:
+                if current is None or current[0] != g:
+                    current = (g, scales[g].float(), zeros[g].float())
+                s, z = current[1], current[2]
             x = w1[:, i]
             qc = torch.round(x / s + z).clamp_(0, qmax)
             q[:, col] = qc.to(torch.uint8)
