@@ -236,8 +236,6 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
             source_of = {v: k for k, v in canonical.items()}
             if tokens is None:
-                from .. import calibration as cal
-
                 t_gen = time.perf_counter()
                 count, length = settings["calibration"]["sequences"], settings["calibration"]["sequence_length"]
                 try:

@@ -199,9 +199,13 @@ def describe_quantization(q: dict) -> str:
     line = f"{q.get('method') or '-'}, {q.get('bits') or '-'}-bit, {group}" + (f" ({q['scheme']})" if q.get("scheme") else "")
     cal = q.get("calibration")
     if cal:
-        line += (f"; calibrated on {cal.get('tokens')} tokens ("
-                 + ("built-in passage" if cal.get("builtin") else f"written by the model, seed {cal.get('seed')}"
-                    if cal.get("self") else f"sha256 {str(cal.get('sha256'))[:12]}") + ")")
+        if cal.get("builtin"):
+            origin = "built-in passage"
+        elif cal.get("self"):
+            origin = f"written by the model, seed {cal.get('seed')}"
+        else:
+            origin = f"sha256 {str(cal.get('sha256'))[:12]}"
+        line += f"; calibrated on {cal.get('tokens')} tokens ({origin})"
     return line
 
 
