@@ -11,7 +11,9 @@ launches with PDL, and the steps that led there. The steps, in order:
 2. clamped to what the call can run (:func:`fit_config`: no ``wgmma`` or ``mma`` transposed, ``gemv`` only for
    groups along K and at most :data:`GEMV_MAX_M` rows...);
 3. ``wgmma`` only on Hopper with Gluon, QUANTPACK_WGMMA not 0 and a layout its TMA copies take, else the
-   heuristic's pick without it;
+   heuristic's pick without it; and not for a host-bound call (``host_bound``: at most :data:`HOST_BOUND_MAX_M` rows,
+   not captured in a CUDA graph), which takes ``mma``: Triton's launcher builds ``wgmma``'s TMA descriptors in Python
+   on every launch, and there the launch, not the kernel, is the call's time;
 4. ``mma`` only with QUANTPACK_MMA not 0 and a layout it takes, else the CUDA-core GEMV (:func:`gemv_config`);
    with PDL where QUANTPACK_PDL=1, on Hopper or later, for at most :data:`PDL_MAX_M` rows.
 
@@ -33,7 +35,7 @@ from .w4a8 import w4a8_config, w4a8_layout_fits
 from .wgmma_mm import HAVE_GLUON, wgmma_layout_fits
 
 __all__ = ["DeviceProps", "Flags", "Decision", "choose", "explain", "device_props", "MMA_MAX_M", "PDL_MAX_M",
-           "WGMMA_MAX_M", "MERGE_MAX_M", "GEMV_MAX_M", "SMALL_M", "FUSED_MAX_M"]
+           "WGMMA_MAX_M", "MERGE_MAX_M", "GEMV_MAX_M", "SMALL_M", "FUSED_MAX_M", "HOST_BOUND_MAX_M"]
 
 # ----------------------------------------------------------------------------------------------
 # thresholds (rows of x, M)
@@ -49,6 +51,8 @@ FUSED_MAX_M = 64  # heuristic off Hopper: fused tensor-core tiles up to here, de
 W4A8_MIN_M = 256  # from which the W4A8-FP8 path runs where QUANTPACK_W4A8=1 turns it on
 W4A8_DEFAULT = "off"  # while QUANTPACK_W4A8 is unset: on an H100 it ran at 0.64-0.82x cuBLAS bf16, W4A16 at 0.91-1.17x
 # (BENCHMARKS.md, "W4A8-FP8"; docs/kernels.md says why)
+HOST_BOUND_MAX_M = 16  # up to which a call outside CUDA-graph capture takes the path with the cheaper launch (its host
+# time, 30-70 us, exceeds any kernel's there)
 DECODE_WAVES_M = 8  # heuristic: up to here, split-K until about 8 programs per SM (2 beyond): latency-bound GEMVs
 
 _ENV_NAMES = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUTOTUNE", "TRITON_INTERPRET",
@@ -381,13 +385,14 @@ def _fits(value) -> bool:
 
 def choose(props: DeviceProps, m: int, n: int, k: int, bits: int, dtype: torch.dtype, *, axis: int = 1,
            group_size: int = 128, transposed: bool = False, flags: Flags = Flags(),
-           config: KernelConfig | None = None, mma_fits=None, wgmma_fits=None) -> Decision:
+           config: KernelConfig | None = None, mma_fits=None, wgmma_fits=None, host_bound: bool = False) -> Decision:
     """The kernel and config a call of ``m`` rows of x (``dtype``) through a packed (``n``, ``k``) weight of ``bits``
     (``axis``, ``group_size``) runs on ``props``'s device with the switches ``flags`` (see the module docstring for
     the steps). ``config`` forces one (it is still clamped). ``mma_fits`` / ``wgmma_fits``: whether the call's
     tensors fit those kernels (a bool, or a callable asked only where needed); by default, whether tensors of these
     shapes do when aligned and contiguous. The ``mma`` weight copy is assumed to exist (:func:`without_mma` is what
-    runs while it cannot)."""
+    runs while it cannot). ``host_bound``: the call is not captured in a CUDA graph, so its host time counts (eager
+    calls; a captured one is replayed without it)."""
     w4a8, w4a8_step = w4a8_pick(props, flags, m, n, k, bits, axis, group_size, transposed)
     if config is not None and config.path == "w4a8":  # (given: runs at any M and mode, where it can)
         if not transposed and w4a8_device(props, flags) and w4a8_layout_fits(n, k, group_size, bits, axis):
@@ -404,6 +409,10 @@ def choose(props: DeviceProps, m: int, n: int, k: int, bits: int, dtype: torch.d
     if fitted != config:
         steps.append(("fitted", config.path, fitted.path, transposed, m, axis, group_size))
     config = fitted
+    if host_bound and config.path == "wgmma" and steps[0] != ("forced",) and m <= HOST_BOUND_MAX_M:
+        config = fit_config(heuristic_config(transposed, m, n, k, props, flags, wgmma=False), transposed, m, axis,
+                            group_size)
+        steps.append(("host_bound", m, config.path))
     if config.path == "wgmma":
         ok = wgmma_device(props, flags)
         if ok:
@@ -427,20 +436,23 @@ def choose(props: DeviceProps, m: int, n: int, k: int, bits: int, dtype: torch.d
     return Decision(config, pdl, tuple(steps))
 
 
-def mma_decision(m: int, n: int, k: int, group_size: int, bits: int, device: torch.device) -> Decision | None:
+def mma_decision(m: int, n: int, k: int, group_size: int, bits: int, device: torch.device, host_bound: bool = False
+                 ) -> Decision | None:
     """The :class:`Decision` of a forward call of ``m`` rows of x (16-bit, laid out as the mma path needs) on
-    ``device`` where it runs the ``mma`` path, else ``None`` (merged_mm.py asks)."""
+    ``device`` where it runs the ``mma`` path, else ``None`` (merged_mm.py asks). ``host_bound`` as in
+    :func:`choose`."""
     flags = Flags.from_env()
     if not (1 <= m <= MMA_MAX_M and flags.mma and (device.type == "cuda" or interpreting())):
         return None
     decision = choose(device_props(device), m, n, k, bits, torch.bfloat16, group_size=group_size, flags=flags,
-                      mma_fits=True, wgmma_fits=True)
+                      mma_fits=True, wgmma_fits=True, host_bound=host_bound)
     return decision if decision.path == "mma" else None
 
 
-def mma_config(m: int, n: int, k: int, group_size: int, bits: int, device: torch.device) -> KernelConfig | None:
+def mma_config(m: int, n: int, k: int, group_size: int, bits: int, device: torch.device, host_bound: bool = False
+               ) -> KernelConfig | None:
     """The ``mma`` config of :func:`mma_decision`, or ``None`` where the call runs another path."""
-    decision = mma_decision(m, n, k, group_size, bits, device)
+    decision = mma_decision(m, n, k, group_size, bits, device, host_bound)
     return decision.config if decision is not None else None
 
 
@@ -486,6 +498,10 @@ def _say(step: tuple) -> str:
         return f"QUANTPACK_W4A8=1, the GPU has FP8 tensor cores and M={m} >= {W4A8_MIN_M}"
     if what == "no_w4a8":
         return f"not the W4A8-FP8 path: {step[1]}"
+    if what == "host_bound":
+        m, after = step[1:]
+        return (f"the call is not captured in a CUDA graph and M={m} <= {HOST_BOUND_MAX_M}, so its launch's host time "
+                f"outweighs the kernel's: {after}, whose launch builds no TMA descriptors, instead of wgmma")
     if what == "no_wgmma":
         props, flags, after = step[1:]
         cause = ("QUANTPACK_WGMMA=0" if not flags.wgmma else "this Triton has no Gluon" if not HAVE_GLUON
@@ -507,11 +523,12 @@ def _say(step: tuple) -> str:
 
 def explain(m: int, n: int, k: int, bits: int = 4, group_size: int = 128, dtype: torch.dtype = torch.bfloat16,
             device: torch.device | str | DeviceProps | None = None, *, transposed: bool = False, axis: int = 1,
-            flags: Flags | None = None) -> str:
+            flags: Flags | None = None, captured: bool = False) -> str:
     """One paragraph: which kernel and config a fused-matmul call of ``m`` rows (``x @ W.T``, or ``x @ W`` with
     ``transposed``) through a packed (``n``, ``k``) weight runs on ``device`` (default: the current GPU; a
     :class:`DeviceProps` to ask about another one), and why. ``flags``: the environment switches (default: as set
-    now). Assumes aligned, contiguous tensors and the default config tables plus what was autotuned here."""
+    now); ``captured``: for a call captured in a CUDA graph (the default decode path) rather than an eager one.
+    Assumes aligned, contiguous tensors and the default config tables plus what was autotuned here."""
     flags = flags if flags is not None else Flags.from_env()
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -523,7 +540,8 @@ def explain(m: int, n: int, k: int, bits: int = 4, group_size: int = 128, dtype:
             return (f"On {device}, without TRITON_INTERPRET, no Triton kernel runs: the pure-torch reference computes "
                     f"the product (M={m}, N={n}, K={k}, {bits}-bit).")
         props = device_props(device)
-    d = choose(props, m, n, k, bits, dtype, axis=axis, group_size=group_size, transposed=transposed, flags=flags)
+    d = choose(props, m, n, k, bits, dtype, axis=axis, group_size=group_size, transposed=transposed, flags=flags,
+               host_bound=not captured)
     where = props.name if props.gpu else "Triton's CPU interpreter"
     shape = (f"{'x @ W' if transposed else 'x @ W.T'} with M={m}, N={n}, K={k}, {bits}-bit, group size {group_size}, "
              f"axis {axis}, {str(dtype).replace('torch.', '')}")

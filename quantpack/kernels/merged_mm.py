@@ -108,10 +108,12 @@ def _refers_to(ref, t) -> bool:
     return t is None if ref is None else ref() is t
 
 
-def merged_path(rows: int, n: int, k: int, group_size: int, bits: int, device: torch.device) -> bool:
+def merged_path(rows: int, n: int, k: int, group_size: int, bits: int, device: torch.device, host_bound: bool = False
+                ) -> bool:
     """Whether :func:`merged_mm` runs (rather than declines) ``rows`` rows of 16-bit x, suitably laid out, through
-    stacked weights of ``n`` out-features on ``device``: what the caller can decide once per call shape."""
-    return mma_config(rows, n, k, group_size, bits, device) is not None and mma_self_check(device)
+    stacked weights of ``n`` out-features on ``device``: what the caller can decide once per call shape.
+    ``host_bound``: for a call outside CUDA-graph capture (dispatch.choose)."""
+    return mma_config(rows, n, k, group_size, bits, device, host_bound) is not None and mma_self_check(device)
 
 
 def merged_mm(x: torch.Tensor, qweights, scales, zeros, biases, *, group_size: int, bits: int = 4

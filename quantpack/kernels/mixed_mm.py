@@ -148,6 +148,8 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         env = read_env()
         if not (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] > 0) or not launch_plans_enabled(env):
             plans = None  # (the checks below say what is wrong)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+            plans = None  # (a captured call runs once, and may take another path than the eager calls' plans)
         else:
             x2 = x.reshape(-1, x.shape[-1])
             plan_key = call_key(x2, qweight, scales, zeros, bias, group_size, bits, transposed, out_dtype, axis,
@@ -180,10 +182,12 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         if tunes_on_first_use(x2, transposed, bits, n, k):
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
     props = device_props(x2.device)
+    capturing = x2.is_cuda and torch.cuda.is_current_stream_capturing()
     decision = choose(props, x2.shape[0], n, k, bits, x2.dtype, axis=axis, group_size=group_size,
                       transposed=transposed, flags=Flags.from_env(), config=config,
                       mma_fits=lambda: mma_usable(x2, n, k, group_size, bits, axis),
-                      wgmma_fits=lambda: wgmma_usable(x2, qweight, scales, zeros, n, k, group_size, bits, axis))
+                      wgmma_fits=lambda: wgmma_usable(x2, qweight, scales, zeros, n, k, group_size, bits, axis),
+                      host_bound=not capturing)
     config, pdl = decision.config, decision.pdl
     mma_weight, built_now = None, False
     if config.path == "mma":
@@ -194,7 +198,7 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
             config, pdl = without_mma(props, transposed, x2.shape[0], n, k, axis, group_size), False
     # a plan is recorded from a call that runs as every later one will: not one that built the mma copy (it may
     # not use PDL) nor one under CUDA-graph capture (it cannot build the copy)
-    record = plans is not None and not built_now and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+    record = plans is not None and not built_now and not capturing
     with on_device(x2):  # Triton launches on the current device: make it x's (device maps over GPUs)
         with launch_plan.recording() if record else contextlib.nullcontext() as rec:
             out = launch(x2, qweight, scales, zeros, bias, n, k, axis, group_size, bits, transposed, out_dtype,
@@ -223,7 +227,8 @@ def mma_mm(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor, zero
     tensors = (mma_weight, scales, zeros)
     env = read_env()
     plan_key = None
-    if plans is not None and launch_plans_enabled(env):
+    capturing = x2.is_cuda and torch.cuda.is_current_stream_capturing()
+    if plans is not None and launch_plans_enabled(env) and not capturing:
         plan_key = call_key(x2, mma_weight, scales, zeros, bias, group_size, bits, False, None, 1, None, env)
         plan = plans.get(tensors, plan_key)
         if plan is _NOT_MMA:
@@ -232,14 +237,14 @@ def mma_mm(x: torch.Tensor, mma_weight: torch.Tensor, scales: torch.Tensor, zero
             with on_device(x2):
                 return plan(x2).reshape(*x.shape[:-1], n)
     m = x2.shape[0]
-    decision = (mma_decision(m, n, k, group_size, bits, x2.device)
+    decision = (mma_decision(m, n, k, group_size, bits, x2.device, host_bound=not capturing)
                 if triton_usable(x2) and mma_usable(x2, n, k, group_size, bits, 1) else None)
     if decision is None:
         if plan_key is not None:
             plans.put(tensors, plan_key, _NOT_MMA)
         return None
     config, pdl = decision.config, decision.pdl and not built_now
-    record = plan_key is not None and not built_now and not (x2.is_cuda and torch.cuda.is_current_stream_capturing())
+    record = plan_key is not None and not built_now
     with on_device(x2):
         with launch_plan.recording() if record else contextlib.nullcontext() as rec:
             out = launch(x2, None, scales, zeros, bias, n, k, 1, group_size, bits, False, x2.dtype, config,

@@ -68,12 +68,16 @@ class MergedProjections:
             if not merged_path(rows, n, k, first.group_size, first.bits, x.device):
                 return None
         else:
-            key = (rows, x.device, read_env(), table_state())  # (what a launch plan's key holds of them)
+            # (what a launch plan's key holds of them; and whether the call is captured in a CUDA graph: outside
+            # one, every call at decode merges, its host time being the call's time)
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            key = (rows, x.device, read_env(), table_state(), capturing)
             known = self._paths.get(key)
             if known is None:
-                known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device)
+                known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device,
+                                                       host_bound=not capturing)
             if not known:
-                return None  # (a call that runs each layer alone, decided in one lookup: batch-16 gate/up)
+                return None  # (a call that runs each layer alone, decided in one lookup: captured batch-16 gate/up)
         tensors = [m._tensors() for m in members]
         if x.device != tensors[0][0].device:
             return None

@@ -65,3 +65,24 @@ def test_explain_answers_in_one_paragraph(shipped_tables_only, monkeypatch):
     cpu = explain(1, 64, 128, device="cpu", flags=Flags(interpret=True))
     assert cpu.startswith("On Triton's CPU interpreter") and "DeviceProps" not in cpu
     assert DeviceProps("NVIDIA H100 PCIe", (9, 0), 114).key == "nvidia_h100_pcie"
+
+
+def test_an_eager_call_of_few_rows_takes_the_cheaper_launch(shipped_tables_only):
+    """Outside CUDA-graph capture (``host_bound``) a call of at most 16 rows that the table sends to wgmma runs mma
+    (its launch builds no TMA descriptors) and says why; captured, beyond 16 rows, or with a forced config, the
+    decision is the table's."""
+    captured = choose(H200, 16, 14336, 4096, 4, torch.bfloat16)
+    assert captured.path == "wgmma"
+    eager = choose(H200, 16, 14336, 4096, 4, torch.bfloat16, host_bound=True)
+    assert eager.path == "mma" and "not captured in a CUDA graph and M=16" in eager.reason
+    assert choose(H200, 17, 14336, 4096, 4, torch.bfloat16, host_bound=True).path == "wgmma"
+    for m in (1, 8, 16):  # (what already runs mma or the GEMV does not change)
+        for n, k in ((4096, 4096), (6144, 4096)):
+            assert (choose(H200, m, n, k, 4, torch.bfloat16, host_bound=True)
+                    == choose(H200, m, n, k, 4, torch.bfloat16)), (m, n, k)
+    forced = configs.KernelConfig("wgmma", 16, 64, 64, split=2, num_warps=4, num_stages=4)
+    assert choose(H200, 16, 14336, 4096, 4, torch.bfloat16, config=forced, host_bound=True).path == "wgmma"
+    no_mma = choose(H200, 16, 14336, 4096, 4, torch.bfloat16, flags=Flags(mma=False), host_bound=True)
+    assert no_mma.path not in ("mma", "wgmma") and "QUANTPACK_MMA=0" in no_mma.reason
+    assert "warpgroup-MMA" in explain(16, 14336, 4096, device=H200, flags=Flags(), captured=True)
+    assert "tensor-core GEMV" in explain(16, 14336, 4096, device=H200, flags=Flags())

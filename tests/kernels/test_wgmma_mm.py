@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
+from quantpack.kernels.launch_plan import PlanCache
 from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.wgmma_host import (TRACE_EVENTS, balance_last_wave, read_trace, scale_zero_planes, trace_buffer,
                                           wgmma_grid)
@@ -282,31 +283,44 @@ def test_kernel_runs_when_dispatched(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_16_rows_run_the_raw_weights_when_dispatched(monkeypatch):
-    """The shipped tables send 16 rows of x at the two large benchmark shapes to wgmma with RAWQ: the launches are
-    the kernel's with raw weights, and the products match (4096^2 runs `mma` with 8 warps over K, which ties it)."""
+def test_16_rows_run_the_raw_weights_when_captured_and_mma_when_eager(monkeypatch):
+    """The shipped tables send 16 rows of x at the two large benchmark shapes to wgmma with RAWQ: captured in a CUDA
+    graph, the launches are the kernel's with raw weights; eager, the same calls are host-bound and run the mma
+    kernel, whose launch builds no TMA descriptors (4096^2 runs `mma` either way): the eager calls' launch plan is
+    not replayed into the graph. The products match."""
     calls = spy_grids(monkeypatch)
     for n, k in ((14336, 4096), (4096, 14336)):
         pw, w = packed(n, k, 128, torch.bfloat16)
         x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
-        out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128)
-        assert rel_err(out, x.float() @ w.t()) < 8e-3, (n, k)
-    assert [g.rawq for g in calls] == [True] * 2
+        plans = PlanCache()
+
+        def call():
+            return mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, plans=plans)
+
+        for _ in range(2):  # (the second call replays the first one's plan)
+            assert rel_err(call(), x.float() @ w.t()) < 8e-3, (n, k)
+        assert calls == [] and len(plans) == 1, "an eager 16-row call ran wgmma"
+        assert_graph_replays(x, w, call)
+        assert [g.rawq for g in calls] == [True], (n, k)
+        calls.clear()
 
 
 @pytest.mark.gpu
 @needs_hopper
 def test_8bit_batches_run_the_kernel_when_dispatched(monkeypatch):
-    """The shipped table sends 8-bit weights at 16-1024 rows of x to wgmma (4096 x 4096): the launches are the
-    kernel's with 8-bit tiles, and the products match."""
+    """The shipped table sends 8-bit weights at 16-1024 rows of x to wgmma (4096 x 4096; 16 rows where captured in a
+    CUDA graph, since an eager call of 16 rows takes the cheaper launch): the launches are the kernel's with 8-bit
+    tiles, and the products match."""
     pw, w = packed(4096, 4096, 128, torch.bfloat16, bits=8)
     bits = []
     real = launcher_mod.launch_wgmma
     monkeypatch.setattr(launcher_mod, "launch_wgmma", lambda *a, **kw: bits.append(kw["bits"]) or real(*a, **kw))
-    for m in (16, 64, 256, 1024):
+    for m in (64, 256, 1024):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         out = mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, bits=8)
         assert rel_err(out, x.float() @ w.t()) < 8e-3, m
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    assert_graph_replays(x, w, lambda: mm_mod.mixed_mm(x, pw.qweight, pw.scales, pw.zeros, group_size=128, bits=8))
     assert bits == [8] * 4
 
 
