@@ -37,10 +37,10 @@ def counter_slice(device: torch.device, tiles: int) -> torch.Tensor:
     """``tiles`` counters of the device's ring, starting 16-byte aligned (as Triton specializes pointers: a launch
     plan replays a kernel compiled for an aligned slice)."""
     with _counters_lock:
-        state = _counters.get(str(device))
+        state = _counters.get(device)  # (keyed by the device itself: str(device) costs more than the rest of a call)
         if state is None:
             ring = outside_graph_pools(lambda: torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), device)
-            state = _counters[str(device)] = [ring, 0]
+            state = _counters[device] = [ring, 0]
         buf, offset = state
         if offset + tiles > COUNTER_SLOTS:
             offset = 0
@@ -51,7 +51,7 @@ def counter_slice(device: torch.device, tiles: int) -> torch.Tensor:
 def counter_buffer(device: torch.device) -> torch.Tensor:
     """The whole counter ring of ``device`` (all zeros whenever no launch is in flight)."""
     counter_slice(device, 0)
-    return _counters[str(device)][0]
+    return _counters[device][0]
 
 
 

@@ -108,28 +108,32 @@ class QuantLinear(nn.Module):
             raise ValueError(f"backend={self.backend!r}; use 'auto', 'triton' or 'reference'")
         return x.is_cuda and qweight.is_cuda
 
-    def _tensors(self) -> tuple:
+    def _tensors(self, compiling: bool | None = None) -> tuple:
         """``(qweight, scales, zeros, bias)``, read from the buffers dict where they are buffers (as registered) in
         eager calls: an ``nn.Module`` attribute lookup of a buffer costs about 0.5 us on a CPU like CI's, three times
-        that on some GPU hosts, and a decode call needs five. The attribute path while torch.compile traces, and for a
-        tensor that is not a buffer (say, re-registered as a parameter)."""
+        that on some GPU hosts, and a decode call needs five. The attribute path while torch.compile traces
+        (``compiling``, when the caller knows), and for a tensor that is not a buffer (say, re-registered as a
+        parameter)."""
         b = self._buffers
-        if not torch.compiler.is_compiling() and "qweight" in b and "scales" in b and "zeros" in b:
+        if compiling is None:
+            compiling = torch.compiler.is_compiling()
+        if not compiling and "qweight" in b and "scales" in b and "zeros" in b:
             return b["qweight"], b["scales"], b["zeros"], b["bias"] if "bias" in b else self.bias
         return self.qweight, self.scales, self.zeros, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: last dimension {x.shape[-1]} does not match in_features={self.in_features}")
-        qweight, scales, zeros, bias = self._tensors()
+        compiling = torch.compiler.is_compiling()
+        qweight, scales, zeros, bias = self._tensors(compiling)
         if self._use_kernel(x, qweight):
             if self._merged is not None:
-                out = self._merged[0].forward(self._merged[1], x)
+                out = self._merged[0].forward(self._merged[1], x, compiling)
                 if out is not None:
                     return out
             # the custom op while torch.compile traces, the autograd Function when adapters below train (kernels/
             # fused_call.py); else the direct call: the Function's own bookkeeping cost 15-30 us a call on an H200 host
-            if torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+            if compiling or (torch.is_grad_enabled() and x.requires_grad):
                 return MIXED_MM.call(x, qweight, scales, zeros, bias, self.group_size, self.bits, self.axis, False,
                                      self._plans)
             return kernels.mixed_mm(x, qweight, scales, zeros, group_size=self.group_size, bits=self.bits,

@@ -42,9 +42,9 @@ class MergedProjections:
         self._held = None  # (x, its version, each member's columns of the merged output, calls still to come)
         self._paths = {}  # (rows, device, environment) -> whether merged_mm runs such a call (eager calls)
 
-    def forward(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
-        """Member ``index``'s output for ``x`` from a merged product, or ``None``: the member then runs alone."""
-        compiling = torch.compiler.is_compiling()
+    def forward(self, index: int, x: torch.Tensor, compiling: bool) -> torch.Tensor | None:
+        """Member ``index``'s output for ``x`` from a merged product, or ``None``: the member then runs alone.
+        ``compiling``: whether torch.compile is tracing the call."""
         held = self._held
         if held is not None and index != 0:
             if held[0] is x and (compiling or held[1] == tensor_version(x)):
@@ -78,7 +78,7 @@ class MergedProjections:
                                                        host_bound=not capturing)
             if not known:
                 return None  # (a call that runs each layer alone, decided in one lookup: captured batch-16 gate/up)
-        tensors = [m._tensors() for m in members]
+        tensors = [m._tensors(compiling) for m in members]
         if x.device != tensors[0][0].device:
             return None
         args = [list(column) for column in zip(*tensors)]  # qweights, scales, zeros, biases
