@@ -5,7 +5,7 @@ Each module family's calls are timed inclusively with forward hooks (perf_counte
 own cost lands on both models alike. An experiment, not a product benchmark:
 
     python benchmarks/dev/eager_host_breakdown.py --batch 1 --new-tokens 32
-    python benchmarks/dev/eager_host_breakdown.py --ab --batch 16 --rounds 3   # bf16 and quantpack alternately
+    python benchmarks/dev/eager_host_breakdown.py --ab --batch 16 --rounds 5   # bf16 and quantpack alternately
     python benchmarks/dev/eager_host_breakdown.py --ops --batch 16             # torch.profiler's host op table
 """
 from __future__ import annotations
@@ -109,26 +109,40 @@ def measure(model, label, prompt, new_tokens):
     return min(walls) / steps
 
 
-def generate_ms(model, prompt, new_tokens, repeats=3):
-    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+def step_ms(model, prompt, new_tokens) -> list[float]:
+    """The wall time of each decode step of one eager ``generate`` (ms; the prefill excluded), stamped by a
+    stopping criterion, which transformers calls once a step. Steps, not whole calls: this host's Python speed
+    drifts for seconds at a time, and a median over many steps of alternating calls sees through that."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              stopping_criteria=StoppingCriteriaList([Stamp()]))
     with torch.no_grad():
         model.generate(prompt, **kw)
-        best = float("inf")
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            model.generate(prompt, **kw)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-    return best * 1e3 / new_tokens
+    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
 
 
-def kernel_replays(on: bool):
-    from quantpack.kernels import fused_ops
+def host_bound_choice(model, on: bool):
+    """Whether eager calls of at most 16 rows take the path with the cheaper launch (dispatch.HOST_BOUND_MAX_M; 0
+    turns the rule off); drops every cached plan and merge decision so the next calls decide again."""
+    from quantpack.kernels import dispatch, merged_mm
+    from quantpack.modules.linear import QuantLinear
 
-    for r in (fused_ops._RMS_NORM, fused_ops._ROTARY):
-        r.clear()
-        r._direct_known = on
+    dispatch.HOST_BOUND_MAX_M = 16 if on else 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m._plans.clear()
+            if m._merged is not None:
+                m._merged[0]._paths.clear()
+    for state in list(merged_mm._merged.values()):
+        state.plans.clear()
 
 
 def both_models(args):
@@ -149,21 +163,42 @@ def both_models(args):
 
 
 def ab(a, args, prompt):
-    """bf16 and quantpack (fused-op replays on and off) alternately, same process, ms a token."""
+    """bf16 and quantpack (eager calls' host-bound path choice on and off) alternately, same process: each round one
+    generate of each; the median step time of each over all rounds, and the median of the rounds' ratios."""
+    import statistics
+
     from quantpack.modules import fused
 
     model, qmodel = both_models(args)
-    for r in range(a.rounds):
-        fused.remove(qmodel)
-        ref = generate_ms(model, prompt, a.new_tokens)
+    labels = ("bf16", "quantpack", "without the host-bound path choice")
+    steps = {label: [] for label in labels}
+    ratios = {label: [] for label in labels[1:]}
+    for r in range(a.rounds + 1):  # (round 0 warms up: not counted)
+        fused.remove(qmodel)  # (its rotary replaces transformers' function, which bf16 calls too)
+        got = {"bf16": step_ms(model, prompt, a.new_tokens)}
         fused.apply(qmodel)
-        row = [ref]
-        for on in (True, False):
-            kernel_replays(on)
-            row.append(generate_ms(qmodel, prompt, a.new_tokens))
-        kernel_replays(True)
-        print(f"round {r}: bf16 {row[0]:.2f} ms, quantpack {row[1]:.2f} ({row[0] / row[1]:.3f}x), "
-              f"without fused-op replays {row[2]:.2f} ({row[0] / row[2]:.3f}x)", flush=True)
+        for on, label in ((True, labels[1]), (False, labels[2])):
+            host_bound_choice(qmodel, on)
+            step_ms(qmodel, prompt, 4)  # (the first calls after the switch record new plans)
+            got[label] = step_ms(qmodel, prompt, a.new_tokens)
+        host_bound_choice(qmodel, True)
+        if r == 0:
+            continue
+        med = {label: statistics.median(v) for label, v in got.items()}
+        for label in labels:
+            steps[label] += got[label]
+        for label in labels[1:]:
+            ratios[label].append(med["bf16"] / med[label])
+        print(f"round {r}: median step bf16 {med['bf16']:.2f} ms, quantpack {med[labels[1]]:.2f} "
+              f"({ratios[labels[1]][-1]:.3f}x), without the host-bound path choice {med[labels[2]]:.2f} "
+              f"({ratios[labels[2]][-1]:.3f}x)", flush=True)
+    base = statistics.median(steps["bf16"])
+    print(f"batch {a.batch}, {a.rounds} rounds of {a.new_tokens} tokens: median step bf16 eager {base:.2f} ms")
+    for label in labels[1:]:
+        rs = sorted(ratios[label])
+        print(f"  {label}: median step {statistics.median(steps[label]):.2f} ms "
+              f"({base / statistics.median(steps[label]):.3f}x bf16 eager); rounds' ratios median "
+              f"{statistics.median(rs):.3f}x, range {rs[0]:.3f}-{rs[-1]:.3f}")
 
 
 def op_profile(a, args, prompt):
