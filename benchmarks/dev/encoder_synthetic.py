@@ -2,17 +2,19 @@
 
     python benchmarks/dev/encoder_synthetic.py [--configs 4:128] [--runs hqq,gptq:zipf,wrefit:zipf,...]
 
-Each run is ``SOLVER:SOURCE[:OPTION...]``: SOLVER one of ``hqq``, ``gptq`` (quantpack.gptq.gptq_quantize, layers in
-forward order, each with the Hessian of its inputs through the model quantized so far), ``wrefit`` (quantpack's
-``refit`` weighted by the per-input-feature second moments of the layer's inputs on SOURCE, through the source
-model), ``wrefit-seq`` (the same, inputs through the model quantized so far, as a block-streamed conversion sees them); a ``+guard`` suffix on the solver keeps hqq's rounding for a layer where hqq has the lower output error on
-the SOURCE inputs. SOURCE one of ``random`` (uniform ordinary tokens, 128 x 64, as bench_quality),
-``zipf`` (whole-vocabulary tokens from the frequency-ordered part of the WordPiece vocabulary, probability
-~ rank^-a, lengths 8-64, padded with an attention mask), ``text`` (the real calibration text, for reference),
-``mix`` (half random, half zipf). Options: ``a=X`` (Zipf exponent, 1), ``n=N`` (sequences, 128),
-``len=LO-HI`` (body lengths), ``words`` (no ``##`` pieces), ``punct`` (commas and a closing period),
-``damp=X`` (gptq damping). Evaluation as bench_quality: per-layer output error on the held-out documentation
-text (source-model inputs), end-to-end 1 - cos of mean-pooled embeddings, both as ratios to hqq's.
+Each run is ``SOLVER:SOURCE[:OPTION...]``. SOLVER: ``hqq`` (no SOURCE; must come first, the ratios' reference),
+``gptq`` (quantpack.gptq.gptq_quantize, layers in forward order, each with the Hessian of its inputs through the model
+quantized so far), ``wrefit`` (quantpack's ``refit`` weighted by the per-input-feature second moments of each layer's
+inputs on SOURCE through the source model), ``wrefit-seq`` (the same, inputs through the model quantized so far, as a
+block-streamed conversion sees them); a ``+guard`` suffix keeps hqq's rounding for a layer where hqq has the lower
+output error on the SOURCE inputs. SOURCE: ``random`` (uniform ordinary tokens, as bench_quality), ``zipf`` (tokens
+from the frequency-ordered part of the WordPiece vocabulary, from "the" on, probability ~ rank^-a, padded with an
+attention mask), ``mix`` (half each), ``text`` (bench_quality's real calibration text, for reference). OPTIONs:
+``a=X`` (Zipf exponent, 1), ``n=N`` (sequences, 128), ``len=LO-HI`` (body lengths, 8-64), ``words`` (no ``##``
+pieces), ``punct`` (commas and a closing period), ``damp=X`` (gptq damping), ``blend=X`` (wrefit: X times the mean
+moment added to every feature's, a hedge towards the plain weight error), ``seed=N``. Evaluated as bench_quality
+does: per-layer output error on the held-out documentation text (source-model inputs) and 1 - cos of mean-pooled
+embeddings, both as ratios to hqq's. Prints only.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_quality import capture_inputs, encoder_case, fetch_minilm, hessian_error, quantizable  # noqa: E402
+from bench_quality import (capture_inputs, encoder_case, fetch_minilm, hessian_error, quantizable,  # noqa: E402
+                           sentences)
 from train_witness import corpus  # noqa: E402
 
 from quantpack import calibration as calibration_mod  # noqa: E402
@@ -65,7 +68,7 @@ def zipf_batch(tok, vocab_size: int, count: int, lo: int, hi: int, *, a: float, 
 
 
 def parse_options(parts):
-    opts = {"a": 1.0, "n": 128, "len": (8, 64), "words": False, "punct": False, "damp": 0.01, "seed": 0}
+    opts = {"a": 1.0, "n": 128, "len": (8, 64), "words": False, "punct": False, "damp": 0.01, "seed": 0, "blend": 0.0}
     for part in parts:
         key, _, val = part.partition("=")
         if key == "len":
@@ -131,7 +134,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(minilm)
     vocab_size = source.config.vocab_size
-    text_batch = tok(bench_sentences(train[-60000:]), padding=True, truncation=True, max_length=64,
+    text_batch = tok(sentences(train[-60000:], 128), padding=True, truncation=True, max_length=64,
                      return_tensors="pt")
     inputs = capture_inputs(source, run)
 
@@ -151,7 +154,8 @@ def main() -> None:
             r, z = source_batch("random", half), source_batch("zipf", half)
             width = max(r["input_ids"].shape[1], z["input_ids"].shape[1])
             pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
-            return {"input_ids": torch.cat([pad(r["input_ids"], tok.pad_token_id), pad(z["input_ids"], tok.pad_token_id)]),
+            return {"input_ids": torch.cat([pad(r["input_ids"], tok.pad_token_id),
+                                            pad(z["input_ids"], tok.pad_token_id)]),
                     "attention_mask": torch.cat([pad(r["attention_mask"], 0), pad(z["attention_mask"], 0)])}
         raise SystemExit(f"unknown source {name}")
 
@@ -181,8 +185,9 @@ def main() -> None:
                     wq = dequantize(gptq_quantize(w, h, bits=bits, group_size=gs, damp=opts["damp"],
                                                   dtype=torch.bfloat16), torch.float32)
                 elif solver == "wrefit":
+                    m2 = moments[name] + opts["blend"] * moments[name].mean()
                     wq = dequantize(quantize(w, bits=bits, group_size=gs, method="refit", dtype=torch.bfloat16,
-                                             input_weights=moments[name]), torch.float32)
+                                             input_weights=m2), torch.float32)
                 elif solver == "wrefit-seq":  # moments of the inputs through the model quantized so far
                     h = masked_hessian(model, lin, batch)
                     wq = dequantize(quantize(w, bits=bits, group_size=gs, method="refit", dtype=torch.bfloat16,
@@ -208,12 +213,6 @@ def main() -> None:
                   f"(x{m['one_minus_cos'] / base[0]['one_minus_cos']:.2f} hqq)  mean layer "
                   f"{sum(errors.values()) / len(errors):.4f}  worst x{ratios[worst]:.3f} ({worst})"
                   + (f"  guarded {guarded}" if guard else ""), flush=True)
-
-
-def bench_sentences(text: str) -> list[str]:
-    from bench_quality import sentences
-
-    return sentences(text, 128)
 
 
 if __name__ == "__main__":
