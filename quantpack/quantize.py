@@ -63,8 +63,10 @@ def _meta_layout(v: torch.Tensor, shape, group_size: int, axis: int) -> torch.Te
 
 @torch.no_grad()
 def refit(wg: torch.Tensor, qmax: int, starts, *, floor: torch.Tensor, dtype: torch.dtype = torch.float32,
-          iters: int = REFIT_ITERS, shrink=REFIT_SHRINK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero per group (row of ``wg``) minimising ``||w - scale * (q - zero)||^2``.
+          iters: int = REFIT_ITERS, shrink=REFIT_SHRINK,
+          weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero per group (row of ``wg``) minimising ``||w - scale * (q - zero)||^2``, or with
+    ``weights`` (positive, shaped like ``wg``) ``sum(weights * (w - scale * (q - zero))^2)``.
 
     Lloyd-style: the codes by rounding, then (scale, zero) by least squares on those codes (a
     line fit of ``w`` against ``q``), repeated; each group keeps the best pair seen. Run from each of
@@ -85,11 +87,13 @@ def refit(wg: torch.Tensor, qmax: int, starts, *, floor: torch.Tensor, dtype: to
         s = stored(torch.maximum((wmax - wmin) * f / qmax, floor))
         candidates.append((s, stored(qmax / 2 - mid / s)))
     n = wg.shape[1]
+    # weights normalized to mean 1 per group: the fit's floor on the code variance keeps its meaning
+    wt = torch.ones_like(wg) if weights is None else weights / weights.mean(1, keepdim=True)
     best_e = best_s = best_z = None
     for s, z in candidates:
         for step in range(iters + 1):
             q = torch.round(wg / s + z).clamp_(0, qmax)
-            e = (wg - s * (q - z)).square_().sum(1, keepdim=True)
+            e = (wg - s * (q - z)).square_().mul_(wt).sum(1, keepdim=True)
             if best_e is None:
                 best_e, best_s, best_z = e, s, z
             else:
@@ -98,25 +102,44 @@ def refit(wg: torch.Tensor, qmax: int, starts, *, floor: torch.Tensor, dtype: to
                                           torch.where(better, z, best_z))
             if step == iters:
                 break
-            mq = q.mean(1, keepdim=True)
-            mw = wg.mean(1, keepdim=True)
+            mq = (wt * q).mean(1, keepdim=True)
+            mw = (wt * wg).mean(1, keepdim=True)
             dq = q - mq
-            var = dq.square().sum(1, keepdim=True)
-            a = (dq * wg).sum(1, keepdim=True) / var.clamp_min(1.0 / n)
+            var = (wt * dq.square()).sum(1, keepdim=True)
+            a = (wt * dq * wg).sum(1, keepdim=True) / var.clamp_min(1.0 / n)
             ok = (var > 0) & (a >= floor)  # a flat code group keeps its scale; never below the floor
             s = torch.where(ok, stored(a), s)
             z = torch.where(ok, stored(mq - mw / s), z)  # w = s q + b, b = mw - s mq = -s z: the zero for the stored s
     return 1 / best_s, best_z
 
 
+def _check_input_weights(v, shape, method: str, axis: int) -> None:
+    if method != "refit":
+        raise ValueError(f"input_weights: used by method='refit' only, not method={method!r}; drop input_weights "
+                         f"or pass method='refit'")
+    if axis != 1:
+        raise ValueError("input_weights: weigh input features, which needs groups along them; use axis=1")
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point() or tuple(v.shape) != (shape[1],):
+        got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+        raise ValueError(f"input_weights: expected a float tensor of shape ({shape[1]},), one weight per input "
+                         f"feature, got {got}")
+    if not bool(torch.isfinite(v).all()) or bool((v < 0).any()) or not bool((v > 0).any()):
+        raise ValueError("input_weights: must be finite, non-negative and not all zero (second moments of the "
+                         "layer's inputs)")
+
+
 @torch.no_grad()
 def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 128, axis: int = 1,
-             method: str = "hqq", dtype: torch.dtype | None = None) -> PackedWeight:
+             method: str = "hqq", dtype: torch.dtype | None = None,
+             input_weights: torch.Tensor | None = None) -> PackedWeight:
     """Quantize a (N, K) linear weight and return it packed (see :mod:`quantpack.format`).
 
     ``dtype`` is the dtype of scales/zeros (the compute dtype): float16 or bfloat16, or float32
     when asked for. Default: the weight's dtype for float16/bfloat16 weights, bfloat16 for float32.
     ``group_size=None`` quantizes per channel (one group spanning the grouped axis).
+    ``input_weights`` (``refit`` only, axis 1): a positive weight per input feature (K,), e.g. the second
+    moments of the layer's inputs, so that ``refit`` minimizes the output error those inputs would see
+    (its diagonal part) instead of the plain weight error.
     """
     _check_weight(weight)
     if method not in METHODS:
@@ -127,6 +150,8 @@ def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 12
     shape = tuple(weight.shape)
     group_size = resolve_group_size(group_size, shape, axis)
     check_layout_args(shape, bits, group_size, axis)
+    if input_weights is not None:
+        _check_input_weights(input_weights, shape, method, axis)
 
     qmax = (1 << bits) - 1
     wg = grouped(weight.float(), group_size, axis)
@@ -153,7 +178,13 @@ def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 12
                                                         min_max=[0, qmax], axis=1, device=wg.device)
         inv_scale, zero = inv_scale.float(), zero.float()
         if method == "refit":
-            inv_scale, zero = refit(wg, qmax, [start, (inv_scale, zero)], floor=min_scale, dtype=dtype)
+            wts = None
+            if input_weights is not None:
+                # a tiny floor: a feature never seen active still gets rounded sensibly
+                v = input_weights.to(wg.device, torch.float32)
+                v = v + 1e-6 * float(v.mean()) + 1e-30
+                wts = grouped(v.expand(shape[0], -1), group_size, axis)
+            inv_scale, zero = refit(wg, qmax, [start, (inv_scale, zero)], floor=min_scale, dtype=dtype, weights=wts)
     # Round scale/zero to the storage dtype first, then pick q against the stored values, so the
     # integers are optimal for what the kernel will actually see.
     scale = (1.0 / inv_scale).to(dtype)

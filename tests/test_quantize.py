@@ -63,6 +63,48 @@ def test_refit_lowers_hqqs_error_in_every_group(axis, bits):
     assert float(err["refit"].sum()) < (0.95 if bits == 4 else 0.99) * float(err["hqq"].sum())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_refit_weighted_by_input_moments_lowers_the_weighted_error(bits):
+    """With per-input-feature weights (activation second moments), refit minimizes the error those inputs see:
+    below hqq's and the unweighted refit's weighted error overall, and never above hqq's in a group."""
+    from quantpack.quantize import grouped
+
+    w = _weight(64, 256, seed=5)
+    g = torch.Generator().manual_seed(6)
+    moments = torch.rand(256, generator=g).pow(4) * 10 + 1e-3  # a few busy features, as real activations have
+    deq = {m: dequantize(quantize(w, bits=bits, group_size=64, method=m, dtype=torch.float32))
+           for m in ("hqq", "refit")}
+    deq["weighted"] = dequantize(quantize(w, bits=bits, group_size=64, method="refit", dtype=torch.float32,
+                                          input_weights=moments))
+    err = {m: grouped((d - w).square() * moments, 64, 1).sum(1) for m, d in deq.items()}
+    assert bool((err["weighted"] <= err["hqq"] * (1 + 1e-5)).all())
+    assert float(err["weighted"].sum()) < 0.95 * min(float(err["hqq"].sum()), float(err["refit"].sum()))
+
+
+def test_refit_with_uniform_input_weights_is_plain_refit():
+    w = _weight(32, 128, seed=8)
+    plain = quantize(w, bits=4, group_size=64, method="refit")
+    uniform = quantize(w, bits=4, group_size=64, method="refit", input_weights=torch.full((128,), 3.0))
+    assert torch.equal(plain.qweight, uniform.qweight)
+    assert torch.equal(plain.scales, uniform.scales) and torch.equal(plain.zeros, uniform.zeros)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "hqq", "input_weights": torch.ones(128)}, "used by method='refit' only"),
+    ({"method": "refit", "axis": 0, "input_weights": torch.ones(128)}, "use axis=1"),
+    ({"method": "refit", "input_weights": torch.ones(64)}, "shape (128,)"),
+    ({"method": "refit", "input_weights": torch.ones(128, dtype=torch.long)}, "shape (128,)"),
+    ({"method": "refit", "input_weights": [1.0] * 128}, "got list"),
+    ({"method": "refit", "input_weights": torch.zeros(128)}, "not all zero"),
+    ({"method": "refit", "input_weights": torch.full((128,), -1.0)}, "non-negative"),
+    ({"method": "refit", "input_weights": torch.full((128,), float("nan"))}, "finite"),
+])
+def test_input_weights_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        quantize(_weight(64, 128), bits=4, group_size=64, **kwargs)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("method", ["hqq", "rtn", "refit"])
 @pytest.mark.parametrize("axis", [0, 1])
 def test_reconstruction_is_exact_on_the_grid(method, axis):
