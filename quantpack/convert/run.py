@@ -53,7 +53,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     LM samples itself at the start, see :mod:`quantpack.calibration`) for ``method="gptq"``
     (implied): GPTQ's error-compensating rounding on hqq's group parameters, with the Hessians of each decoder
     block's inputs on that text, one block at a time (see :mod:`quantpack.gptq`); ``calibration_length``:
-    tokens per calibration sequence (default 512, at most the model's context).
+    tokens per calibration sequence (default 512, at most the model's context). ``"self"`` on a model that is not
+    a causal LM (an encoder), with ``method`` left out: ``refit`` of the 4-bit layers weighted by the second moments
+    of their inputs on token sequences sampled from the vocabulary (8-bit layers: hqq; see
+    :func:`quantpack.calibration.zipf_token_sequences`); ``calibration_length`` caps those sequences.
     ``trust_remote_code``: let transformers run the Python code the checkpoint ships for its config and
     model (``auto_map``); off by default, so such a checkpoint is refused and nothing ever prompts.
     Raises ``ValueError`` (:class:`~quantpack.checkpoint.CheckpointError` for checkpoint and disk
