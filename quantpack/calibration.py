@@ -9,10 +9,17 @@ the model's own data, a few hundred thousand tokens or more.
 random first token; LLM-QAT's data-free generation), once, at the start of the conversion, on the
 conversion device. Generating holds the whole model there (an 8B model in bfloat16: 16 GB, plus the
 KV cache of :data:`SELF_BATCH` sequences); the block-streamed quantizing that follows does not.
+
+For a model that is not a causal LM (a BERT-style encoder), ``self`` samples token sequences from the
+vocabulary instead (:func:`zipf_token_sequences`: WordPiece vocabularies list their words in frequency
+order), runs them once through the whole model in float32, and weighs ``refit`` by each layer's
+per-input-feature second moments on them (:func:`self_input_moments`).
 """
 from __future__ import annotations
 
 import hashlib
+import inspect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +32,11 @@ DEFAULT_MAX_SEQUENCES = 128  # more sequences add little to a 4096-wide Hessian 
 SELF = "self"  # --calibration self: text the model writes itself
 SELF_SEED = 0
 SELF_BATCH = 32  # sequences generated together: bounds the KV cache (an 8B Llama: 2 GiB at 512 tokens)
+# encoders: body lengths (between [CLS] and [SEP]) and the Zipf exponent of the sampled vocabulary; measured on
+# all-MiniLM-L6-v2 (BENCHMARKS.md), longer bodies and a flatter exponent change little
+ENCODER_BODY_LENGTHS = (8, 64)
+ENCODER_ZIPF_EXPONENT = 1.0
+_UNUSED_TOKEN = re.compile(r"^[\[<]unused\d+[\]>]$")  # BERT's [unused0]..., Gemma's <unused0>...
 
 
 @dataclass(frozen=True)
@@ -219,3 +231,125 @@ def self_calibration_tokens(model_class, path: Path, tokenizer, vocab_size: int,
     except torch.OutOfMemoryError:
         raise ValueError(f"calibration: self: the whole model does not fit in {device}'s memory to write its own "
                          f"calibration text; pass --calibration FILE (quantized one block at a time)") from None
+
+
+# -- encoders (``--calibration self`` on a model that is not a causal LM): sampled vocabulary, second moments
+
+
+def zipf_token_sequences(tokenizer, vocab_size: int, count: int = DEFAULT_MAX_SEQUENCES,
+                         lengths: tuple[int, int] = ENCODER_BODY_LENGTHS, *, a: float = ENCODER_ZIPF_EXPONENT,
+                         seed: int = SELF_SEED, words: bool = False, punct: bool = False) -> dict[str, torch.Tensor]:
+    """``count`` sequences ``[CLS] body [SEP] [PAD]...`` as ``input_ids`` and ``attention_mask`` (padding masked
+    out), body lengths uniform in ``lengths`` (inclusive), body tokens drawn with probability ~ rank^-``a`` from
+    the ordinary tokens (no special or ``[unused]`` ones) from ``"the"`` on, where the vocabulary has it (a
+    WordPiece vocabulary lists its words in frequency order from there; else from its first ordinary token).
+    The tokenizer's CLS (else BOS) leads and its SEP (else EOS) closes each sequence. ``words``: no ``##``
+    continuation pieces; ``punct``: some commas and a closing period. Deterministic for a seed.
+
+    A one-line ``ValueError`` when the vocabulary has no ordinary token to draw from."""
+    vocab = tokenizer.get_vocab()
+    ids = ordinary_token_ids(tokenizer, vocab_size)
+    inv = {v: k for k, v in vocab.items()}
+    start = vocab.get("the", 0)
+    keep = [i for i in ids.tolist() if i >= start and not _UNUSED_TOKEN.match(inv.get(i, ""))
+            and not (words and inv.get(i, "").startswith("##"))]
+    if not keep:
+        raise ValueError(f"calibration: self: the tokenizer ({type(tokenizer).__name__}) has no ordinary token below "
+                         f"the model's vocab_size={vocab_size} to sample inputs from; use --method hqq")
+    ids = torch.tensor(keep)
+    lead = next((t for t in (tokenizer.cls_token_id, tokenizer.bos_token_id) if t is not None), None)
+    tail = next((t for t in (tokenizer.sep_token_id, tokenizer.eos_token_id) if t is not None), None)
+    pad = next((t for t in (tokenizer.pad_token_id, tail, int(ids[0])) if t is not None))
+    lo, hi = lengths
+    p = torch.arange(1, len(ids) + 1, dtype=torch.float64).pow(-a)
+    gen = torch.Generator().manual_seed(seed)
+    body_lengths = torch.randint(lo, hi + 1, (count,), generator=gen)
+    ends = (lead is not None) + (tail is not None)
+    width = int(body_lengths.max()) + ends
+    input_ids = torch.full((count, width), pad, dtype=torch.long)
+    mask = torch.zeros((count, width), dtype=torch.long)
+    comma, period = vocab.get(","), vocab.get(".")
+    for i, n in enumerate(body_lengths.tolist()):
+        body = ids[torch.multinomial(p, n, replacement=True, generator=gen)]
+        if punct and comma is not None and period is not None:
+            commas = torch.rand(n, generator=gen) < 0.06
+            body = torch.where(commas, torch.tensor(comma), body)
+            body[-1] = period
+        row = ([lead] if lead is not None else []) + body.tolist() + ([tail] if tail is not None else [])
+        input_ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask}
+
+
+def encoder_body_lengths(config, requested: int | None) -> tuple[int, int]:
+    """Body lengths for :func:`zipf_token_sequences`: :data:`ENCODER_BODY_LENGTHS`, or up to ``requested`` tokens
+    per sequence (``--calibration-length``), both within the model's ``max_position_embeddings`` ([CLS] and [SEP]
+    included)."""
+    lo, hi = ENCODER_BODY_LENGTHS
+    if requested is not None:
+        hi = sequence_length(config, requested) - 2
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and limit > 2:
+        hi = min(hi, limit - 2)
+    if hi < 1:
+        raise ValueError(f"calibration_length={requested!r} leaves no room between [CLS] and [SEP]; pass at least 3")
+    return min(lo, hi), hi
+
+
+@torch.no_grad()
+def input_second_moments(model, names, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One forward of ``batch`` through ``model``: for each linear module in ``names``, the mean over the unpadded
+    tokens of its inputs' squares per input feature (K,), in float32 on the CPU. A layer the forward never calls
+    has none."""
+    keep = batch["attention_mask"].bool()
+    sums: dict[str, list] = {}
+
+    def hook(name):
+        def record(module, args):
+            x = args[0]
+            # a layer fed one row per sequence (a pooler's [CLS] token) has no padding to drop
+            x = x[keep] if tuple(x.shape[:-1]) == tuple(keep.shape) else x.reshape(-1, x.shape[-1])
+            x = x.float()
+            got = sums.setdefault(name, [0.0, 0])
+            got[0] = got[0] + x.square().sum(0)
+            got[1] += x.shape[0]
+        return record
+
+    handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (total / max(rows, 1)).cpu() for n, (total, rows) in sums.items()}
+
+
+def self_input_moments(model_class, path: Path, names, batch: dict[str, torch.Tensor], *, device,
+                       trust_remote_code: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`input_second_moments` of the model stored at ``path`` (built as ``model_class``), loaded whole on
+    ``device`` in float32 and freed before returning. A one-line ``ValueError`` when it does not fit the device
+    or its forward does not take token ids and an attention mask."""
+    from .tiny import quiet_transformers
+
+    device = torch.device(device)
+    params = inspect.signature(model_class.forward).parameters
+    if not {"input_ids", "attention_mask"} <= set(params):
+        raise ValueError(f"calibration: self: {model_class.__name__} does not take token ids and an attention mask; "
+                         f"use --method hqq")
+    try:
+        with quiet_transformers():
+            model = model_class.from_pretrained(path, dtype=torch.float32, device_map={"": device},
+                                                trust_remote_code=trust_remote_code).eval()
+        try:
+            return input_second_moments(model, names, {k: v.to(device) for k, v in batch.items()})
+        finally:
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except torch.OutOfMemoryError:
+        raise ValueError(f"calibration: self: the whole model does not fit in {device}'s memory (float32) to measure "
+                         f"its own activations; use --method hqq") from None
+    except (TypeError, ValueError, IndexError, RuntimeError) as e:
+        first = " ".join(str(e).split())[:120]
+        raise ValueError(f"calibration: self: cannot run sampled tokens through {model_class.__name__} "
+                         f"({type(e).__name__}: {first}); use --method hqq") from None

@@ -48,9 +48,10 @@ def convert_command(source: str, revision: str | None, settings: dict) -> str:
         args += ["--scheme", "w8a8"]
     else:
         group = "none" if settings["group_size"] is None else str(settings["group_size"])
-        args += ["--bits", str(settings["bits"]), "--group-size", group, "--axis", str(settings["axis"]),
-                 "--method", settings["method"]]
         calibration = settings.get("calibration") or {}
+        args += ["--bits", str(settings["bits"]), "--group-size", group, "--axis", str(settings["axis"])]
+        if not calibration.get("sampler"):  # an encoder's refit comes from --calibration self alone
+            args += ["--method", settings["method"]]
         if calibration.get("self") or calibration.get("builtin"):  # a user's file cannot be named here
             args += ["--calibration", "self" if calibration.get("self") else "builtin"]
         for pattern, bits in settings.get("bits_for", {}).items():

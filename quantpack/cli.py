@@ -128,10 +128,14 @@ class GroupSize(click.ParamType):
                    "block at a time (same format).")
 @click.option("--calibration", metavar="FILE|self|builtin", help="UTF-8 text to calibrate on (implies --method "
               "gptq): text like the model's own data, ideally 100k+ tokens; 'self': no text needed, a causal LM "
-              "samples its own (128 sequences, on --device, holding the whole model there while it writes); "
+              "samples its own (128 sequences, on --device, holding the whole model there while it writes); on an "
+              "encoder (not a causal LM), 'self' runs 128 token sequences sampled from its vocabulary through it "
+              "once (float32, on --device) and refits the 4-bit layers weighted by their inputs' second moments "
+              "(8-bit layers: hqq); "
               "'builtin': a short shipped passage, for a quick try.")
 @click.option("--calibration-length", type=click.IntRange(min=2), metavar="N",
-              help="Tokens per calibration sequence [default: 512, at most the model's context].")
+              help="Tokens per calibration sequence [default: 512, at most the model's context; an encoder's "
+                   "'self': sequences of 10 to 66 tokens, this caps them].")
 @click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
               help="w4a16/w8a16: weight-only (the default, by --bits). w8a8: int8 weights, one scale per output "
                    "channel, and int8 activations at run time (int8 tensor cores); --group-size, --axis, --method "
@@ -173,7 +177,7 @@ def convert_command(source, output, bits, group_size, axis, method, calibration,
       quantpack convert ./my-model --bits 8 --group-size none --dry-run
       quantpack convert ./my-model --scheme w8a8
       quantpack convert ./my-model --calibration my-text.txt     # GPTQ, calibrated
-      quantpack convert ./my-model --calibration self            # GPTQ on text the model writes
+      quantpack convert ./my-model --calibration self            # GPTQ on text the model writes (an encoder: weighted refit)
     """
     import json
 

@@ -155,9 +155,10 @@ class _Hessian:
 # -- the model, one block at a time
 
 
-def decoder_blocks(model: nn.Module, config) -> tuple[str, nn.ModuleList]:
+def decoder_blocks(model: nn.Module, config, advice: str = "use --method hqq or sinq") -> tuple[str, nn.ModuleList]:
     """The path and list of ``model``'s decoder blocks (the first ``nn.ModuleList`` with one entry per
-    hidden layer); a one-line ``ValueError`` for a model that is not a decoder-only stack of blocks."""
+    hidden layer); a one-line ``ValueError`` (ending with ``advice``) for a model that is not a decoder-only
+    stack of blocks."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -165,7 +166,7 @@ def decoder_blocks(model: nn.Module, config) -> tuple[str, nn.ModuleList]:
     layers = getattr(text, "num_hidden_layers", None)
     refuse = ValueError(f"method='gptq' calibrates decoder-only causal LMs whose blocks are a list of layers "
                         f"(Llama, Qwen2, Mistral, Gemma, Phi3, ...); {model_type or type(model).__name__} "
-                        f"({type(model).__name__}) is not one: use --method hqq or sinq")
+                        f"({type(model).__name__}) is not one: {advice}")
     if (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) != type(model).__name__
             or getattr(config, "is_encoder_decoder", False) or not layers):
         raise refuse

@@ -156,7 +156,8 @@ def assert_stored_layer_matches_float_product(packed: Path, layer: str) -> None:
     t = stored_tensors(packed)
     scales = t[f"{layer}.scales"]
     k = scales.shape[0] * qc["group_size"]
-    pw = PackedWeight(t[f"{layer}.qweight"], scales, t[f"{layer}.zeros"], qc["bits"], qc["group_size"], 1,
+    bits = (qc.get("bits_overrides") or {}).get(layer, qc["bits"])
+    pw = PackedWeight(t[f"{layer}.qweight"], scales, t[f"{layer}.zeros"], bits, qc["group_size"], 1,
                       (scales.shape[1], k)).to(dev)
     w = reference.dequantize(pw, torch.float32)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(0)).to(scales.dtype).to(dev)

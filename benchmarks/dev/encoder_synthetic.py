@@ -36,37 +36,6 @@ from quantpack.quantize import quantize  # noqa: E402
 from quantpack.reference import dequantize  # noqa: E402
 
 
-def zipf_batch(tok, vocab_size: int, count: int, lo: int, hi: int, *, a: float, seed: int, words: bool,
-               punct: bool) -> dict[str, torch.Tensor]:
-    """``count`` sequences [CLS] body [SEP] [PAD]..., body lengths uniform in [lo, hi], tokens from the
-    frequency-ordered part of the vocabulary (from "the" on) with probability ~ (rank)^-a."""
-    vocab = tok.get_vocab()
-    start = vocab["the"]
-    inv = {v: k for k, v in vocab.items()}
-    ids = torch.arange(start, min(vocab_size, len(tok)))
-    if words:
-        ids = torch.tensor([i for i in ids.tolist() if not inv[i].startswith("##")])
-    rank = torch.arange(1, len(ids) + 1, dtype=torch.float64)
-    p = rank.pow(-a)
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(lo, hi + 1, (count,), generator=gen)
-    width = int(lengths.max()) + 2
-    input_ids = torch.full((count, width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((count, width), dtype=torch.long)
-    comma, period = vocab[","], vocab["."]
-    for i, n in enumerate(lengths.tolist()):
-        body = ids[torch.multinomial(p, n, replacement=True, generator=gen)]
-        if punct:
-            commas = torch.rand(n, generator=gen) < 0.06
-            body = torch.where(commas, torch.tensor(comma), body)
-            body[-1] = period
-        input_ids[i, 0] = tok.cls_token_id
-        input_ids[i, 1:n + 1] = body
-        input_ids[i, n + 1] = tok.sep_token_id
-        mask[i, : n + 2] = 1
-    return {"input_ids": input_ids, "attention_mask": mask}
-
-
 def parse_options(parts):
     opts = {"a": 1.0, "n": 128, "len": (8, 64), "words": False, "punct": False, "damp": 0.01, "seed": 0, "blend": 0.0}
     for part in parts:
@@ -107,19 +76,6 @@ def masked_hessian(model, lin, batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def second_moments(model, batch) -> dict[str, torch.Tensor]:
-    got, hooks = {}, []
-    keep = batch["attention_mask"].bool()
-    for name, lin in quantizable(model).items():
-        hooks.append(lin.register_forward_pre_hook(
-            lambda mod, args, name=name: got.__setitem__(name, args[0][keep].float().square().mean(0))))
-    model(**batch)
-    for h in hooks:
-        h.remove()
-    return got
-
-
-@torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minilm", type=Path)
@@ -147,8 +103,8 @@ def main() -> None:
                                                        lead=tok.cls_token_id, tail=tok.sep_token_id)
             return {"input_ids": r, "attention_mask": torch.ones_like(r)}
         if name == "zipf":
-            return zipf_batch(tok, vocab_size, opts["n"], *opts["len"], a=opts["a"], seed=opts["seed"],
-                              words=opts["words"], punct=opts["punct"])
+            return calibration_mod.zipf_token_sequences(tok, vocab_size, opts["n"], opts["len"], a=opts["a"],
+                                                        seed=opts["seed"], words=opts["words"], punct=opts["punct"])
         if name == "mix":
             half = dict(opts, n=opts["n"] // 2)
             r, z = source_batch("random", half), source_batch("zipf", half)
@@ -170,7 +126,8 @@ def main() -> None:
             opts = parse_options(rest[1:])
             model = copy.deepcopy(source)
             batch = source_batch(src, opts) if src else None
-            moments = second_moments(source, batch) if solver == "wrefit" else None
+            moments = (calibration_mod.input_second_moments(source, list(quantizable(source)), batch)
+                       if solver == "wrefit" else None)
             errors, guarded = {}, 0
             for name, lin in quantizable(model).items():
                 w = lin.weight.float()

@@ -131,13 +131,16 @@ class Arguments:
     shard_limit: int
     device: torch.device
     calibration: CalibrationText | SelfCalibration | None = None
+    method_given: bool = True  # False where calibration implied it (an encoder then gets refit, not gptq)
 
 
 def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bits_for, max_shard_size,
                     calibration=None) -> Arguments:
     """Check and resolve the conversion settings, cheapest checks first; a ValueError with a one-line message.
 
-    ``calibration`` (a text file's path, ``"builtin"`` or ``"self"``) implies ``method="gptq"``, which needs it."""
+    ``calibration`` (a text file's path, ``"builtin"`` or ``"self"``) implies ``method="gptq"``, which needs it
+    (``"self"`` on a model that is not a causal LM: ``refit``, decided once the model is known)."""
+    method_given = method is not None
     if calibration is not None:
         if scheme == "w8a8":
             raise ValueError("calibration does not apply to scheme='w8a8' (symmetric absmax rounding); drop "
@@ -166,4 +169,5 @@ def check_arguments(*, bits, group_size, axis, method, scheme, device, skip, bit
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
     return Arguments(scheme, bits, group_size, axis, method, skip, [compile_pattern(p, "skip") for p in skip],
                      parse_bits_for((bits_for,) if isinstance(bits_for, str) else bits_for), parse_size(max_shard_size),
-                     resolve_device(device), None if calibration is None else read_calibration(calibration))
+                     resolve_device(device), None if calibration is None else read_calibration(calibration),
+                     method_given)

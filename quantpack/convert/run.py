@@ -53,7 +53,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     LM samples itself at the start, see :mod:`quantpack.calibration`) for ``method="gptq"``
     (implied): GPTQ's error-compensating rounding on hqq's group parameters, with the Hessians of each decoder
     block's inputs on that text, one block at a time (see :mod:`quantpack.gptq`); ``calibration_length``:
-    tokens per calibration sequence (default 512, at most the model's context).
+    tokens per calibration sequence (default 512, at most the model's context). ``"self"`` on a model that is not
+    a causal LM (an encoder), with ``method`` left out: ``refit`` of the 4-bit layers weighted by the second moments
+    of their inputs on token sequences sampled from the vocabulary (8-bit layers: hqq; see
+    :func:`quantpack.calibration.zipf_token_sequences`); ``calibration_length`` caps those sequences.
     ``trust_remote_code``: let transformers run the Python code the checkpoint ships for its config and
     model (``auto_map``); off by default, so such a checkpoint is refused and nothing ever prompts.
     Raises ``ValueError`` (:class:`~quantpack.checkpoint.CheckpointError` for checkpoint and disk
@@ -124,10 +127,29 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                     summary.warnings.append(message)
         if not quant_plan:
             raise ValueError(nothing_to_quantize(summary.layers, bits, group_size, axis))
+        encoder_batch = None  # --calibration self on a model that is not a causal LM: its sampled inputs
         if method == "gptq":  # refused or tokenized before anything is written
             from .. import calibration as cal
-            from ..gptq import check_model
+            from ..gptq import check_model, decoder_blocks
 
+            own = isinstance(args.calibration, cal.SelfCalibration) and not args.method_given
+            try:
+                decoder_blocks(model, config, advice=(
+                    "for an encoder, pass --calibration self without --method (refit weighted by its own "
+                    "activations), or --method hqq"))
+            except ValueError:
+                if not own:
+                    raise
+                method = settings["method"] = summary.settings["method"] = "refit"
+            if method == "refit":
+                encoder_batch = _encoder_inputs(config, quant_plan, quantized_experts, resolved.path,
+                                                calibration_length, trust_remote_code, args.calibration.seed)
+                settings["calibration"] = summary.settings["calibration"] = {
+                    "self": True, "seed": args.calibration.seed, "sampler": "zipf",
+                    "tokens": int(encoder_batch["attention_mask"].sum()),
+                    "sequences": encoder_batch["input_ids"].shape[0],
+                    "sequence_length": encoder_batch["input_ids"].shape[1]}
+        if method == "gptq":
             check_model(model, config, quant_plan, quantized_experts)
             tokenizer = cal.load_tokenizer(resolved.path, trust_remote_code)
             length = cal.sequence_length(config, calibration_length)
@@ -252,10 +274,22 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             precomputed = quantize_blocks(type(model), config, lambda n: src.get(source_of[n]), quant_plan, tokens,
                                           store=partial / GPTQ_STORE, dtype=out_dtype, device=dev, progress=progress)
             summary.timings["calibrate"] = time.perf_counter() - t_cal
+        input_weights = None
+        if encoder_batch is not None and len(done) < len(names):  # recomputed on resume: deterministic, one forward
+            t_cal = time.perf_counter()
+            try:
+                input_weights = cal.self_input_moments(
+                    type(model), resolved.path, [n for n, layer in quant_plan.items() if layer.bits == 4],
+                    encoder_batch, device=dev, trust_remote_code=trust_remote_code)
+            except ValueError:  # nothing of this run to keep
+                if created:
+                    shutil.rmtree(partial, ignore_errors=True)
+                raise
+            summary.timings["calibrate"] = time.perf_counter() - t_cal
         try:
             write_shards(src, shards, names, partial, done, fingerprint, scheme, axis,
-                         "hqq" if method in ("sinq", "gptq") else method, dev, out_dtype, progress, summary, rescale,
-                         precomputed)
+                         "hqq" if method in ("sinq", "gptq") or encoder_batch is not None else method, dev, out_dtype,
+                         progress, summary, rescale, precomputed, input_weights)
             shutil.rmtree(partial / GPTQ_STORE, ignore_errors=True)
             t_finish = time.perf_counter()
             # -- the small files, then the manifest last
@@ -307,3 +341,26 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     finally:
         held.close()
         src.close()
+
+
+def _encoder_inputs(config, quant_plan: dict, expert_blocks, path: Path, calibration_length: int | None,
+                    trust_remote_code: bool, seed: int) -> dict[str, torch.Tensor]:
+    """``--calibration self`` on a model that is not a causal LM: the token sequences sampled from its vocabulary
+    (see :func:`quantpack.calibration.zipf_token_sequences`), after refusing, with one line, what it cannot
+    calibrate."""
+    from .. import calibration as cal
+
+    if expert_blocks:
+        raise ValueError(f"calibration: self does not calibrate mixture-of-experts blocks yet ({expert_blocks[0]}); "
+                         f"use --method hqq")
+    if not any(layer.bits == 4 for layer in quant_plan.values()):
+        raise ValueError("calibration: self refits the 4-bit layers of an encoder (8-bit ones keep hqq, which "
+                         "measured better there) and none is 4-bit; drop --calibration")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab_size = getattr(text, "vocab_size", None)
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"calibration: self samples token ids but {type(config).__name__} has no vocab_size (not a "
+                         f"text model?); use --method hqq")
+    tokenizer = cal.load_tokenizer(path, trust_remote_code)
+    return cal.zipf_token_sequences(tokenizer, vocab_size, lengths=cal.encoder_body_lengths(text, calibration_length),
+                                    seed=seed)

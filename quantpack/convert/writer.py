@@ -16,10 +16,11 @@ from .summary import LayerResult
 
 
 def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, method, dev, out_dtype, progress,
-                 summary, rescale=None, precomputed=None):
+                 summary, rescale=None, precomputed=None, input_weights=None):
     """``rescale``: {source tensor: (row, column factors)} applied before quantizing or copying;
     ``precomputed``: {module: safetensors file holding its packed tensors} (calibrated layers), written as
-    they are instead of quantizing."""
+    they are instead of quantizing; ``input_weights``: {module: per-input-feature weights (K,)}, those layers
+    quantized with ``refit`` weighted by them (the others with ``method``)."""
     from tqdm.auto import tqdm
 
     todo_bytes = sum(src.info(u.source).nbytes for i, s in enumerate(shards) if names[i] not in done for u in s)
@@ -65,6 +66,8 @@ def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, m
                     weight = tensor.t().contiguous() if layer.transposed else tensor  # stored as (out, in)
                     if precomputed and layer.name in precomputed:
                         packed = _stored_layer(precomputed[layer.name], weight, layer, dev)
+                    elif input_weights and _usable(input_weights.get(layer.name)):
+                        packed = _refit_layer(weight, layer, input_weights[layer.name], dev, out_dtype)
                     else:
                         packed = _quantize_layer(SCHEMES[scheme], weight, layer, axis, method, dev, out_dtype)
                     if not math.isfinite(layer.rel_error) or not all(bool(torch.isfinite(v).all()) for v in
@@ -134,3 +137,22 @@ def _quantize_layer(scheme, weight, layer: LayerResult, axis, method, dev, out_d
                                   dtype=out_dtype)
     layer.rel_error = _rel_error(deq, w.float())
     return {f"{layer.name}.{suffix}": t.cpu() for suffix, t in stored.items()}
+
+
+def _usable(v: torch.Tensor | None) -> bool:
+    """Input weights that can weigh a refit: finite, and not all zero (a layer whose inputs were never active
+    keeps the plain method)."""
+    return v is not None and bool(torch.isfinite(v).all()) and float(v.sum()) > 0
+
+
+@torch.no_grad()
+def _refit_layer(weight, layer: LayerResult, input_weights: torch.Tensor, dev, out_dtype) -> dict[str, torch.Tensor]:
+    """``refit`` weighted by ``input_weights`` (weight-only layout, groups along in-features)."""
+    from ..quantize import quantize
+    from ..reference import dequantize
+
+    w = weight.to(dev)
+    pw = quantize(w, bits=layer.bits, group_size=layer.group_size, axis=1, method="refit", dtype=out_dtype,
+                  input_weights=input_weights.to(dev))
+    layer.rel_error = _rel_error(dequantize(pw, torch.float32), w.float())
+    return {f"{layer.name}.{suffix}": getattr(pw, suffix).cpu() for suffix in ("qweight", "scales", "zeros")}

@@ -201,6 +201,8 @@ def describe_quantization(q: dict) -> str:
     if cal:
         if cal.get("builtin"):
             origin = "built-in passage"
+        elif cal.get("self") and cal.get("sampler"):  # an encoder: its vocabulary sampled, refit weighted on it
+            origin = f"sampled from the vocabulary ({cal['sampler']}), seed {cal.get('seed')}"
         elif cal.get("self"):
             origin = f"written by the model, seed {cal.get('seed')}"
         else:
