@@ -39,6 +39,9 @@ as many sequences and as long as the text's); on the encoder, which writes nothi
 [CLS] and [SEP]. Candidates measured on the way: ``self-random`` (random ordinary tokens), ``self-gen`` (the same as
 ``gptq-self``), ``self-mix`` (half each); a ``+guard`` suffix keeps hqq's rounding for a layer where it has the lower
 output error on the calibration inputs, ``+damp=X`` damps the Hessian by X times its mean diagonal (default 0.01).
+``wrefit-self`` / ``wrefit-text`` (causal LMs): ``refit`` weighted by each layer's per-feature input second moments in
+the source model on the text it samples itself / on the calibration text (what ``--calibration self`` does for an
+encoder, with its own sampled inputs).
 Results are appended to benchmarks/results/quality.jsonl.
 """
 from __future__ import annotations
@@ -170,6 +173,26 @@ def capture_inputs(model, run) -> dict[str, torch.Tensor]:
     return inputs
 
 
+@torch.no_grad()
+def source_moments(model, calib_run) -> dict[str, torch.Tensor]:
+    """Each quantizable linear's mean squared input per feature (K,) on ``calib_run``'s sequences (no padding)."""
+    sums, hooks = {}, []
+
+    def record(mod, args, name):
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        total, rows = sums.get(name, (0.0, 0))
+        sums[name] = (total + x.square().sum(0), rows + x.shape[0])
+
+    for name, lin in quantizable(model).items():
+        hooks.append(lin.register_forward_pre_hook(lambda mod, args, name=name: record(mod, args, name)))
+    try:
+        calib_run(model)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {name: total / rows for name, (total, rows) in sums.items()}
+
+
 class _Stop(Exception):
     pass
 
@@ -260,6 +283,20 @@ def quantize_model(source, run, method: str, bits: int, group_size: int, calib_r
                                 torch.float32)
                 if hessian_error(wh - w, h) < hessian_error(wq - w, h):
                     wq = wh
+            x = inputs[name]
+            ref = x @ w.t()
+            errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
+            lin.weight.copy_(wq.to(lin.weight.dtype))
+        return model, errors
+    if method in ("wrefit-self", "wrefit-text"):  # refit weighted by the source's input moments on the calibration
+        calib_run = calib_runs["gen" if method == "wrefit-self" else "text"]  # text or on what it writes itself
+        moments = source_moments(source, calib_run)
+        inputs = capture_inputs(model, run)
+        errors = {}
+        for name, lin in quantizable(model).items():
+            w = lin.weight.float()
+            wq = dequantize(quantize(w, bits=bits, group_size=group_size, method="refit", dtype=torch.bfloat16,
+                                     input_weights=moments[name]), torch.float32)
             x = inputs[name]
             ref = x @ w.t()
             errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
