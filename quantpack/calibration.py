@@ -213,24 +213,32 @@ def self_calibration_tokens(model_class, path: Path, tokenizer, vocab_size: int,
     ``model_class``) samples itself on ``device`` (see :func:`sampled_token_sequences`); the model is
     loaded whole there, in ``dtype``, and freed before returning. A one-line ``ValueError`` when it does not
     fit the device."""
-    from .tiny import quiet_transformers
-
     device = torch.device(device)
     ids = ordinary_token_ids(tokenizer, vocab_size)
+    bos = getattr(tokenizer, "bos_token_id", None)
     try:
-        with quiet_transformers():
-            model = model_class.from_pretrained(path, dtype=dtype, device_map={"": device},
-                                                trust_remote_code=trust_remote_code).eval()
-        try:
-            return sampled_token_sequences(model, ids, count, length, seed=seed,
-                                           bos=getattr(tokenizer, "bos_token_id", None))
-        finally:
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        return _on_whole_model(model_class, path, dtype, device, trust_remote_code,
+                               lambda model: sampled_token_sequences(model, ids, count, length, seed=seed, bos=bos))
     except torch.OutOfMemoryError:
         raise ValueError(f"calibration: self: the whole model does not fit in {device}'s memory to write its own "
                          f"calibration text; pass --calibration FILE (quantized one block at a time)") from None
+
+
+def _on_whole_model(model_class, path: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool, use):
+    """``use(model)`` for the model stored at ``path`` (built as ``model_class``), loaded whole on ``device`` in
+    ``dtype``; the model is dropped and its device memory handed back before returning (out-of-memory errors pass
+    through: each caller says what to do instead)."""
+    from .tiny import quiet_transformers
+
+    with quiet_transformers():
+        model = model_class.from_pretrained(path, dtype=dtype, device_map={"": device},
+                                            trust_remote_code=trust_remote_code).eval()
+    try:
+        return use(model)
+    finally:
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 # -- encoders (``--calibration self`` on a model that is not a causal LM): sampled vocabulary, second moments
@@ -329,23 +337,15 @@ def self_input_moments(model_class, path: Path, names, batch: dict[str, torch.Te
     """:func:`input_second_moments` of the model stored at ``path`` (built as ``model_class``), loaded whole on
     ``device`` in float32 and freed before returning. A one-line ``ValueError`` when it does not fit the device
     or its forward does not take token ids and an attention mask."""
-    from .tiny import quiet_transformers
-
     device = torch.device(device)
     params = inspect.signature(model_class.forward).parameters
     if not {"input_ids", "attention_mask"} <= set(params):
         raise ValueError(f"calibration: self: {model_class.__name__} does not take token ids and an attention mask; "
                          f"use --method hqq")
+    on_device = {k: v.to(device) for k, v in batch.items()}
     try:
-        with quiet_transformers():
-            model = model_class.from_pretrained(path, dtype=torch.float32, device_map={"": device},
-                                                trust_remote_code=trust_remote_code).eval()
-        try:
-            return input_second_moments(model, names, {k: v.to(device) for k, v in batch.items()})
-        finally:
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        return _on_whole_model(model_class, path, torch.float32, device, trust_remote_code,
+                               lambda model: input_second_moments(model, names, on_device))
     except torch.OutOfMemoryError:
         raise ValueError(f"calibration: self: the whole model does not fit in {device}'s memory (float32) to measure "
                          f"its own activations; use --method hqq") from None

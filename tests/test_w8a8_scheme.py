@@ -443,3 +443,11 @@ def test_wrong_dtype_or_shape_fails_verify_naming_the_tensor(w8a8, tmp_path, ten
     assert [(p.tensor, p.file) for p in r.problems] == [(tensor, shard)], r.format_table()
     assert expected in r.problems[0].message
 
+
+
+def test_w8a8_quantize_refuses_input_weights():
+    """Per-input-feature weights only steer a weight-only refit; the w8a8 rounding (absmax per channel) says so."""
+    from quantpack.schemes import SCHEMES
+
+    with pytest.raises(ValueError, match="weighs nothing; use a weight-only scheme"):
+        SCHEMES["w8a8"].quantize(torch.randn(8, 16), 8, None, 1, "hqq", torch.bfloat16, input_weights=torch.ones(16))

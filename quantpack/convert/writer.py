@@ -64,10 +64,12 @@ def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, m
                     t = time.perf_counter()
                     layer = unit.layer
                     weight = tensor.t().contiguous() if layer.transposed else tensor  # stored as (out, in)
+                    weights = input_weights.get(layer.name) if input_weights else None
                     if precomputed and layer.name in precomputed:
                         packed = _stored_layer(precomputed[layer.name], weight, layer, dev)
-                    elif input_weights and _usable(input_weights.get(layer.name)):
-                        packed = _refit_layer(weight, layer, input_weights[layer.name], dev, out_dtype)
+                    elif _usable(weights):
+                        packed = _quantize_layer(SCHEMES[scheme], weight, layer, axis, "refit", dev, out_dtype,
+                                                 weights.to(dev))
                     else:
                         packed = _quantize_layer(SCHEMES[scheme], weight, layer, axis, method, dev, out_dtype)
                     if not math.isfinite(layer.rel_error) or not all(bool(torch.isfinite(v).all()) for v in
@@ -131,10 +133,11 @@ def _stored_layer(file, weight, layer: LayerResult, dev) -> dict[str, torch.Tens
 
 
 @torch.no_grad()
-def _quantize_layer(scheme, weight, layer: LayerResult, axis, method, dev, out_dtype) -> dict[str, torch.Tensor]:
+def _quantize_layer(scheme, weight, layer: LayerResult, axis, method, dev, out_dtype,
+                    input_weights=None) -> dict[str, torch.Tensor]:
     w = weight.to(dev, non_blocking=False)
     stored, deq = scheme.quantize(w, bits=layer.bits, group_size=layer.group_size, axis=axis, method=method,
-                                  dtype=out_dtype)
+                                  dtype=out_dtype, input_weights=input_weights)
     layer.rel_error = _rel_error(deq, w.float())
     return {f"{layer.name}.{suffix}": t.cpu() for suffix, t in stored.items()}
 
@@ -144,15 +147,3 @@ def _usable(v: torch.Tensor | None) -> bool:
     keeps the plain method)."""
     return v is not None and bool(torch.isfinite(v).all()) and float(v.sum()) > 0
 
-
-@torch.no_grad()
-def _refit_layer(weight, layer: LayerResult, input_weights: torch.Tensor, dev, out_dtype) -> dict[str, torch.Tensor]:
-    """``refit`` weighted by ``input_weights`` (weight-only layout, groups along in-features)."""
-    from ..quantize import quantize
-    from ..reference import dequantize
-
-    w = weight.to(dev)
-    pw = quantize(w, bits=layer.bits, group_size=layer.group_size, axis=1, method="refit", dtype=out_dtype,
-                  input_weights=input_weights.to(dev))
-    layer.rel_error = _rel_error(dequantize(pw, torch.float32), w.float())
-    return {f"{layer.name}.{suffix}": getattr(pw, suffix).cpu() for suffix in ("qweight", "scales", "zeros")}

@@ -50,8 +50,9 @@ class Scheme:
     * ``stored(shape, bits, group_size, axis, dtype)``: the tensors a quantized (N, K) layer stores, as
       ``{suffix: (shape, dtype)}`` (``qweight``, ...; a bias is stored as the source's), ``dtype`` the
       conversion's output dtype.
-    * ``quantize(weight, bits, group_size, axis, method, dtype)``: what convert stores for one (N, K)
-      weight: ``({suffix: tensor}, the dequantized float32 weight)``, the tensors as :attr:`stored` says.
+    * ``quantize(weight, bits, group_size, axis, method, dtype, input_weights=None)``: what convert stores for one
+      (N, K) weight: ``({suffix: tensor}, the dequantized float32 weight)``, the tensors as :attr:`stored` says;
+      ``input_weights`` (K,): per-input-feature weights for ``method="refit"`` (see quantpack.quantize.quantize).
     * ``check``: how verify checks its modules (:class:`ModuleCheck`).
     """
 

@@ -26,8 +26,11 @@ def _stored(shape, bits: int, group_size, axis: int, dtype: torch.dtype) -> dict
 
 @torch.no_grad()
 def _quantize(weight: torch.Tensor, bits: int, group_size, axis: int, method: str,
-              dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+              dtype: torch.dtype, input_weights: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Symmetric int8 per output channel (docs/format.md, W8A8)."""
+    if input_weights is not None:
+        raise ValueError("input_weights: the w8a8 scheme rounds each channel by its absolute maximum and weighs "
+                         "nothing; use a weight-only scheme")
     qweight, weight_scale = quantize_weight_w8a8(weight)
     return {"qweight": qweight, "weight_scale": weight_scale}, dequantize_w8a8(qweight, weight_scale)
 

@@ -32,8 +32,9 @@ def _stored(shape, bits: int, group_size: int, axis: int, dtype: torch.dtype) ->
 
 @torch.no_grad()
 def _quantize(weight: torch.Tensor, bits: int, group_size: int, axis: int, method: str,
-              dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    pw = quantize(weight, bits=bits, group_size=group_size, axis=axis, method=method, dtype=dtype)
+              dtype: torch.dtype, input_weights: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    pw = quantize(weight, bits=bits, group_size=group_size, axis=axis, method=method, dtype=dtype,
+                  input_weights=input_weights)
     return {"qweight": pw.qweight, "scales": pw.scales, "zeros": pw.zeros}, dequantize(pw, torch.float32)
 
 
