@@ -136,19 +136,25 @@ def quantize_activations_fp8(x2: torch.Tensor, group_size: int, block_r: int | N
 
 @triton.jit
 def _nibbles_fp8(b, shift, F32: tl.constexpr):
-    """The nibble of packed bytes ``b`` at bit ``shift`` (0 or 4) as FP8 e4m3 values (float32 in the interpreter)."""
+    """The nibble n of packed bytes ``b`` at bit ``shift`` (0 or 4) as the FP8 e4m3 value n * 2**-9: the nibble alone in
+    a byte is that e4m3 number exactly (0..7 subnormal, 8..15 the lowest binade), so no conversion; the fold scales
+    by :data:`CODE_UNIT`. (float32 n in the interpreter, unit 1.)"""
     q = (b >> shift) & 0xF
     if F32:
         return q.to(tl.float32)
-    # (q + 1024 as fp16 by OR-ing q into 1024.0's bits, minus 1024: exact; then one cvt per two codes)
-    return ((q.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0).to(tl.float8e4nv)
+    return q.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+CODE_UNIT = tl.constexpr(512.0)  # 1 / the e4m3 value of a lone nibble 1
 
 
 @triton.jit
-def _meta(s_ptr, z_ptr, xsum_ptr, g, mw, nw, N, NG):
-    """Group g's scales s[g, n], s * z and the sums xsum[m, g] of its quantized x."""
+def _meta(s_ptr, z_ptr, xsum_ptr, g, mw, nw, N, NG, F32: tl.constexpr):
+    """Group g's scales s[g, n] (times the codes' unit), s * z and the sums xsum[m, g] of its quantized x."""
     s = tl.load(s_ptr + g * N + nw).to(tl.float32)
     zs = tl.load(z_ptr + g * N + nw).to(tl.float32) * s
+    if not F32:
+        s = s * CODE_UNIT
     return s, zs, tl.load(xsum_ptr + mw * NG + g)
 
 
@@ -208,13 +214,13 @@ def _w4a8_kernel(xq_ptr, xs_ptr, xsum_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_p
         shift = shift[:, None]
     for it in range(0, NG * STEPS, 2 if PAIR else 1):
         g = it // STEPS
-        s0, zs0, xsum0 = _meta(s_ptr, z_ptr, xsum_ptr, g, mw, nw, N, NG)  # (issued first: latency under the MMAs)
+        s0, zs0, xsum0 = _meta(s_ptr, z_ptr, xsum_ptr, g, mw, nw, N, NG, F32)  # (issued first: latency under the MMAs)
         a = tl.load(a_ptrs)
         w = _nibbles_fp8(tl.load(b_ptrs), shift, F32)
         if F32:
             a = a.to(tl.float32)
         if PAIR:
-            s1, zs1, xsum1 = _meta(s_ptr, z_ptr, xsum_ptr, g + 1, mw, nw, N, NG)
+            s1, zs1, xsum1 = _meta(s_ptr, z_ptr, xsum_ptr, g + 1, mw, nw, N, NG, F32)
             a1 = tl.load(a_ptrs + 2 * BLOCK_R)
             w1 = _nibbles_fp8(tl.load(b_ptrs + BLOCK_R * N), shift, F32)
             if F32:

@@ -21,12 +21,16 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from quantpack.kernels import w4a8_wgmma  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from quantpack.kernels import w4a8, w4a8_wgmma  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, group size, stages, bias, producer warp): the dispatched tile, 64-wide groups (64-wide K steps),
 # 8 MMA warps, 64 rows of x, and the producer warp
 VARIANTS = [(128, 64, 128, 4, True, False), (128, 64, 64, 4, False, False), (128, 128, 256, 3, True, False),
             (64, 64, 128, 2, False, True), (128, 64, 128, 4, True, True)]
+# the plain Triton kernel (w4a8.py, the fallback; the interpreter runs only its float32 form): (SWAP, PAIR)
+TRITON_VARIANTS = [("triton", False, False), ("triton", True, True)]
 
 
 def compile_variant(bm, bn, gs, stages, bias, producer):
@@ -59,7 +63,28 @@ def compile_variant(bm, bn, gs, stages, bias, producer):
     return len(mmas), "C7515" in log, spills, all(".e4m3.e4m3" in m for m in mmas), regs
 
 
+def compile_triton(swap, pair):
+    """The Triton kernel as the GPU runs it (FP8 codes, not the interpreter's float32): whether its PTX has e4m3 x
+    e4m3 wgmma."""
+    sig = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "xsum_ptr": "*fp32", "qw_ptr": "*u8", "s_ptr": "*bf16",
+           "z_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+           "stride_om": "i32"}
+    const = {"GS": 128, "HAS_BIAS": True, "F32": False, "SWAP": swap, "PAIR": pair, "BLOCK_M": 128, "BLOCK_N": 128,
+             "BLOCK_R": 64, "GROUP_M": 8}
+    sig |= {name: "constexpr" for name in const}
+    kernel = triton.compile(ASTSource(fn=w4a8._w4a8_kernel, signature=sig, constexprs=const),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
+    mmas = re.findall(r"wgmma\.mma_async\S*", kernel.asm["ptx"])
+    return len(mmas), all(".e4m3.e4m3" in m for m in mmas)
+
+
 if __name__ == "__main__":
+    for v in TRITON_VARIANTS:
+        try:
+            count, fp8 = compile_triton(*v[1:])
+            print(json.dumps({"variant": v, "wgmma": count, "fp8": fp8}), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            print(json.dumps({"variant": v, "error": repr(exc)[-3000:]}), flush=True)
     for v in VARIANTS:
         try:
             count, serialized, spills, fp8, regs = compile_variant(*v)

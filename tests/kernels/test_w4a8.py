@@ -155,9 +155,12 @@ def test_sm90_compile_of_the_wgmma_kernel():
     if not HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     from sm90_compile import run_script  # tests/kernels/sm90_compile.py
-    from sm90_compile_w4a8 import VARIANTS  # tests/kernels/sm90_compile_w4a8.py
+    from sm90_compile_w4a8 import TRITON_VARIANTS, VARIANTS  # tests/kernels/sm90_compile_w4a8.py
 
-    for line in run_script("sm90_compile_w4a8.py", VARIANTS):
+    lines = run_script("sm90_compile_w4a8.py", TRITON_VARIANTS + VARIANTS)
+    for line in lines[:len(TRITON_VARIANTS)]:  # (the plain Triton kernel, as the GPU compiles it)
+        assert "error" not in line and line["wgmma"] > 0 and line["fp8"], line
+    for line in lines[len(TRITON_VARIANTS):]:
         assert "error" not in line, line
         assert line["wgmma"] == line["per_step"] and line["fp8"], line
         assert not line["serialized"] and line["spills"] == 0, line
