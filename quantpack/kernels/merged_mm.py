@@ -13,6 +13,7 @@ is tuned) are declined: ``None`` from :func:`merged_mm`, and the caller runs its
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import NamedTuple
 
@@ -24,7 +25,7 @@ from .dequant import infer_layout, on_device
 from .autotune import reference_product, tunes_on_first_use
 from .caches import mma_copies, mma_self_check, outside_graph_pools, tensor_version
 from .dispatch import MMA_MAX_M, mma_config
-from .mixed_mm import autotune_mma, mixed_mm, mma_mm
+from .mixed_mm import autotune_mma, call_key, mixed_mm, mma_mm
 from .mma_gemv import CHUNK, mma_pack
 
 
@@ -127,6 +128,48 @@ def merged_mm(x: torch.Tensor, qweights, scales, zeros, biases, *, group_size: i
     _autotune_if_asked(x, state, qweights, scales, zeros, group_size=group_size, bits=bits)
     return mma_mm(x, state.mma, state.scales, state.zeros, group_size=group_size, bits=bits, bias=state.bias,
                   plans=state.plans, built_now=built_now)
+
+
+class MergedReplay(NamedTuple):
+    """The launch plan an eager :func:`merged_mm` call recorded, with everything that call's decisions read, so that
+    a caller holding the members (``MergedProjections``) can replay it for an identical call in one check instead of
+    going through the stacked weights' lookup, their plan key and the dispatch again (:meth:`run`)."""
+    x_key: tuple  # x's shape, strides, dtype, device and 16-byte alignment
+    env: tuple  # dispatch.read_env() and configs.table_state() at the call
+    sources: tuple  # the members' tensors as passed (qweights, scales, zeros, biases)
+    versions: tuple
+    plan: launch_plan.Plan
+    width: int  # sum(N_i)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, sources: tuple, env: tuple, *, group_size: int, bits: int) -> "MergedReplay | None":
+        """The replay of the :func:`merged_mm` call just made with ``x`` and ``sources`` (qweights, scales, zeros,
+        biases, flat) under ``env``, or ``None`` where that call recorded no plan (capture, plans off, a build)."""
+        state = _merged.get(sources[0])
+        if (state is None or state.versions != _versions(sources) or len(state.sources) != len(sources)
+                or not all(map(_refers_to, state.sources, sources))):
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        key = call_key(x2, state.mma, state.scales, state.zeros, state.bias, group_size, bits, False, None, 1, None,
+                       env[0])
+        plan = state.plans.get((state.mma, state.scales, state.zeros), key)
+        if not isinstance(plan, launch_plan.Plan):
+            return None
+        return cls(_x_key(x), env, sources, state.versions, plan, state.scales.shape[1])
+
+    def run(self, x: torch.Tensor, sources: tuple, env: tuple) -> torch.Tensor | None:
+        """The merged product of an eager call identical to the recorded one (same x layout, environment, config
+        tables, member tensors and their versions), else ``None``."""
+        if (self.env != env or self.x_key != _x_key(x) or not all(map(operator.is_, self.sources, sources))
+                or self.versions != _versions(sources)):
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        with on_device(x2):
+            return self.plan(x2).reshape(*x.shape[:-1], self.width)
+
+
+def _x_key(x: torch.Tensor) -> tuple:
+    return x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16
 
 
 def _autotune_if_asked(x, state: MergedWeights, qweights, scales, zeros, *, group_size: int, bits: int) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 from ..kernels.caches import tensor_version
 from ..kernels.configs import table_state
 from ..kernels.dispatch import MERGE_MAX_M, read_env
-from ..kernels.merged_mm import merged_mm, merged_path
+from ..kernels.merged_mm import MergedReplay, merged_mm, merged_path
 from .linear import QuantLinear
 
 MERGED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -41,6 +41,7 @@ class MergedProjections:
         self.unmerged = False  # (set when the siblings were seen reading different inputs)
         self._held = None  # (x, its version, each member's columns of the merged output, calls still to come)
         self._paths = {}  # (rows, device, environment) -> whether merged_mm runs such a call (eager calls)
+        self._replay = None  # (the last eager merged call's launch plan: merged_mm.MergedReplay)
 
     def forward(self, index: int, x: torch.Tensor, compiling: bool) -> torch.Tensor | None:
         """Member ``index``'s output for ``x`` from a merged product, or ``None``: the member then runs alone.
@@ -71,7 +72,13 @@ class MergedProjections:
             # (what a launch plan's key holds of them; and whether the call is captured in a CUDA graph: outside
             # one, every call at decode merges, its host time being the call's time)
             capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-            key = (rows, x.device, read_env(), table_state(), capturing)
+            env = (read_env(), table_state())
+            if not capturing and self._replay is not None:  # (an identical call: its plan in one check)
+                sources = self._sources()
+                out = self._replay.run(x, sources, env)
+                if out is not None:
+                    return self._hold(x, out, compiling)
+            key = (rows, x.device, *env, capturing)
             known = self._paths.get(key)
             if known is None:
                 known = self._paths[key] = merged_path(rows, n, k, first.group_size, first.bits, x.device,
@@ -88,9 +95,20 @@ class MergedProjections:
             out = merged_mm(x, *args, group_size=first.group_size, bits=first.bits)
             if out is None:
                 return None
+            if not capturing:
+                self._replay = MergedReplay.of(x, sum(args, []), env, group_size=first.group_size, bits=first.bits)
+        return self._hold(x, out, compiling)
+
+    def _hold(self, x: torch.Tensor, out: torch.Tensor, compiling: bool) -> torch.Tensor:
+        """Keep each member's columns of ``out`` for the siblings' calls; the first member's."""
         columns = out.split_with_sizes(self.widths, -1)  # (one call for all the views: half the time of slicing)
-        self._held = (x, -1 if compiling else tensor_version(x), columns, len(members) - 1)
+        self._held = (x, -1 if compiling else tensor_version(x), columns, len(self.members) - 1)
         return columns[0]
+
+    def _sources(self) -> tuple:
+        """The members' tensors as merged_mm takes them, flat: qweights, scales, zeros, biases."""
+        tensors = [m._tensors(False) for m in self.members]
+        return tuple(t for column in zip(*tensors) for t in column)
 
     def __repr__(self) -> str:
         return f"MergedProjections({len(self.members)} layers, out_features={self.widths})"

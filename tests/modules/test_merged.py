@@ -314,6 +314,36 @@ def test_changed_weights_rebuild_the_merged_copy(change):
     assert all(rel_err(g, w) <= 2e-3 for g, w in zip(got, _expected(block, x)))
 
 
+@pytest.mark.parametrize("change", [None, "in-place", "reassigned", "moved", "environment", "x's shape"])
+def test_identical_eager_calls_replay_the_merged_plan_until_something_changes(change, monkeypatch):
+    block = _block("qkv")
+    merge_projections(block)
+    x = torch.randn(1, 128, dtype=torch.float16)
+    link = block.q_proj._merged[0]
+    merged_module = importlib.import_module("quantpack.modules.merged")
+    with torch.no_grad():
+        block(x)  # (builds the stacked copy: no plan)
+        block(x)  # (records the plan)
+        assert link._replay is not None
+        through = []
+        real = merged_module.merged_mm
+        monkeypatch.setattr(merged_module, "merged_mm", lambda *a, **k: through.append(1) or real(*a, **k))
+        if change == "in-place":
+            block.k_proj.zeros.add_(1)
+        elif change == "reassigned":
+            block.v_proj.scales = block.v_proj.scales * 2
+        elif change == "moved":  # (new tensors, same values)
+            block.to(torch.float16)
+            block.q_proj.qweight = block.q_proj.qweight.clone()
+        elif change == "environment":
+            monkeypatch.setenv("QUANTPACK_MMA", "1")  # (another raw value: decisions are taken again)
+        elif change == "x's shape":
+            x = torch.randn(3, 128, dtype=torch.float16)
+        got = block(x)
+    assert through == ([] if change is None else [1])  # the replay, or the full call
+    assert all(rel_err(g, w) <= 2e-3 for g, w in zip(got, _expected(block, x)))
+
+
 def test_unmerge_projections_runs_each_layer_alone(mma_launches):
     block = _block("mlp")
     merge_projections(block)
