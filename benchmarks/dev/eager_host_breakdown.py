@@ -6,6 +6,7 @@ own cost lands on both models alike. An experiment, not a product benchmark:
 
     python benchmarks/dev/eager_host_breakdown.py --batch 1 --new-tokens 32
     python benchmarks/dev/eager_host_breakdown.py --ab --batch 16 --rounds 5   # bf16 and quantpack alternately
+    python benchmarks/dev/eager_host_breakdown.py --ab --without replay         # ... and without merged replays
     python benchmarks/dev/eager_host_breakdown.py --ops --batch 16             # torch.profiler's host op table
 """
 from __future__ import annotations
@@ -109,24 +110,45 @@ def measure(model, label, prompt, new_tokens):
     return min(walls) / steps
 
 
-def step_ms(model, prompt, new_tokens) -> list[float]:
-    """The wall time of each decode step of one eager ``generate`` (ms; the prefill excluded), stamped by a
-    stopping criterion, which transformers calls once a step. Steps, not whole calls: this host's Python speed
-    drifts for seconds at a time, and a median over many steps of alternating calls sees through that."""
+def step_ms(model, prompt, new_tokens) -> tuple[list[float], list[float]]:
+    """The wall time and the main thread's CPU time of each decode step of one eager ``generate`` (ms; the prefill
+    excluded), stamped by a stopping criterion, which transformers calls once a step. Steps, not whole calls: this
+    host's Python speed drifts for seconds at a time, and a median over many steps of alternating calls sees through
+    that; the CPU time leaves out the time the thread was not running (a shared host's other work)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     stamps = []
 
     class Stamp(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), time.thread_time()))
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               stopping_criteria=StoppingCriteriaList([Stamp()]))
     with torch.no_grad():
         model.generate(prompt, **kw)
-    return [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return ([(b[0] - a[0]) * 1e3 for a, b in zip(stamps, stamps[1:])],
+            [(b[1] - a[1]) * 1e3 for a, b in zip(stamps, stamps[1:])])
+
+
+def replays(model, on: bool):
+    """Whether merged projections replay an identical eager call's plan (MergedProjections' replay); drops the
+    recorded ones either way."""
+    from quantpack.kernels import merged_mm
+    from quantpack.modules import merged
+
+    merged.MergedReplay = merged_mm.MergedReplay if on else _NoReplay
+    for m in model.modules():
+        link = getattr(m, "_merged", None)
+        if link is not None:
+            link[0]._replay = None
+
+
+class _NoReplay:
+    @staticmethod
+    def of(*args, **kwargs):
+        return None
 
 
 def host_bound_choice(model, on: bool):
@@ -163,42 +185,48 @@ def both_models(args):
 
 
 def ab(a, args, prompt):
-    """bf16 and quantpack (eager calls' host-bound path choice on and off) alternately, same process: each round one
-    generate of each; the median step time of each over all rounds, and the median of the rounds' ratios."""
+    """bf16 and quantpack with and without one feature (``--without``: eager calls' host-bound path choice, or merged
+    replays) alternately, same process: each round one generate of each; the median step time (wall and CPU) of each
+    over all rounds, and the median of the rounds' ratios."""
     import statistics
 
     from quantpack.modules import fused
 
     model, qmodel = both_models(args)
-    labels = ("bf16", "quantpack", "without the host-bound path choice")
-    steps = {label: [] for label in labels}
-    ratios = {label: [] for label in labels[1:]}
+    switch = host_bound_choice if a.without == "host-bound" else replays
+    labels = ("bf16", "quantpack", f"without {a.without}")
+    steps = {label: ([], []) for label in labels}
+    ratios = {label: ([], []) for label in labels[1:]}
     for r in range(a.rounds + 1):  # (round 0 warms up: not counted)
         fused.remove(qmodel)  # (its rotary replaces transformers' function, which bf16 calls too)
         got = {"bf16": step_ms(model, prompt, a.new_tokens)}
         fused.apply(qmodel)
         for on, label in ((True, labels[1]), (False, labels[2])):
-            host_bound_choice(qmodel, on)
+            switch(qmodel, on)
             step_ms(qmodel, prompt, 4)  # (the first calls after the switch record new plans)
             got[label] = step_ms(qmodel, prompt, a.new_tokens)
-        host_bound_choice(qmodel, True)
+        switch(qmodel, True)
         if r == 0:
             continue
-        med = {label: statistics.median(v) for label, v in got.items()}
+        med = {label: [statistics.median(v) for v in pair] for label, pair in got.items()}
         for label in labels:
-            steps[label] += got[label]
+            for i in (0, 1):
+                steps[label][i].extend(got[label][i])
         for label in labels[1:]:
-            ratios[label].append(med["bf16"] / med[label])
-        print(f"round {r}: median step bf16 {med['bf16']:.2f} ms, quantpack {med[labels[1]]:.2f} "
-              f"({ratios[labels[1]][-1]:.3f}x), without the host-bound path choice {med[labels[2]]:.2f} "
-              f"({ratios[labels[2]][-1]:.3f}x)", flush=True)
-    base = statistics.median(steps["bf16"])
-    print(f"batch {a.batch}, {a.rounds} rounds of {a.new_tokens} tokens: median step bf16 eager {base:.2f} ms")
-    for label in labels[1:]:
-        rs = sorted(ratios[label])
-        print(f"  {label}: median step {statistics.median(steps[label]):.2f} ms "
-              f"({base / statistics.median(steps[label]):.3f}x bf16 eager); rounds' ratios median "
-              f"{statistics.median(rs):.3f}x, range {rs[0]:.3f}-{rs[-1]:.3f}")
+            for i in (0, 1):
+                ratios[label][i].append(med["bf16"][i] / med[label][i])
+        print(f"round {r}: median step (wall / CPU) bf16 {med['bf16'][0]:.2f} / {med['bf16'][1]:.2f} ms, "
+              + ", ".join(f"{label} {med[label][0]:.2f} / {med[label][1]:.2f} ({ratios[label][0][-1]:.3f}x / "
+                          f"{ratios[label][1][-1]:.3f}x)" for label in labels[1:]), flush=True)
+    for i, what in enumerate(("wall", "CPU")):
+        base = statistics.median(steps["bf16"][i])
+        print(f"batch {a.batch}, {a.rounds} rounds of {a.new_tokens} tokens, {what} time: median step bf16 eager "
+              f"{base:.2f} ms")
+        for label in labels[1:]:
+            rs = sorted(ratios[label][i])
+            print(f"  {label}: median step {statistics.median(steps[label][i]):.2f} ms "
+                  f"({base / statistics.median(steps[label][i]):.3f}x bf16 eager); rounds' ratios median "
+                  f"{statistics.median(rs):.3f}x, range {rs[0]:.3f}-{rs[-1]:.3f}")
 
 
 def op_profile(a, args, prompt):
@@ -229,6 +257,8 @@ def main():
     ap.add_argument("--ops", action="store_true", help="only torch.profiler's host-side op table of each model")
     ap.add_argument("--ab", action="store_true", help="only alternate bf16 and quantpack eager timings")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--without", choices=["host-bound", "replay"], default="host-bound",
+                    help="with --ab: the feature the third model runs without")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=32)
