@@ -28,7 +28,13 @@ DECODE_FIELDS = PROVENANCE + ("batch", "model", "path", "tok_s")
 CONVERSION_FIELDS = PROVENANCE + ("method", "bits", "group_size", "source_gb", "output_gb", "convert_s")
 REQUIRED = {"kernels": KERNEL_FIELDS, "decode": DECODE_FIELDS, "conversion": CONVERSION_FIELDS,
             "quality": PROVENANCE + ("method",)}
-IMPL_ORDER = ["quantpack", "tinygemm", "gemlite", "torchao", "hqq", "int_mm"]
+IMPL_ORDER = ["quantpack", "tinygemm", "gemlite", "torchao", "hqq", "int_mm", "w4a8", "w8a8"]
+
+
+def impl_color(impl: str) -> str:
+    """One colour per implementation in every panel and figure (matplotlib's cycle, by IMPL_ORDER)."""
+    i = IMPL_ORDER.index(impl) if impl in IMPL_ORDER else len(IMPL_ORDER) + sum(map(ord, impl))
+    return f"C{i % 10}"
 
 
 class ResultsError(ValueError):
@@ -101,7 +107,7 @@ def plot_kernels(rows, out: Path, plt) -> list[Path]:
             for impl in sorted(impls, key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER else 99, i)):
                 pts = sorted((r["M"], r["ratio_to_cublas"]) for r in by_shape[shape] if r["impl"] == impl)
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                        lw=2.2 if impl == "quantpack" else 1.2, label=impl)
+                        lw=2.2 if impl == "quantpack" else 1.2, label=impl, color=impl_color(impl))
             ax.axhline(1.0, color="black", lw=0.8, ls="--", label="cuBLAS")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{shape[0]} x {shape[1]}" + (" (merged)" if any(r.get("merged") for r in by_shape[shape])
