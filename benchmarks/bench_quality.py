@@ -36,12 +36,12 @@ corpus (the witness was trained on them; disjoint from the held-out evaluation t
 ``gptq-self`` is ``gptq`` calibrated on no text, as ``convert --calibration self`` runs it: on the witness, sequences
 the model samples itself (quantpack.calibration.sampled_token_sequences: BOS, a random token, then temperature 1,
 as many sequences and as long as the text's); on the encoder, which writes nothing, random ordinary tokens between
-[CLS] and [SEP]. Candidates measured on the way: ``self-random`` (random ordinary tokens), ``self-gen`` (the same as
-``gptq-self``), ``self-mix`` (half each); a ``+guard`` suffix keeps hqq's rounding for a layer where it has the lower
-output error on the calibration inputs (measured with the Hessian as shrunk for the rounding, or by B with
-``+guard=B``), ``+damp=X`` damps the Hessian by X times its mean diagonal (default 0.01),
-``+shrink=A`` rounds with ``(1 - A) H + A diag(H)`` (quantpack.gptq's ``shrink``; the only option one block at a time);
-options combine (``gptq-self+shrink=0.25+guard``).
+[CLS] and [SEP]; their Hessians shrunk towards the diagonal by quantpack.gptq.SELF_SHRINK. Candidates measured on
+the way: ``self-random`` (random ordinary tokens), ``self-gen`` (``gptq-self`` unshrunk), ``self-mix`` (half each).
+Options, combined with ``+``: ``+guard`` keeps hqq's rounding for a layer where it has the lower output error on the
+calibration inputs (measured with the Hessian as shrunk for the rounding, or by B with ``+guard=B``); ``+damp=X``
+damps the Hessian by X times its mean diagonal (default 0.01); ``+shrink=A`` rounds with ``(1 - A) H + A diag(H)``
+(quantpack.gptq's ``shrink``: default 0, SELF_SHRINK for ``gptq-self``; the only option one block at a time).
 ``wrefit-self`` / ``wrefit-text`` (causal LMs): ``refit`` weighted by each layer's per-feature input second moments in
 the source model on the text it samples itself / on the calibration text (what ``--calibration self`` does for an
 encoder, with its own sampled inputs).
@@ -71,7 +71,7 @@ from train_witness import corpus  # noqa: E402
 from quantpack import calibration as calibration_mod  # noqa: E402
 from quantpack import sinq  # noqa: E402
 from quantpack.format import PackedWeight  # noqa: E402
-from quantpack.gptq import gptq_quantize, quantize_blocks  # noqa: E402
+from quantpack.gptq import SELF_SHRINK, gptq_quantize, quantize_blocks  # noqa: E402
 from quantpack.quantize import quantize  # noqa: E402
 from quantpack.reference import dequantize, quantize_activations_fp8  # noqa: E402
 from quantpack.tiny import quiet_transformers  # noqa: E402
@@ -208,7 +208,7 @@ SELF_SOURCES = {"gptq-self": "gen", "self-random": "random", "self-gen": "gen", 
 def variant(method: str) -> tuple[str, dict[str, float]]:
     """``name+opt+key=value...`` as the method's name and its options (a bare option's value is None)."""
     base, *parts = method.split("+")
-    options = {}
+    options = {"shrink": SELF_SHRINK} if base == "gptq-self" else {}  # as convert --calibration self rounds
     for part in parts:
         key, eq, value = part.partition("=")
         if key not in ("guard", "damp", "shrink") or (key != "guard" and not eq):

@@ -36,6 +36,10 @@ STATIC_GROUPS = True  # group parameters from the original weight: a lower KL th
 # columns rounded in decreasing order of the Hessian's diagonal (with static groups): the lowest KL and worst-layer
 # error of the variants measured (BENCHMARKS.md), at no extra cost
 ACT_ORDER = True
+# ``convert --calibration self`` on a causal LM: the Hessian of sampled text shrunk this far towards its diagonal.
+# Sampled text gets some correlations between input features wrong, and GPTQ trusts them; shrinking kept every layer of
+# a pretrained model within hqq's output error for a small loss of KL (BENCHMARKS.md)
+SELF_SHRINK = 0.5
 
 
 class _Stop(Exception):

@@ -109,18 +109,34 @@ def test_gptq_argument_errors():
         gptq_quantize(w, torch.eye(8))
 
 
-def test_convert_gptq_records_method_and_calibration_and_beats_hqq(tiny_llama_dir, tmp_path):
+def spy_shrink(monkeypatch) -> list:
+    """The Hessian shrinkage of every quantize_blocks call a conversion makes."""
+    from quantpack import gptq
+
+    shrinks, real = [], gptq.quantize_blocks
+
+    def spy(*args, **kwargs):
+        shrinks.append(kwargs.get("shrink", 0.0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gptq, "quantize_blocks", spy)
+    return shrinks
+
+
+def test_convert_gptq_records_method_and_calibration_and_beats_hqq(tiny_llama_dir, tmp_path, monkeypatch):
     from quantpack.verify import verify
 
+    shrinks = spy_shrink(monkeypatch)
     summary = convert(tiny_llama_dir, tmp_path / "gptq", group_size=32, calibration="builtin", calibration_length=64,
                       progress=False)
+    assert shrinks == [0.0]  # real text: the full Hessian (shrinkage is for text the model writes itself)
     hqq = convert(tiny_llama_dir, tmp_path / "hqq", group_size=32, progress=False)
     manifest = json.loads((tmp_path / "gptq" / "quantpack.json").read_text())
     config = json.loads((tmp_path / "gptq" / "config.json").read_text())
     assert config["quantization_config"]["method"] == "gptq" and manifest["settings"]["method"] == "gptq"
     cal = manifest["settings"]["calibration"]
     assert cal["sha256"] == hashlib.sha256(BUILTIN_FILE.read_bytes()).hexdigest() and cal["builtin"] is True
-    assert cal["sequence_length"] == 64 and cal["tokens"] == cal["sequences"] * 64 > 0
+    assert cal["sequence_length"] == 64 and cal["tokens"] == cal["sequences"] * 64 > 0 and "shrink" not in cal
     assert not any("gptq" in p.name for p in (tmp_path / "gptq").iterdir())  # the block store is gone
     assert summary.to_dict()["settings"]["calibration"] == cal
     assert len(summary.quantized) == len(hqq.quantized)
