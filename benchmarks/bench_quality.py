@@ -36,9 +36,12 @@ corpus (the witness was trained on them; disjoint from the held-out evaluation t
 ``gptq-self`` is ``gptq`` calibrated on no text, as ``convert --calibration self`` runs it: on the witness, sequences
 the model samples itself (quantpack.calibration.sampled_token_sequences: BOS, a random token, then temperature 1,
 as many sequences and as long as the text's); on the encoder, which writes nothing, random ordinary tokens between
-[CLS] and [SEP]. Candidates measured on the way: ``self-random`` (random ordinary tokens), ``self-gen`` (the same as
-``gptq-self``), ``self-mix`` (half each); a ``+guard`` suffix keeps hqq's rounding for a layer where it has the lower
-output error on the calibration inputs, ``+damp=X`` damps the Hessian by X times its mean diagonal (default 0.01).
+[CLS] and [SEP]; their Hessians shrunk towards the diagonal by quantpack.gptq.SELF_SHRINK. Candidates measured on
+the way: ``self-random`` (random ordinary tokens), ``self-gen`` (``gptq-self`` unshrunk), ``self-mix`` (half each).
+Options, combined with ``+``: ``+guard`` keeps hqq's rounding for a layer where it has the lower output error on the
+calibration inputs (measured with the Hessian as shrunk for the rounding, or by B with ``+guard=B``); ``+damp=X``
+damps the Hessian by X times its mean diagonal (default 0.01); ``+shrink=A`` rounds with ``(1 - A) H + A diag(H)``
+(quantpack.gptq's ``shrink``: default 0, SELF_SHRINK for ``gptq-self``; the only option one block at a time).
 ``wrefit-self`` / ``wrefit-text`` (causal LMs): ``refit`` weighted by each layer's per-feature input second moments in
 the source model on the text it samples itself / on the calibration text (what ``--calibration self`` does for an
 encoder, with its own sampled inputs).
@@ -68,7 +71,7 @@ from train_witness import corpus  # noqa: E402
 from quantpack import calibration as calibration_mod  # noqa: E402
 from quantpack import sinq  # noqa: E402
 from quantpack.format import PackedWeight  # noqa: E402
-from quantpack.gptq import gptq_quantize, quantize_blocks  # noqa: E402
+from quantpack.gptq import SELF_SHRINK, gptq_quantize, quantize_blocks  # noqa: E402
 from quantpack.quantize import quantize  # noqa: E402
 from quantpack.reference import dequantize, quantize_activations_fp8  # noqa: E402
 from quantpack.tiny import quiet_transformers  # noqa: E402
@@ -202,6 +205,18 @@ class _Stop(Exception):
 SELF_SOURCES = {"gptq-self": "gen", "self-random": "random", "self-gen": "gen", "self-mix": "mix"}
 
 
+def variant(method: str) -> tuple[str, dict[str, float]]:
+    """``name+opt+key=value...`` as the method's name and its options (a bare option's value is None)."""
+    base, *parts = method.split("+")
+    options = {"shrink": SELF_SHRINK} if base == "gptq-self" else {}  # as convert --calibration self rounds
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if key not in ("guard", "damp", "shrink") or (key != "guard" and not eq):
+            sys.exit(f"bench_quality: {method}: unknown option {part!r} (guard[=B], damp=X, shrink=A)")
+        options[key] = float(value) if eq else None
+    return base, options
+
+
 def hessian_error(d: torch.Tensor, h: torch.Tensor) -> float:
     """``tr(D H D^T)``: the squared output error of a weight change ``D`` on the inputs of Hessian ``H`` (up to a
     constant factor)."""
@@ -229,7 +244,7 @@ def layer_hessian(model, lin, calib_run) -> torch.Tensor:
 
 
 @torch.no_grad()
-def blockwise_gptq(source, tokens: torch.Tensor, bits: int, group_size: int) -> torch.nn.Module:
+def blockwise_gptq(source, tokens: torch.Tensor, bits: int, group_size: int, shrink: float = 0.0) -> torch.nn.Module:
     """A copy of ``source`` whose decoder-block linears hold the codes ``convert --calibration`` writes: GPTQ one
     block at a time on ``tokens`` (quantpack.gptq.quantize_blocks), dequantized."""
     model = copy.deepcopy(source)
@@ -237,7 +252,7 @@ def blockwise_gptq(source, tokens: torch.Tensor, bits: int, group_size: int) -> 
     plan = {name: SimpleNamespace(bits=bits, group_size=group_size) for name in quantizable(source)}
     with tempfile.TemporaryDirectory() as store:
         files = quantize_blocks(type(source), source.config, state.__getitem__, plan, tokens, store=Path(store),
-                                dtype=torch.bfloat16, device="cpu")
+                                dtype=torch.bfloat16, device="cpu", shrink=shrink)
         for name, file in files.items():
             packed = load_file(file)
             lin = model.get_submodule(name)
@@ -254,9 +269,13 @@ def quantize_model(source, run, method: str, bits: int, group_size: int, calib_r
     per-layer output errors. ``calib_runs``: {calibration source: function running a model on it};
     ``calib_tokens``: {calibration source: its token ids}, given to quantize ``gptq`` and ``gptq-self`` one block
     at a time (:func:`blockwise_gptq`) instead of layer by layer."""
-    if calib_tokens is not None and method in ("gptq", "gptq-self"):
+    base, options = variant(method)
+    if calib_tokens is not None and base in ("gptq", "gptq-self"):
+        if set(options) - {"shrink"}:
+            sys.exit(f"bench_quality: {method}: one block at a time takes only +shrink=A")
         inputs = capture_inputs(source, run)
-        model = blockwise_gptq(source, calib_tokens[SELF_SOURCES.get(method, "text")], bits, group_size)
+        model = blockwise_gptq(source, calib_tokens[SELF_SOURCES.get(base, "text")], bits, group_size,
+                               shrink=options.get("shrink", 0.0))
         errors = {}
         for name, lin in quantizable(model).items():
             w, wq, x = quantizable(source)[name].weight.float(), lin.weight.float(), inputs[name]
@@ -265,23 +284,24 @@ def quantize_model(source, run, method: str, bits: int, group_size: int, calib_r
         return model, errors
     model = copy.deepcopy(source)
     solver = method
-    if method.startswith("gptq") or method.startswith("self"):
-        source_name, _, variant = method.partition("+")
-        calib_run = calib_runs[SELF_SOURCES.get(source_name, "text")]
+    if base.startswith("gptq") or base.startswith("self"):
+        calib_run = calib_runs[SELF_SOURCES.get(base, "text")]
         inputs = capture_inputs(model, run)
         errors = {}
         for name, lin in quantizable(model).items():  # forward order: each layer sees the earlier ones quantized
             w = lin.weight.float()
             h = layer_hessian(model, lin, calib_run)
-            damp = float(variant[5:]) if variant.startswith("damp=") else 0.01
-            pw = gptq_quantize(w, h, bits=bits, group_size=group_size, damp=damp,
-                               dtype=torch.bfloat16, static_groups=method != "gptq-dynamic",
-                               act_order=method not in ("gptq-static", "gptq-dynamic"))
+            pw = gptq_quantize(w, h, bits=bits, group_size=group_size, damp=options.get("damp", 0.01),
+                               shrink=options.get("shrink", 0.0), dtype=torch.bfloat16,
+                               static_groups=base != "gptq-dynamic",
+                               act_order=base not in ("gptq-static", "gptq-dynamic"))
             wq = dequantize(pw, torch.float32)
-            if variant == "guard":  # hqq's rounding where it has the lower output error on the calibration inputs
+            if "guard" in options:  # hqq's rounding where it has the lower output error on the calibration inputs
                 wh = dequantize(quantize(w, bits=bits, group_size=group_size, method="hqq", dtype=torch.bfloat16),
                                 torch.float32)
-                if hessian_error(wh - w, h) < hessian_error(wq - w, h):
+                a = options["guard"] if options["guard"] is not None else options.get("shrink", 0.0)
+                hg = (1 - a) * h + a * torch.diag_embed(torch.diag(h))  # the error as H shrunk by a measures it
+                if hessian_error(wh - w, hg) < hessian_error(wq - w, hg):
                     wq = wh
             x = inputs[name]
             ref = x @ w.t()

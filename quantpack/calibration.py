@@ -8,7 +8,8 @@ the model's own data, a few hundred thousand tokens or more.
 ``self`` needs no text: a causal LM samples its own calibration sequences (temperature 1, from BOS and a
 random first token; LLM-QAT's data-free generation), once, at the start of the conversion, on the
 conversion device. Generating holds the whole model there (an 8B model in bfloat16: 16 GB, plus the
-KV cache of :data:`SELF_BATCH` sequences); the block-streamed quantizing that follows does not.
+KV cache of :data:`SELF_BATCH` sequences); the block-streamed quantizing that follows does not, and it
+trusts their Hessians only halfway (:data:`quantpack.gptq.SELF_SHRINK`).
 
 For a model that is not a causal LM (a BERT-style encoder), ``self`` samples token sequences from the
 vocabulary instead (:func:`zipf_token_sequences`: WordPiece vocabularies list their words in frequency

@@ -128,7 +128,8 @@ class GroupSize(click.ParamType):
                    "block at a time (same format).")
 @click.option("--calibration", metavar="FILE|self|builtin", help="UTF-8 text to calibrate on (implies --method "
               "gptq): text like the model's own data, ideally 100k+ tokens; 'self': no text needed, a causal LM "
-              "samples its own (128 sequences, on --device, holding the whole model there while it writes); on an "
+              "samples its own (128 sequences, on --device, holding the whole model there while it writes) and GPTQ "
+              "rounds on their Hessians shrunk halfway to the diagonal; on an "
               "encoder (not a causal LM), 'self' runs 128 token sequences sampled from its vocabulary through it "
               "once (float32, on --device) and refits the 4-bit layers weighted by their inputs' second moments "
               "(8-bit layers: hqq); "

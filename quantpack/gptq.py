@@ -3,11 +3,11 @@ streamed one decoder block at a time.
 
 :func:`gptq_quantize` rounds one linear weight column by column (GPTQ, arXiv 2210.17323): each column's
 rounding error is spread over the columns not yet rounded, weighted by the inverse of the Hessian
-``H = 2 X^T X`` of the layer's inputs (damped by 1% of its mean diagonal; its inverse's Cholesky factor,
-updated lazily in blocks of 128 columns). The group scale and float zero point come from hqq's solver,
-as :func:`quantpack.quantize.quantize` computes them, once from the original weight (static, the default:
-measured better here) or from the partially updated weight when the loop reaches a group's first column
-(GPTQ's usual choice); the result is the ordinary packed format.
+``H = 2 X^T X`` of the layer's inputs (optionally shrunk towards its diagonal, damped by 1% of its mean
+diagonal; its inverse's Cholesky factor, updated lazily in blocks of 128 columns). The group scale and float
+zero point come from hqq's solver, as :func:`quantpack.quantize.quantize` computes them, once from the
+original weight (static, the default: measured better here) or from the partially updated weight when the
+loop reaches a group's first column (GPTQ's usual choice); the result is the ordinary packed format.
 
 :func:`quantize_blocks` runs calibration tokens through a checkpoint without ever holding the model:
 the model is built with empty parameters, the embeddings run once, then block by block the block's own
@@ -36,6 +36,10 @@ STATIC_GROUPS = True  # group parameters from the original weight: a lower KL th
 # columns rounded in decreasing order of the Hessian's diagonal (with static groups): the lowest KL and worst-layer
 # error of the variants measured (BENCHMARKS.md), at no extra cost
 ACT_ORDER = True
+# ``convert --calibration self`` on a causal LM: the Hessian of sampled text shrunk this far towards its diagonal.
+# Sampled text gets some correlations between input features wrong, and GPTQ trusts them; shrinking kept every layer of
+# a pretrained model within hqq's output error for a small loss of KL (BENCHMARKS.md)
+SELF_SHRINK = 0.5
 
 
 class _Stop(Exception):
@@ -46,14 +50,17 @@ class _Stop(Exception):
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4, group_size: int | None = 128,
                   dtype: torch.dtype = torch.bfloat16, static_groups: bool = STATIC_GROUPS,
                   act_order: bool | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                  damp: float = DEFAULT_DAMP) -> PackedWeight:
+                  damp: float = DEFAULT_DAMP, shrink: float = 0.0) -> PackedWeight:
     """Quantize a (N, K) weight whose inputs have the (K, K) Hessian ``hessian``; groups along K (axis 1).
 
     ``static_groups``: every group's scale and zero from the original weight, else from the weight as
     updated when the loop reaches the group. ``act_order`` rounds columns in decreasing order of the
     Hessian's diagonal; it needs static groups (a group must stay contiguous along K with fixed
-    parameters in this format); ``None``: :data:`ACT_ORDER` with static groups, off without. Returns the packed
-    weight (scales and zeros in ``dtype``).
+    parameters in this format); ``None``: :data:`ACT_ORDER` with static groups, off without. ``shrink`` (a, in
+    [0, 1]) rounds with ``(1 - a) H + a diag(H)`` instead of ``H`` (Ledoit-Wolf style shrinkage): trusts the
+    correlations between input features less where the calibration inputs may get them wrong; 0 is GPTQ, 1 leaves
+    no correlation to compensate along, so hqq's rounding with static groups. Returns the packed weight (scales and
+    zeros in ``dtype``).
     """
     if act_order is None:
         act_order = ACT_ORDER and static_groups
@@ -62,6 +69,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
     check_layout_args((n, k), bits, gs, 1)
     if tuple(hessian.shape) != (k, k):
         raise ValueError(f"hessian: shape {tuple(hessian.shape)} does not match in_features={k}")
+    check_shrink(shrink)
     if act_order and not static_groups:
         raise ValueError("act_order=True needs static_groups=True: groups must stay contiguous along in-features "
                          "with fixed parameters")
@@ -71,6 +79,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
     dead = torch.diag(h) == 0  # inputs that were always zero: their weights do not matter
     h[dead, dead] = 1
     w[:, dead] = 0
+    if shrink:
+        diag = torch.diag(h)
+        h *= 1 - shrink
+        h.diagonal().copy_(diag)
     if static_groups:
         pw = quantize(w, bits=bits, group_size=gs, method="hqq", dtype=dtype)
         scales, zeros = pw.scales.clone(), pw.zeros.clone()
@@ -119,6 +131,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, *, bits: int = 4,
         q = q[:, torch.argsort(perm)]
     return PackedWeight(qweight=pack(q, bits), scales=scales, zeros=zeros, bits=bits, group_size=gs, axis=1,
                         shape=(n, k))
+
+
+def check_shrink(shrink: float) -> None:
+    """Refuse, with one line, a Hessian shrinkage outside [0, 1]."""
+    if not 0 <= shrink <= 1:  # also refuses NaN
+        raise ValueError(f"gptq: shrink={shrink} must lie in [0, 1] (0: the full Hessian, GPTQ; 1: its diagonal "
+                         f"only)")
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -236,14 +255,15 @@ def _run_block(block: nn.Module, hidden: torch.Tensor, call) -> torch.Tensor:
 @torch.no_grad()
 def quantize_blocks(model_class, config, read, quant_plan: dict, tokens: torch.Tensor, *, store: Path,
                     dtype: torch.dtype, device, static_groups: bool = STATIC_GROUPS, act_order: bool | None = None,
-                    progress: bool = False) -> dict[str, Path]:
+                    shrink: float = 0.0, progress: bool = False) -> dict[str, Path]:
     """GPTQ every quantized linear of the decoder blocks, one block at a time; write each block's packed
     tensors (``<module>.qweight/.scales/.zeros``) to ``store/block-<i>.safetensors``.
 
     ``model_class(config)`` is built with empty parameters; ``read(name)`` gives the checkpoint tensor
     of the model's state-dict ``name``; ``quant_plan``: {module name: object with ``bits`` and
     ``group_size``} (layers not in it stay unquantized, also while calibrating); ``tokens``:
-    (sequences, length) token ids. Returns {module name: the file holding its packed tensors}.
+    (sequences, length) token ids; ``shrink``: as :func:`gptq_quantize`'s. Returns {module name: the file holding
+    its packed tensors}.
     """
     from accelerate import init_empty_weights
     from safetensors.torch import save_file
@@ -251,6 +271,7 @@ def quantize_blocks(model_class, config, read, quant_plan: dict, tokens: torch.T
 
     from .tiny import quiet_transformers
 
+    check_shrink(shrink)  # before any work
     device = torch.device(device)
     with quiet_transformers(), init_empty_weights(include_buffers=False):
         model = model_class(config)  # parameters on the meta device; buffers (rotary frequencies...) real
@@ -302,7 +323,7 @@ def quantize_blocks(model_class, config, read, quant_plan: dict, tokens: torch.T
             prefix = f"{path}.{i}."
             _materialize(block, prefix, read, device)
             packed = _quantize_block(block, prefix, hidden, calls[i], quant_plan, dtype=dtype,
-                                     static_groups=static_groups, act_order=act_order)
+                                     static_groups=static_groups, act_order=act_order, shrink=shrink)
             if packed:
                 file = store / f"block-{i:05d}.safetensors"
                 save_file({k: v.cpu().contiguous() for k, v in packed.items()}, file)
@@ -316,7 +337,7 @@ def quantize_blocks(model_class, config, read, quant_plan: dict, tokens: torch.T
 
 
 def _quantize_block(block: nn.Module, prefix: str, hidden: list[torch.Tensor], call, quant_plan: dict, *,
-                    dtype, static_groups: bool, act_order: bool | None) -> dict[str, torch.Tensor]:
+                    dtype, static_groups: bool, act_order: bool | None, shrink: float) -> dict[str, torch.Tensor]:
     """GPTQ the planned linears of one block, in the order the block calls them; returns their packed
     tensors by output name and leaves the block computing with the dequantized weights."""
     linears = {prefix + n: m for n, m in block.named_modules() if prefix + n in quant_plan}
@@ -362,7 +383,7 @@ def _quantize_block(block: nn.Module, prefix: str, hidden: list[torch.Tensor], c
         for name in names:
             module, layer = linears[name], quant_plan[name]
             pw = gptq_quantize(module.weight, hess.h, bits=layer.bits, group_size=layer.group_size, dtype=dtype,
-                               static_groups=static_groups, act_order=act_order)
+                               static_groups=static_groups, act_order=act_order, shrink=shrink)
             module.weight.data = dequantize(pw, torch.float32)
             packed.update({f"{name}.qweight": pw.qweight, f"{name}.scales": pw.scales, f"{name}.zeros": pw.zeros})
         del hess

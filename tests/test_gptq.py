@@ -67,6 +67,40 @@ def test_gptq_rounds_in_act_order_by_default_with_static_groups():
     assert torch.equal(codes(static_groups=False), codes(static_groups=False, act_order=False))
 
 
+def test_gptq_shrinks_the_hessian_towards_its_diagonal():
+    w, x = correlated(n=16, k=128, tokens=512)
+    h = 2 * x.t() @ x / x.shape[0]
+    diag = torch.diag_embed(torch.diag(h))
+
+    def packed(hessian, **kw):
+        return gptq_quantize(w, hessian, bits=4, group_size=64, **kw)
+
+    def same(a, b):
+        return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("qweight", "scales", "zeros"))
+
+    full = packed(h)
+    assert same(packed(h, shrink=0.0), full)
+    assert same(packed(h, shrink=1.0), packed(diag))  # no correlation left to compensate along: hqq's rounding
+    assert same(packed(h, shrink=1.0), quantize(w, bits=4, group_size=64, method="hqq", dtype=torch.bfloat16))
+    half = packed(h, shrink=0.5)
+    assert same(half, packed(0.5 * h + 0.5 * diag))
+    assert not same(half, full) and not same(half, packed(diag))
+
+
+@pytest.mark.parametrize("shrink", [-0.1, 1.5, float("nan")])
+def test_gptq_refuses_a_shrinkage_outside_0_1(shrink, tmp_path):
+    from quantpack.gptq import quantize_blocks
+
+    w, _ = correlated(n=16, k=128, tokens=8)
+    with pytest.raises(ValueError, match=r"^gptq: shrink=.* must lie in \[0, 1\]") as info:
+        gptq_quantize(w, torch.eye(128), shrink=shrink)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"^gptq: shrink="):  # before building anything or creating the store
+        quantize_blocks(None, None, None, {}, torch.zeros(1, 4, dtype=torch.long), store=tmp_path / "store",
+                        dtype=torch.bfloat16, device="cpu", shrink=shrink)
+    assert not (tmp_path / "store").exists()
+
+
 def test_gptq_argument_errors():
     w, x = correlated()
     with pytest.raises(ValueError, match="act_order=True needs static_groups=True"):
@@ -75,18 +109,34 @@ def test_gptq_argument_errors():
         gptq_quantize(w, torch.eye(8))
 
 
-def test_convert_gptq_records_method_and_calibration_and_beats_hqq(tiny_llama_dir, tmp_path):
+def spy_shrink(monkeypatch) -> list:
+    """The Hessian shrinkage of every quantize_blocks call a conversion makes."""
+    from quantpack import gptq
+
+    shrinks, real = [], gptq.quantize_blocks
+
+    def spy(*args, **kwargs):
+        shrinks.append(kwargs.get("shrink", 0.0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gptq, "quantize_blocks", spy)
+    return shrinks
+
+
+def test_convert_gptq_records_method_and_calibration_and_beats_hqq(tiny_llama_dir, tmp_path, monkeypatch):
     from quantpack.verify import verify
 
+    shrinks = spy_shrink(monkeypatch)
     summary = convert(tiny_llama_dir, tmp_path / "gptq", group_size=32, calibration="builtin", calibration_length=64,
                       progress=False)
+    assert shrinks == [0.0]  # real text: the full Hessian (shrinkage is for text the model writes itself)
     hqq = convert(tiny_llama_dir, tmp_path / "hqq", group_size=32, progress=False)
     manifest = json.loads((tmp_path / "gptq" / "quantpack.json").read_text())
     config = json.loads((tmp_path / "gptq" / "config.json").read_text())
     assert config["quantization_config"]["method"] == "gptq" and manifest["settings"]["method"] == "gptq"
     cal = manifest["settings"]["calibration"]
     assert cal["sha256"] == hashlib.sha256(BUILTIN_FILE.read_bytes()).hexdigest() and cal["builtin"] is True
-    assert cal["sequence_length"] == 64 and cal["tokens"] == cal["sequences"] * 64 > 0
+    assert cal["sequence_length"] == 64 and cal["tokens"] == cal["sequences"] * 64 > 0 and "shrink" not in cal
     assert not any("gptq" in p.name for p in (tmp_path / "gptq").iterdir())  # the block store is gone
     assert summary.to_dict()["settings"]["calibration"] == cal
     assert len(summary.quantized) == len(hqq.quantized)

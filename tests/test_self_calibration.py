@@ -3,7 +3,7 @@ import json
 
 import torch
 from oracles import assert_stored_layer_matches_float_product
-from test_gptq import assert_refused, cli_convert, correlated, output_error
+from test_gptq import assert_refused, cli_convert, correlated, output_error, spy_shrink
 
 from quantpack import calibration as cal
 from quantpack.convert import convert
@@ -74,17 +74,20 @@ def test_gptq_on_sampled_inputs_beats_hqq_on_the_real_inputs():
     assert e_self < 0.6 * e_hqq, (e_self, e_hqq)
 
 
-def test_convert_self_calibration_records_it_round_trips_and_beats_hqq(tiny_llama_dir, tmp_path):
+def test_convert_self_calibration_records_it_round_trips_and_beats_hqq(tiny_llama_dir, tmp_path, monkeypatch):
     from quantpack.verify import verify
     from quantpack.verify.report import describe_quantization
 
+    shrinks = spy_shrink(monkeypatch)
     summary = convert(tiny_llama_dir, tmp_path / "self", group_size=32, calibration="self", calibration_length=32,
                       progress=False)
+    assert shrinks == [0.5]  # the Hessian of sampled text shrunk halfway to its diagonal, as recorded
     convert(tiny_llama_dir, tmp_path / "hqq", group_size=32, progress=False)
     manifest = json.loads((tmp_path / "self" / "quantpack.json").read_text())
     got = manifest["settings"]["calibration"]
     assert manifest["settings"]["method"] == "gptq"
-    assert got == {"self": True, "seed": 0, "tokens": 128 * 32, "sequences": 128, "sequence_length": 32}
+    assert got == {"self": True, "seed": 0, "tokens": 128 * 32, "sequences": 128, "sequence_length": 32,
+                   "shrink": 0.5}
     assert summary.timings["generate"] > 0 and summary.to_dict()["settings"]["calibration"] == got
     assert "--calibration self" in (tmp_path / "self" / "README.md").read_text()
     assert "written by the model, seed 0" in describe_quantization({"method": "gptq", "calibration": got})

@@ -130,7 +130,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         encoder_batch = None  # --calibration self on a model that is not a causal LM: its sampled inputs
         if method == "gptq":  # refused or tokenized before anything is written
             from .. import calibration as cal
-            from ..gptq import check_model, decoder_blocks
+            from ..gptq import SELF_SHRINK, check_model, decoder_blocks
 
             own = isinstance(args.calibration, cal.SelfCalibration) and not args.method_given
             try:
@@ -157,7 +157,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 tokens = None
                 settings["calibration"] = {"self": True, "seed": args.calibration.seed,
                                            "tokens": cal.DEFAULT_MAX_SEQUENCES * length,
-                                           "sequences": cal.DEFAULT_MAX_SEQUENCES, "sequence_length": length}
+                                           "sequences": cal.DEFAULT_MAX_SEQUENCES, "sequence_length": length,
+                                           "shrink": SELF_SHRINK}
             else:
                 tokens = cal.token_sequences(args.calibration, tokenizer, length)
                 settings["calibration"] = {"sha256": args.calibration.sha256, "tokens": tokens.numel(),
@@ -272,7 +273,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                 summary.timings["generate"] = time.perf_counter() - t_gen
             t_cal = time.perf_counter()
             precomputed = quantize_blocks(type(model), config, lambda n: src.get(source_of[n]), quant_plan, tokens,
-                                          store=partial / GPTQ_STORE, dtype=out_dtype, device=dev, progress=progress)
+                                          store=partial / GPTQ_STORE, dtype=out_dtype, device=dev,
+                                          shrink=settings["calibration"].get("shrink", 0.0), progress=progress)
             summary.timings["calibrate"] = time.perf_counter() - t_cal
         input_weights = None
         if encoder_batch is not None and len(done) < len(names):  # recomputed on resume: deterministic, one forward
