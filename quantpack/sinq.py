@@ -9,13 +9,16 @@ and the checkpoint keeps its format (one scale and one zero per group):
 
 * q/k/v share one vector, absorbed into the preceding RMSNorm/LayerNorm weight (pre-norm blocks
   only: a post-norm block's norm output also feeds the residual);
-* gate/up share one vector, absorbed into the post-attention norm;
+* gate/up share one vector, absorbed into the MLP's input norm (Llama's post-attention norm; the
+  pre-feedforward norm where a block has one, as Gemma 2/3's, whose post-attention norm scales the
+  attention output);
 * down_proj's vector into up_proj's rows (``act(gate) * up`` is linear in up);
 * o_proj's vector into v_proj's rows (attention mixes whole value rows), when every value head
   feeds one query head (no grouped-query sharing) or the vector is shared across the group.
 
-Layers whose input cannot take a scale keep their weight as it is. The weights are then
-quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
+Layers whose input cannot take a scale keep their weight as it is; so do q/k/v and gate/up where
+the norms multiply by ``1 + weight`` (Gemma's): ``(1 + w) t - 1`` is no rescaling of the stored
+weight. The weights are then quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
 
 A vector does not always help: the scaled-down columns' inputs grow by the same factor, so their
 quantization error counts more. Given the target bits and group size, each block's vectors are kept
@@ -115,7 +118,7 @@ def _choose(weights, t, act, bits, group_size):
 @torch.no_grad()
 def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: int, head_dim: int | None,
                  bits: int | None = None, group_size: int | None = None, sites=None, iters: int = DEFAULT_ITERS,
-                 tile: int = DEFAULT_TILE) -> dict[str, torch.Tensor]:
+                 tile: int = DEFAULT_TILE, into_norms: bool = True) -> dict[str, torch.Tensor]:
     """Column-scale vectors for one pre-norm decoder block, from its weights (any float dtype).
 
     Returns a subset of ``{"o": t_o, "qkv": t_qkv, "down": t_d, "gate_up": t_gu}``; applying them
@@ -124,7 +127,10 @@ def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: i
     * o_proj's columns / t_o (repeated over the query heads of each value head), v_proj's rows * t_o;
     * q/k/v_proj's columns / t_qkv, the input norm's weight * t_qkv;
     * down_proj's columns / t_d, up_proj's rows * t_d;
-    * gate/up_proj's columns / t_gu, the post-attention norm's weight * t_gu.
+    * gate/up_proj's columns / t_gu, the MLP's input norm's weight * t_gu.
+
+    ``norm_in``/``norm_post``: the norms' gains (what multiplies the normalised input). Without
+    ``into_norms`` (norms that cannot take a vector) neither ``qkv`` nor ``gate_up`` is returned.
 
     With ``bits`` (and ``group_size``) given, a vector is kept only where it lowers a data-free
     estimate of the block's output error at that precision (:func:`_choose`); without, always.
@@ -151,10 +157,11 @@ def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: i
         if t is not None:
             out["o"] = t
             v = v * t[:, None]
-    t = column_scales([q, k, v], iters=iters, tile=tile)
-    t = choose("qkv", [q, k, v], t, g_in)
-    if t is not None:
-        out["qkv"] = t
+    if into_norms:
+        t = column_scales([q, k, v], iters=iters, tile=tile)
+        t = choose("qkv", [q, k, v], t, g_in)
+        if t is not None:
+            out["qkv"] = t
     if gate is None or up is None or down is None or g_post is None:
         return out
     act = (up * g_post).norm(dim=1) * (gate * g_post).norm(dim=1)  # |act(gate) * up| grows with both
@@ -162,9 +169,10 @@ def block_scales(q, k, v, o, gate, up, down, norm_in, norm_post, *, kv_groups: i
     if t is not None:
         out["down"] = t
         up = up * t[:, None]
-    t = choose("gate_up", [gate, up], column_scales([gate, up], iters=iters, tile=tile), g_post)
-    if t is not None:
-        out["gate_up"] = t
+    if into_norms:
+        t = choose("gate_up", [gate, up], column_scales([gate, up], iters=iters, tile=tile), g_post)
+        if t is not None:
+            out["gate_up"] = t
     return out
 
 
@@ -255,6 +263,22 @@ def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_
     return sorted(done)
 
 
+# model types whose RMSNorm computes ``x_normed * (1 + weight)`` (transformers' Gemma family and its
+# derivatives): a vector cannot be absorbed by rescaling their stored weight
+OFFSET_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text",
+                               "recurrent_gemma", "vaultgemma", "t5gemma", "t5gemma2", "qwen3_next", "qwen3_5",
+                               "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+
+
+def norms_take_vectors(config) -> bool:
+    """Whether the model's norms scale by their stored weight (Llama's RMSNorm, LayerNorm), so that
+    multiplying the weight by a vector multiplies the norm's output by it."""
+    types = {getattr(config, "model_type", None)}
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    types.add(getattr(text, "model_type", None))
+    return not types & OFFSET_NORM_TYPES
+
+
 _ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
           "norm_in": "input_layernorm", "norm_post": "post_attention_layernorm"}
@@ -267,7 +291,8 @@ def plan(names, read, config, *, bits: int | None, group_size: int | None, devic
 
     ``names``: the model's state-dict names; ``read(name)`` returns that tensor. Pre-norm decoder
     blocks are found by Llama's names (``<block>.self_attn.q_proj.weight``, ...,
-    ``<block>.input_layernorm.weight``); ``config`` gives the attention heads. Returns
+    ``<block>.input_layernorm.weight``; the MLP's input norm is ``pre_feedforward_layernorm`` where a
+    block has one); ``config`` gives the attention heads and the norms' kind (:func:`norms_take_vectors`). Returns
     ``({name: (row factor or None, column factor or None)}, {block: kept sites})``: every tensor
     that changes (float32, on the CPU; see :func:`scale_tensor`), and the vectors each block kept
     (see :func:`block_scales`). ``kept`` (a returned record) recomputes those vectors exactly,
@@ -279,12 +304,16 @@ def plan(names, read, config, *, bits: int | None, group_size: int | None, devic
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     kv_groups = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
+    into_norms = norms_take_vectors(config)
     out: dict[str, tuple] = {}
     record: dict[str, list[str]] = {}
     for block in blocks:
         if kept is not None and not kept.get(block):
             continue
-        weights = {role: f"{block}.{path}.weight" for role, path in _ROLES.items()}
+        roles = dict(_ROLES)
+        if f"{block}.pre_feedforward_layernorm.weight" in names:  # post_attention_layernorm scales attention's output
+            roles["norm_post"] = "pre_feedforward_layernorm"
+        weights = {role: f"{block}.{path}.weight" for role, path in roles.items()}
         attn_roles = ("q", "k", "v", "o", "norm_in")
         if not kv_groups or not all(weights[r] in names for r in attn_roles):
             continue
@@ -292,17 +321,20 @@ def plan(names, read, config, *, bits: int | None, group_size: int | None, devic
             for r in ("gate", "up", "down", "norm_post"):
                 weights[r] = None
         t = {r: None if n is None else read(n).to(device) for r, n in weights.items()}
+        if not into_norms:  # the gains the estimates need
+            for r in ("norm_in", "norm_post"):
+                t[r] = None if t[r] is None else t[r].float() + 1
         scales = block_scales(t["q"], t["k"], t["v"], t["o"], t["gate"], t["up"], t["down"], t["norm_in"],
                               t["norm_post"], kv_groups=kv_groups, head_dim=head_dim, bits=bits,
                               group_size=group_size, sites=None if kept is None else set(kept[block]),
-                              iters=iters, tile=tile)
+                              iters=iters, tile=tile, into_norms=into_norms)
         del t
         if scales:
             record[block] = sorted(scales)
         for role, (row, col) in block_transforms(scales, kv_groups=kv_groups, head_dim=head_dim).items():
             row, col = (None if x is None else x.float().cpu() for x in (row, col))
             out[weights[role]] = (row, col)
-            bias = f"{block}.{_ROLES[role]}.bias"
+            bias = f"{block}.{roles[role]}.bias"
             if row is not None and bias in names:
                 out[bias] = (row, None)
     return out, record

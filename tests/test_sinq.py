@@ -72,6 +72,34 @@ def test_absorb_keeps_the_llama_function(kv_heads):
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_absorb_keeps_the_gemma3_function(kv_heads):
+    # Gemma's norms multiply by 1 + weight, and its post-attention norm scales attention's output (the MLP's input
+    # norm is pre_feedforward_layernorm): only o's vector (into v's rows) and down's (into up's) can move
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=kv_heads, head_dim=32, vocab_size=96, max_position_embeddings=64,
+                           layer_types=["sliding_attention", "full_attention"])
+    with quiet_transformers():
+        model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # spread-out columns and norms, as trained weights have
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(torch.exp(torch.randn(p.shape[1]) * 0.7))
+            else:
+                p.copy_(torch.rand_like(p) - 0.5)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (2, 24))
+    changed = sinq.absorb(model)
+    assert set(changed) == {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.o_proj", "mlp.down_proj")}
+    norms = {n: p for n, p in model.named_parameters() if "norm" in n}
+    assert all(torch.equal(p, ref.get_parameter(n)) for n, p in norms.items())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_absorb_keeps_a_post_norm_encoder_and_touches_only_attention_output():
     from transformers import BertConfig, BertModel
 
