@@ -21,12 +21,17 @@ def _llama(**kw):
                       vocab_size=96, max_position_embeddings=64, **kw)
     with quiet_transformers():
         model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # spread-out columns and norms, as trained weights have
+    return _spread(model, norm_offset=0.5)
+
+
+def _spread(model, norm_offset: float):
+    """Spread-out columns and norms, as trained weights have (norm weights uniform from ``norm_offset``)."""
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(torch.exp(torch.randn(p.shape[1]) * 0.7))
             else:
-                p.copy_(torch.rand_like(p) + 0.5)
+                p.copy_(torch.rand_like(p) + norm_offset)
     return model
 
 
@@ -83,13 +88,7 @@ def test_absorb_keeps_the_gemma3_function(kv_heads):
                            num_key_value_heads=kv_heads, head_dim=32, vocab_size=96, max_position_embeddings=64,
                            layer_types=["sliding_attention", "full_attention"])
     with quiet_transformers():
-        model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # spread-out columns and norms, as trained weights have
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(torch.exp(torch.randn(p.shape[1]) * 0.7))
-            else:
-                p.copy_(torch.rand_like(p) - 0.5)
+        model = _spread(Gemma3ForCausalLM(cfg).eval(), norm_offset=-0.5)  # (Gemma's norms scale by 1 + weight)
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 96, (2, 24))
     changed = sinq.absorb(model)
