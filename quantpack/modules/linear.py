@@ -123,10 +123,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         merged = self._merged
-        if merged is not None and merged[1] and merged[0]._held is not None and self.backend != "reference":
-            # a sibling whose columns the first member's call computed (modules/merged.py): taken before any other
-            # work, a decode step makes three such calls a layer
-            out = merged[0].forward(merged[1], x, torch.compiler.is_compiling())
+        if merged is not None and merged[1] and self.backend != "reference":
+            # a sibling: its columns of the product the first member's call computed (modules/merged.py), taken
+            # before any other work, a decode step makes three such calls a layer
+            out = merged[0].take(merged[1], x, torch.compiler.is_compiling())
             if out is not None:
                 return out
         if x.shape[-1] != self.in_features:
@@ -134,8 +134,8 @@ class QuantLinear(nn.Module):
         compiling = torch.compiler.is_compiling()
         qweight, scales, zeros, bias = self._tensors(compiling)
         if self._use_kernel(x, qweight):
-            if self._merged is not None:
-                out = self._merged[0].forward(self._merged[1], x, compiling)
+            if merged is not None and not merged[1]:  # the first member: all the members' product in one launch
+                out = merged[0].compute(x, compiling)
                 if out is not None:
                     return out
             # the custom op while torch.compile traces, the autograd Function when adapters below train (kernels/

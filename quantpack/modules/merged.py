@@ -43,21 +43,26 @@ class MergedProjections:
         self._paths = {}  # (rows, device, environment) -> whether merged_mm runs such a call (eager calls)
         self._replay = None  # (the last eager merged call's launch plan: merged_mm.MergedReplay)
 
-    def forward(self, index: int, x: torch.Tensor, compiling: bool) -> torch.Tensor | None:
-        """Member ``index``'s output for ``x`` from a merged product, or ``None``: the member then runs alone.
-        ``compiling``: whether torch.compile is tracing the call."""
+    def take(self, index: int, x: torch.Tensor, compiling: bool) -> torch.Tensor | None:
+        """Sibling ``index``'s columns of the product the first member's call computed for this very ``x``, or
+        ``None``: the sibling then runs alone. ``compiling``: whether torch.compile is tracing the call."""
         held = self._held
-        if held is not None and index != 0:
-            if held[0] is x and (compiling or held[1] == tensor_version(x)):
-                self._held = (held[0], held[1], held[2], held[3] - 1) if held[3] > 1 else None
-                return held[2][index]
-            self._held, self.unmerged = None, True  # a sibling read another input: not siblings in this model
+        if held is None:
             return None
+        if held[0] is x and (compiling or held[1] == tensor_version(x)):
+            self._held = (held[0], held[1], held[2], held[3] - 1) if held[3] > 1 else None
+            return held[2][index]
+        self._held, self.unmerged = None, True  # a sibling read another input: not siblings in this model
+        return None
+
+    def compute(self, x: torch.Tensor, compiling: bool) -> torch.Tensor | None:
+        """The first member's output for ``x``, from one product of all the members' weights whose other columns
+        are held for the siblings' calls; or ``None``: the first member then runs alone."""
         self._held = None
         members = self.members
         first = members[0]
         rows = math.prod(x.shape[:-1]) if x.dim() >= 1 else 0
-        if (index != 0 or self.unmerged or not 1 <= rows <= MERGE_MAX_M
+        if (self.unmerged or not 1 <= rows <= MERGE_MAX_M
                 or x.dtype not in (torch.float16, torch.bfloat16)
                 or (torch.is_grad_enabled() and x.requires_grad)):
             return None  # (what the mma path never runs, known at trace time too)
