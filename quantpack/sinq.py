@@ -18,7 +18,8 @@ and the checkpoint keeps its format (one scale and one zero per group):
 
 Layers whose input cannot take a scale keep their weight as it is; so do q/k/v and gate/up where
 the norms multiply by ``1 + weight`` (Gemma's): ``(1 + w) t - 1`` is no rescaling of the stored
-weight. The weights are then quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
+weight; the norm modules themselves tell (:func:`norm_gain`), and norms of no known kind are left
+alone too. The weights are then quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
 
 A vector does not always help: the scaled-down columns' inputs grow by the same factor, so their
 quantization error counts more. Given the target bits and group size, each block's vectors are kept
@@ -28,6 +29,7 @@ does this on a checkpoint's tensors one block at a time (the converter's ``--met
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -236,7 +238,7 @@ def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_
     done: set[str] = set()
     for _ in range(passes):
         # Pre-norm decoder blocks (Llama's names: Llama, Mistral, Qwen, ...)
-        changes, _ = plan(params, lambda name: params[name].detach(), model.config, bits=bits,
+        changes, _ = plan(params, lambda name: params[name].detach(), model, bits=bits,
                           group_size=group_size, device=next(model.parameters()).device, iters=iters, tile=tile)
         for name, factors in changes.items():
             p = params[name]
@@ -263,20 +265,40 @@ def absorb(model: nn.Module, *, iters: int = DEFAULT_ITERS, tile: int = DEFAULT_
     return sorted(done)
 
 
-# model types whose RMSNorm computes ``x_normed * (1 + weight)`` (transformers' Gemma family and its
-# derivatives): a vector cannot be absorbed by rescaling their stored weight
-OFFSET_NORM_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text",
-                               "recurrent_gemma", "vaultgemma", "t5gemma", "t5gemma2", "qwen3_next", "qwen3_5",
-                               "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+@torch.no_grad()
+def norm_gain(norm: nn.Module | None) -> str | None:
+    """How ``norm`` applies its weight: ``"weight"`` where its output is the normalised input times its
+    weight (Llama's RMSNorm, LayerNorm), so that multiplying the weight (and bias) by a vector multiplies
+    the output by it; ``"one_plus"`` where it is times ``1 + weight`` (Gemma's RMSNorm), which no
+    rescaling of the stored weight can follow; None for anything else (no 1-D weight, a forward that
+    takes more than the hidden states, another formula).
 
+    Told by running a float32 copy on the CPU (of a model on the meta device too): with every
+    parameter zero, the first kind outputs zero and the second the normalised input.
+    """
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    probe = copy.deepcopy(norm)
+    probe = (probe.to_empty(device="cpu") if weight.is_meta else probe.cpu()).float()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, weight.numel(), generator=gen)
+    w = torch.rand(weight.numel(), generator=gen) + 0.5
 
-def norms_take_vectors(config) -> bool:
-    """Whether the model's norms scale by their stored weight (Llama's RMSNorm, LayerNorm), so that
-    multiplying the weight by a vector multiplies the norm's output by it."""
-    types = {getattr(config, "model_type", None)}
-    text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    types.add(getattr(text, "model_type", None))
-    return not types & OFFSET_NORM_TYPES
+    for p in probe.parameters():
+        p.zero_()
+
+    def run(gain):
+        probe.weight.copy_(gain)
+        return probe(x)
+
+    try:
+        zero, one, scaled = run(torch.zeros_like(w)), run(torch.ones_like(w)), run(w)
+        if bool(zero.eq(0).all()):
+            return "weight" if bool(one.ne(0).any()) and torch.allclose(scaled, one * w) else None
+        return "one_plus" if torch.allclose(scaled, zero * (1 + w)) else None
+    except Exception:  # noqa: BLE001 - a norm this probe cannot run is one it does not know
+        return None
 
 
 _ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -285,14 +307,17 @@ _ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_pr
 
 
 @torch.no_grad()
-def plan(names, read, config, *, bits: int | None, group_size: int | None, device="cpu", kept: dict | None = None,
-         iters: int = DEFAULT_ITERS, tile: int = DEFAULT_TILE) -> tuple[dict[str, tuple], dict[str, list[str]]]:
-    """The rescaling of a checkpoint's tensors, block by block, without building the model.
+def plan(names, read, model: nn.Module, *, bits: int | None, group_size: int | None, device="cpu",
+         kept: dict | None = None, iters: int = DEFAULT_ITERS,
+         tile: int = DEFAULT_TILE) -> tuple[dict[str, tuple], dict[str, list[str]]]:
+    """The rescaling of a checkpoint's tensors, block by block, without loading the model's weights.
 
     ``names``: the model's state-dict names; ``read(name)`` returns that tensor. Pre-norm decoder
     blocks are found by Llama's names (``<block>.self_attn.q_proj.weight``, ...,
     ``<block>.input_layernorm.weight``; the MLP's input norm is ``pre_feedforward_layernorm`` where a
-    block has one); ``config`` gives the attention heads and the norms' kind (:func:`norms_take_vectors`). Returns
+    block has one); ``model`` (its weights may be on the meta device) gives the attention heads (its
+    config) and the norm modules, whose kind :func:`norm_gain` tells: vectors go into norms that
+    scale by their weight only. Returns
     ``({name: (row factor or None, column factor or None)}, {block: kept sites})``: every tensor
     that changes (float32, on the CPU; see :func:`scale_tensor`), and the vectors each block kept
     (see :func:`block_scales`). ``kept`` (a returned record) recomputes those vectors exactly,
@@ -300,11 +325,11 @@ def plan(names, read, config, *, bits: int | None, group_size: int | None, devic
     """
     names = set(names)
     blocks = sorted(n[: -len(".self_attn.q_proj.weight")] for n in names if n.endswith(".self_attn.q_proj.weight"))
+    config = model.config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     kv_groups = heads // kv_heads if heads and kv_heads and heads % kv_heads == 0 else 0
-    into_norms = norms_take_vectors(config)
     out: dict[str, tuple] = {}
     record: dict[str, list[str]] = {}
     for block in blocks:
@@ -320,10 +345,13 @@ def plan(names, read, config, *, bits: int | None, group_size: int | None, devic
         if not all(weights[r] in names for r in ("gate", "up", "down", "norm_post")):
             for r in ("gate", "up", "down", "norm_post"):
                 weights[r] = None
+        kinds = {r: norm_gain(model.get_submodule(f"{block}.{roles[r]}")) for r in ("norm_in", "norm_post")
+                 if weights[r] is not None}
+        into_norms = all(kind == "weight" for kind in kinds.values())
         t = {r: None if n is None else read(n).to(device) for r, n in weights.items()}
-        if not into_norms:  # the gains the estimates need
-            for r in ("norm_in", "norm_post"):
-                t[r] = None if t[r] is None else t[r].float() + 1
+        for r, kind in kinds.items():
+            if kind == "one_plus":  # the gain the estimates need
+                t[r] = t[r].float() + 1
         scales = block_scales(t["q"], t["k"], t["v"], t["o"], t["gate"], t["up"], t["down"], t["norm_in"],
                               t["norm_post"], kv_groups=kv_groups, head_dim=head_dim, bits=bits,
                               group_size=group_size, sites=None if kept is None else set(kept[block]),

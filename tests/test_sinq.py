@@ -77,6 +77,19 @@ def test_absorb_keeps_the_llama_function(kv_heads):
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+def _assert_only_o_and_down_move(model):
+    """``absorb`` on a 2-block model whose norms cannot take a vector: o's vector goes into v's rows, down's into
+    up's, the norms stay as they are, and the function is kept."""
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (2, 24))
+    changed = sinq.absorb(model)
+    assert set(changed) == {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.o_proj", "mlp.down_proj")}
+    norms = {n: p for n, p in model.named_parameters() if "norm" in n}
+    assert all(torch.equal(p, ref.get_parameter(n)) for n, p in norms.items())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kv_heads", [1, 4])
 def test_absorb_keeps_the_gemma3_function(kv_heads):
     # Gemma's norms multiply by 1 + weight, and its post-attention norm scales attention's output (the MLP's input
@@ -89,14 +102,56 @@ def test_absorb_keeps_the_gemma3_function(kv_heads):
                            layer_types=["sliding_attention", "full_attention"])
     with quiet_transformers():
         model = _spread(Gemma3ForCausalLM(cfg).eval(), norm_offset=-0.5)  # (Gemma's norms scale by 1 + weight)
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, 96, (2, 24))
-    changed = sinq.absorb(model)
-    assert set(changed) == {f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn.o_proj", "mlp.down_proj")}
-    norms = {n: p for n, p in model.named_parameters() if "norm" in n}
-    assert all(torch.equal(p, ref.get_parameter(n)) for n, p in norms.items())
+    _assert_only_o_and_down_move(model)
+
+
+class OffsetRMSNorm(torch.nn.Module):
+    """An RMSNorm that scales by 1 + weight, as Gemma's does, in a model of another type."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
+class SquaredRMSNorm(OffsetRMSNorm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight ** 2
+
+
+def _norms():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return [(LlamaRMSNorm(16), "weight"), (torch.nn.LayerNorm(16), "weight"), (Gemma3RMSNorm(16), "one_plus"),
+            (OffsetRMSNorm(16), "one_plus"), (SquaredRMSNorm(16), None), (torch.nn.LayerNorm(16, bias=False), "weight"),
+            (torch.nn.LayerNorm(16, elementwise_affine=False), None), (torch.nn.Identity(), None)]
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_norm_gain_tells_how_a_norm_applies_its_weight(meta):
+    for norm, kind in _norms():
+        if meta:
+            norm = norm.to("meta")
+        weight = getattr(norm, "weight", None)
+        before = None if weight is None or meta else weight.clone()
+        assert sinq.norm_gain(norm) == kind, type(norm).__name__
+        if before is not None:
+            assert torch.equal(norm.weight, before)  # probed on a copy
+
+
+def test_absorb_leaves_offset_norms_alone_whatever_the_model_type():
+    # A (1 + weight) norm in a Llama: only o's and down's vectors may move, as in Gemma.
+    model = _llama(num_key_value_heads=4)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+        for layer in model.model.layers:
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                norm = OffsetRMSNorm(128)
+                norm.weight.copy_(torch.rand(128) - 0.5)
+                setattr(layer, name, norm)
+    _assert_only_o_and_down_move(model)
 
 
 def test_absorb_keeps_a_post_norm_encoder_and_touches_only_attention_output():
@@ -162,8 +217,9 @@ def test_convert_method_sinq_stores_absorbed_norms_and_keeps_the_function(skewed
     # The stored norms are the source's times the absorbed vectors (bfloat16 storage rounding aside).
     source = load_file(skewed_llama_dir / "model.safetensors")
     stored = stored_tensors(out)
-    rescale, again = sinq.plan(source, source.__getitem__, AutoConfig.from_pretrained(skewed_llama_dir), bits=None,
-                               group_size=None, kept=kept)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(AutoConfig.from_pretrained(skewed_llama_dir))
+    rescale, again = sinq.plan(source, source.__getitem__, skeleton, bits=None, group_size=None, kept=kept)
     assert again == kept
     for block, sites in kept.items():
         for site, norm in (("qkv", "input_layernorm"), ("gate_up", "post_attention_layernorm")):

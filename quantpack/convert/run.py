@@ -249,7 +249,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             from .. import sinq
 
             source_of = {v: k for k, v in canonical.items()}
-            rescale, kept = sinq.plan(source_of, lambda n: src.get(source_of[n]), config, bits=bits,
+            rescale, kept = sinq.plan(source_of, lambda n: src.get(source_of[n]), model, bits=bits,
                                       group_size=group_size, device=dev)
             rescale = {source_of[n]: v for n, v in rescale.items()}
             settings["sinq_scales"] = kept  # recorded (not fingerprinted: derived), so verify can redo them

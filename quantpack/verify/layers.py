@@ -22,7 +22,7 @@ def _sinq_rescale(model: nn.Module, reference: checkpoint.SourceCheckpoint, mani
     names = {f"{n}.weight" for n, _ in quantized_modules(model)} | {n for n, _ in model.named_parameters()}
     located = {n: reference_name(reference, n, prefix) for n in names}
     located = {n: r for n, r in located.items() if r is not None}
-    rescale, _ = sinq.plan(located, lambda n: reference.get(located[n]), model.config, bits=None, group_size=None,
+    rescale, _ = sinq.plan(located, lambda n: reference.get(located[n]), model, bits=None, group_size=None,
                            kept=settings["sinq_scales"])
     return rescale
 
