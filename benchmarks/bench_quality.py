@@ -220,26 +220,6 @@ def capture_inputs(model, run) -> dict[str, torch.Tensor]:
     return inputs
 
 
-@torch.no_grad()
-def source_moments(model, calib_run) -> dict[str, torch.Tensor]:
-    """Each quantizable linear's mean squared input per feature (K,) on ``calib_run``'s sequences (no padding)."""
-    sums, hooks = {}, []
-
-    def record(mod, args, name):
-        x = args[0].reshape(-1, args[0].shape[-1]).float()
-        total, rows = sums.get(name, (0.0, 0))
-        sums[name] = (total + x.square().sum(0), rows + x.shape[0])
-
-    for name, lin in quantizable(model).items():
-        hooks.append(lin.register_forward_pre_hook(lambda mod, args, name=name: record(mod, args, name)))
-    try:
-        calib_run(model)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {name: total / rows for name, (total, rows) in sums.items()}
-
-
 class _Stop(Exception):
     pass
 
@@ -354,7 +334,7 @@ def quantize_model(source, run, method: str, bits: int, group_size: int, calib_r
         return model, errors
     if method in ("wrefit-self", "wrefit-text"):  # refit weighted by the source's input moments on the calibration
         calib_run = calib_runs["gen" if method == "wrefit-self" else "text"]  # text or on what it writes itself
-        moments = source_moments(source, calib_run)
+        moments = calibration_mod.input_second_moments(source, list(quantizable(source)), calib_run)
         inputs = capture_inputs(model, run)
         errors = {}
         for name, lin in quantizable(model).items():

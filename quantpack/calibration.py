@@ -23,6 +23,7 @@ import inspect
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -306,18 +307,20 @@ def encoder_body_lengths(config, requested: int | None) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def input_second_moments(model, names, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def input_second_moments(model, names, batch: dict[str, torch.Tensor] | Callable) -> dict[str, torch.Tensor]:
     """One forward of ``batch`` through ``model``: for each linear module in ``names``, the mean over the unpadded
     tokens of its inputs' squares per input feature (K,), in float32 on the CPU. A layer the forward never calls
-    has none."""
-    keep = batch["attention_mask"].bool()
+    has none. ``batch``: the model's keyword inputs, padding marked by their ``attention_mask``; or a function
+    that runs the model on inputs without padding (every token counts)."""
+    keep = None if callable(batch) else batch["attention_mask"].bool()
     sums: dict[str, list] = {}
 
     def hook(name):
         def record(module, args):
             x = args[0]
             # a layer fed one row per sequence (a pooler's [CLS] token) has no padding to drop
-            x = x[keep] if tuple(x.shape[:-1]) == tuple(keep.shape) else x.reshape(-1, x.shape[-1])
+            x = (x[keep] if keep is not None and tuple(x.shape[:-1]) == tuple(keep.shape)
+                 else x.reshape(-1, x.shape[-1]))
             x = x.float()
             got = sums.setdefault(name, [0.0, 0])
             got[0] = got[0] + x.square().sum(0)
@@ -326,7 +329,10 @@ def input_second_moments(model, names, batch: dict[str, torch.Tensor]) -> dict[s
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
     try:
-        model(**batch)
+        if callable(batch):
+            batch(model)
+        else:
+            model(**batch)
     finally:
         for h in handles:
             h.remove()

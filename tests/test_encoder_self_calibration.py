@@ -68,6 +68,20 @@ def test_second_moments_leave_padding_out(tiny_encoder_dir):
         torch.testing.assert_close(v, got[name])
 
 
+def test_second_moments_of_a_function_running_the_model(tiny_encoder_dir):
+    from transformers import BertModel
+
+    with quiet_transformers():
+        model = BertModel.from_pretrained(tiny_encoder_dir, dtype=torch.float32).eval()
+    tok = cal.load_tokenizer(tiny_encoder_dir)
+    ids = cal.zipf_token_sequences(tok, model.config.vocab_size, 8, (3, 12), seed=1)["input_ids"][:, :5]  # unpadded
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    names = ["encoder.layer.0.attention.self.query", "encoder.layer.1.output.dense"]
+    got = cal.input_second_moments(model, names, lambda m: m(**batch).last_hidden_state)
+    want = cal.input_second_moments(model, names, batch)
+    assert set(got) == set(names) and all(torch.equal(got[n], want[n]) for n in names)
+
+
 @pytest.fixture(scope="module")
 def structured_encoder_dir(tmp_path_factory):
     """The tiny encoder with a few outlier hidden channels (as trained encoders have): the layers reading the
