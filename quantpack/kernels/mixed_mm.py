@@ -144,11 +144,12 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     :class:`~quantpack.kernels.launch_plan.PlanCache` kept for this weight, makes repeated calls of one
     x shape replay the first one's launch without its host-side work (launch_plan.py).
     Runs Triton on CUDA (and on CPU under TRITON_INTERPRET=1), the reference otherwise."""
+    capturing = isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing()
     if plans is not None:
         env = read_env()
         if not (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] > 0) or not launch_plans_enabled(env):
             plans = None  # (the checks below say what is wrong)
-        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+        elif capturing:
             plans = None  # (a captured call runs once, and may take another path than the eager calls' plans)
         else:
             x2 = x.reshape(-1, x.shape[-1])
@@ -182,7 +183,6 @@ def mixed_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         if tunes_on_first_use(x2, transposed, bits, n, k):
             autotune(x2, qweight, scales, zeros, group_size=group_size, bits=bits, transposed=transposed)
     props = device_props(x2.device)
-    capturing = x2.is_cuda and torch.cuda.is_current_stream_capturing()
     decision = choose(props, x2.shape[0], n, k, bits, x2.dtype, axis=axis, group_size=group_size,
                       transposed=transposed, flags=Flags.from_env(), config=config,
                       mma_fits=lambda: mma_usable(x2, n, k, group_size, bits, axis),
