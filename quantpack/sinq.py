@@ -19,7 +19,8 @@ and the checkpoint keeps its format (one scale and one zero per group):
 Layers whose input cannot take a scale keep their weight as it is; so do q/k/v and gate/up where
 the norms multiply by ``1 + weight`` (Gemma's): ``(1 + w) t - 1`` is no rescaling of the stored
 weight; the norm modules themselves tell (:func:`norm_gain`), and norms of no known kind are left
-alone too. The weights are then quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
+alone too; a block holding more than attention, MLP and norms keeps all its weights (:func:`plain_block`).
+The weights are then quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
 
 A vector does not always help: the scaled-down columns' inputs grow by the same factor, so their
 quantization error counts more. Given the target bits and group size, each block's vectors are kept
@@ -301,6 +302,30 @@ def norm_gain(norm: nn.Module | None) -> str | None:
         return None
 
 
+# What a pre-norm decoder block may hold for the vectors to move exactly: Llama's attention, MLP and norms, Gemma 2/3's
+# extra norms, q/k norms (q's and k's rows never change). Anything else may read a norm's output or sit between v
+# and o (Cohere's MLP reads the input norm, Gemma 3n's side branches too, and it normalizes v): such a block keeps
+# its weights as they are.
+_BLOCK_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm",
+                             "pre_feedforward_layernorm", "post_feedforward_layernorm"})
+_ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "query_layernorm",
+                                 "key_layernorm"})
+_MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
+
+
+def plain_block(block: nn.Module, mlp: bool) -> bool:
+    """Whether ``block`` is made of nothing but the modules above, its MLP reading a norm of its own; ``mlp``:
+    whether its MLP's vectors are to move too (then the MLP holds nothing but its projections and activation)."""
+    children = dict(block.named_children())
+    attention = children.get("self_attn")
+    if (attention is None or not children.keys() <= _BLOCK_CHILDREN
+            or not dict(attention.named_children()).keys() <= _ATTENTION_CHILDREN):
+        return False
+    if "mlp" in children and not children.keys() & {"post_attention_layernorm", "pre_feedforward_layernorm"}:
+        return False  # (a parallel block: the MLP reads the attention's input norm)
+    return not mlp or dict(children["mlp"].named_children()).keys() <= _MLP_CHILDREN
+
+
 _ROLES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
           "norm_in": "input_layernorm", "norm_post": "post_attention_layernorm"}
@@ -345,6 +370,8 @@ def plan(names, read, model: nn.Module, *, bits: int | None, group_size: int | N
         if not all(weights[r] in names for r in ("gate", "up", "down", "norm_post")):
             for r in ("gate", "up", "down", "norm_post"):
                 weights[r] = None
+        if not plain_block(model.get_submodule(block), mlp=weights["gate"] is not None):
+            continue
         kinds = {r: norm_gain(model.get_submodule(f"{block}.{roles[r]}")) for r in ("norm_in", "norm_post")
                  if weights[r] is not None}
         into_norms = all(kind == "weight" for kind in kinds.values())

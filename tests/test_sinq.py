@@ -154,6 +154,40 @@ def test_absorb_leaves_offset_norms_alone_whatever_the_model_type():
     _assert_only_o_and_down_move(model)
 
 
+def test_absorb_leaves_a_parallel_block_alone():
+    # Cohere's MLP reads the attention's input norm: a vector in that norm would change the MLP's input too
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    cfg = CohereConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=96, max_position_embeddings=64, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2)
+    with quiet_transformers():
+        model = _spread(CohereForCausalLM(cfg).eval(), norm_offset=0.5)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (2, 24))
+    assert sinq.absorb(model) == []
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_plain_block_refuses_what_it_does_not_know():
+    def block(attention=("q_proj", "k_proj", "v_proj", "o_proj"), mlp=("gate_proj", "up_proj", "down_proj"),
+              norms=("input_layernorm", "post_attention_layernorm"), extra=()):
+        def holder(names):
+            return torch.nn.ModuleDict({n: torch.nn.Identity() for n in names})
+        return torch.nn.ModuleDict({"self_attn": holder(attention), "mlp": holder(mlp),
+                                    **{n: torch.nn.Identity() for n in (*norms, *extra)}})
+
+    assert sinq.plain_block(block(), mlp=True)
+    assert sinq.plain_block(block(attention=("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")), mlp=True)
+    assert not sinq.plain_block(block(attention=("q_proj", "k_proj", "v_proj", "o_proj", "v_norm")), mlp=True)
+    assert not sinq.plain_block(block(extra=("laurel",)), mlp=True)
+    assert not sinq.plain_block(block(norms=("input_layernorm",)), mlp=False)  # the MLP reads the input norm
+    assert not sinq.plain_block(block(mlp=("experts", "gate")), mlp=True)
+    assert sinq.plain_block(block(mlp=("experts", "gate")), mlp=False)  # attention's vectors may still move
+
+
 def test_absorb_keeps_a_post_norm_encoder_and_touches_only_attention_output():
     from transformers import BertConfig, BertModel
 
