@@ -8,9 +8,10 @@ so no 16 GB files are involved. Decode tokens/s = batch * tokens / time of the d
 * ``default``: plain ``model.generate(prompt, max_new_tokens=N)`` on the model as ``quantpack.load`` returns it:
   a static KV cache and each decode step replayed from a CUDA graph (quantpack.generation). What a user gets.
 * ``eager``: transformers' ``generate`` (dynamic cache), what bf16 gives out of the box and ``decode="eager"`` opts into;
-  at batch 1 it is bound by Python and kernel-launch overhead as much as by memory. The quantized
-  model is also timed with its launch plans off (``QUANTPACK_LAUNCH_PLANS=0``: every linear call does
-  its host-side dispatch again), the cost those plans save.
+  bound by the host's Python, whose speed drifts by more than the models differ: bf16 (a copy kept for this) and
+  each quantized model are timed in alternating rounds (``--eager-rounds``), tok/s from the median step time over
+  all rounds, and the ratio is the median of the rounds' ratios. ``--no-plans`` also times the quantized model
+  with its launch plans off (``QUANTPACK_LAUNCH_PLANS=0``), the cost those plans save.
 * ``graph``: one greedy decode step with a static KV cache captured in a CUDA graph and replayed,
   which removes that overhead and shows what the weights' memory traffic costs.
 * ``compiled``: ``generate(..., cache_implementation="static")``, for which transformers compiles the decode step
@@ -36,6 +37,7 @@ tok_s, first_call_s), bf16 and quantpack from the same run; ``--profile`` adds d
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -100,6 +102,53 @@ def generate_decode(model, prompt, new_tokens: int, repeats: int = 3, **generate
 
 
 @torch.no_grad()
+def eager_steps(model, prompt, new_tokens: int) -> tuple[list[float], list[float]]:
+    """The wall time and the main thread's CPU time of each decode step of one eager ``generate`` (ms; the prefill
+    excluded), stamped by a stopping criterion, which transformers calls once a step. Steps, not whole calls: the
+    host's Python speed drifts for seconds at a time, and a median over many steps of alternating calls sees through
+    that; the CPU time leaves out the time the thread was not running (a shared host's other work)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append((time.perf_counter(), time.thread_time()))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              stopping_criteria=StoppingCriteriaList([Stamp()]))
+    with torch.no_grad():
+        model.generate(prompt, **kw)
+    return ([(b[0] - a[0]) * 1e3 for a, b in zip(stamps, stamps[1:])],
+            [(b[1] - a[1]) * 1e3 for a, b in zip(stamps, stamps[1:])])
+
+
+def eager_alternating(bf16, qmodel, prompt, new_tokens: int, rounds: int) -> dict:
+    """bf16 and quantized eager ``generate`` timed alternately, one call each a round (after one round of warm-up):
+    each model's tokens/s from its median step time over all rounds, and the median and range of the rounds' ratios
+    (quantized over bf16, by each round's median step)."""
+    import statistics
+
+    from quantpack.modules import fused
+
+    steps = {"bf16": [], "quantpack": []}
+    ratios = []
+    for r in range(rounds + 1):
+        fused.remove(qmodel)  # (the fused rotary replaces transformers' function, which bf16 calls too)
+        b = eager_steps(bf16, prompt, new_tokens)[0]
+        fused.apply(qmodel)
+        q = eager_steps(qmodel, prompt, new_tokens)[0]
+        if r:
+            steps["bf16"] += b
+            steps["quantpack"] += q
+            ratios.append(statistics.median(b) / statistics.median(q))
+    ratios.sort()
+    tok_s = {k: prompt.shape[0] * 1e3 / statistics.median(v) for k, v in steps.items()}
+    return {"bf16_tok_s": tok_s["bf16"], "tok_s": tok_s["quantpack"], "ratio": statistics.median(ratios),
+            "ratio_range": [ratios[0], ratios[-1]], "rounds": rounds}
+
+
 def compiled_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
     """(tokens/s, seconds of the first call) of generate() with a static cache, whose decode step transformers
     compiles (inductor, CUDA graphs) on the first call."""
@@ -289,6 +338,10 @@ def append_results(args, results) -> None:
                             "first_call_s": row.get(f"{path_name}_first_call_s")}
                     if model == "quantpack":
                         line["projections"] = variant
+                    detail = row.get(f"{path_name}_detail")
+                    if detail:  # (alternating rounds: the ratio to bf16 in those rounds)
+                        line.update(ratio=detail["ratio"], ratio_range=detail["ratio_range"], rounds=detail["rounds"],
+                                    bf16_tok_s=detail["bf16_tok_s"])
                     f.write(json.dumps(line) + "\n")
         for prof in results.get("profiles", []):
             f2 = path.replace("decode.jsonl", "decode_profile.jsonl")
@@ -296,7 +349,9 @@ def append_results(args, results) -> None:
                 g.write(json.dumps({**base, **prof}) + "\n")
 
 
-def measure(model, args, prompts, label, results, quantized=False):
+def measure(model, args, prompts, label, results, quantized=False, bf16=None):
+    """Time ``model`` in each of ``args.modes`` at each batch size into a row of ``results``; ``bf16``: the bf16
+    model the quantized one's eager rounds alternate with."""
     for b in args.batch_sizes:
         row = {"model": label, "batch": b}
         if "default" in args.modes and quantized:
@@ -312,10 +367,14 @@ def measure(model, args, prompts, label, results, quantized=False):
                 print(json.dumps(prof), flush=True)
             except Exception as exc:
                 print(f"profile failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        if "eager" in args.modes:
+        if "eager" in args.modes and quantized:  # (bf16's eager cell: from these rounds)
             try:
-                row["eager_tok_s"] = generate_decode(model, prompts[b], args.new_tokens)
-                if quantized and args.no_plans:
+                got = eager_alternating(bf16, model, prompts[b], args.new_tokens, args.eager_rounds)
+                row["eager_tok_s"], row["eager_ratio"] = got["tok_s"], got["ratio"]
+                row["eager_detail"] = got
+                bf16_row = next(r for r in results["rows"] if r["model"] == "bf16" and r["batch"] == b)
+                bf16_row.setdefault("eager_tok_s", got["bf16_tok_s"])  # (the first quantized model's rounds)
+                if args.no_plans:
                     row["eager_no_plans_tok_s"] = without_launch_plans(generate_decode, model, prompts[b],
                                                                        args.new_tokens)
             except Exception as exc:  # keep going: report what failed
@@ -351,6 +410,8 @@ def main(argv=None) -> int:
                         choices=["default", "eager", "graph", "compiled"])
     parser.add_argument("--profile", action="store_true", help="profile the default path's decode steps by op family")
     parser.add_argument("--no-plans", action="store_true", help="also time eager decode without launch plans")
+    parser.add_argument("--eager-rounds", type=int, default=5,
+                        help="alternating rounds of bf16 and quantized eager decode [default: 5]")
     parser.add_argument("--commit", help="the commit measured, where the tree has no .git")
     parser.add_argument("--results", help="JSON-lines file to append to [default: benchmarks/results/decode.jsonl]")
     parser.add_argument("--no-merged", dest="merged", action="store_false",
@@ -382,6 +443,8 @@ def main(argv=None) -> int:
     prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=g).to(device) for b in args.batch_sizes}
     results["bf16_weight_bytes"] = weight_bytes(model)
     measure(model, args, prompts, "bf16", results)
+    bf16 = copy.deepcopy(model) if "eager" in args.modes else None  # (the quantized models' eager rounds alternate
+    # with it: GPU memory for a second bf16 copy)
 
     t = time.perf_counter()
     results["quantized_layers"] = quantize_in_place(model, bits=args.bits, group_size=args.group_size,
@@ -394,7 +457,8 @@ def main(argv=None) -> int:
     results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
     if args.unmerged:
-        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True)
+        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True,
+                bf16=bf16)
     if args.merged:  # each layer's q/k/v and gate/up as one GEMV at decode, as quantpack.load links them
         from quantpack.modules.merged import merge_projections
 
@@ -402,7 +466,8 @@ def main(argv=None) -> int:
         one_token = prompts[min(args.batch_sizes)][:1, :1]  # (one row of x: the merged decode path)
         results["merged_kernel_vs_reference_rel_err"] = kernel_vs_reference(model, one_token)
         print(json.dumps({k: v for k, v in results.items() if k.startswith("merged")}), flush=True)
-        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged", results, quantized=True)
+        measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged", results, quantized=True,
+                bf16=bf16)
     bf16_head = model.lm_head
     for bits in args.lm_head_bits:  # (last: the rows above keep the bf16 lm_head, as convert does by default)
         from quantpack.modules.linear import QuantLinear
@@ -413,14 +478,15 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         results[f"lm_head_w{bits}_weight_bytes"] = weight_bytes(model)
         measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged lm_head w{bits}", results,
-                quantized=True)
+                quantized=True, bf16=bf16)
 
     nan = float("nan")
-    print(f"\n{'model':<30}{'batch':>6}{'default tok/s':>15}{'(first s)':>10}{'eager tok/s':>14}{'graph tok/s':>14}"
-          f"{'compiled tok/s':>16}{'(first call s)':>16}{'eager, no launch plans':>24}")
+    print(f"\n{'model':<30}{'batch':>6}{'default tok/s':>15}{'(first s)':>10}{'eager tok/s':>14}{'(x bf16)':>9}"
+          f"{'graph tok/s':>14}{'compiled tok/s':>16}{'(first call s)':>16}{'eager, no launch plans':>24}")
     for row in results["rows"]:
         print(f"{row['model']:<30}{row['batch']:>6}{row.get('default_tok_s', nan):>15.1f}"
               f"{row.get('default_first_call_s', nan):>10.1f}{row.get('eager_tok_s', nan):>14.1f}"
+              f"{row.get('eager_ratio', nan):>9.2f}"
               f"{row.get('graph_tok_s', nan):>14.1f}{row.get('compiled_tok_s', nan):>16.1f}"
               f"{row.get('compiled_first_call_s', nan):>16.1f}"
               f"{row.get('eager_no_plans_tok_s', nan):>24.1f}")

@@ -110,28 +110,6 @@ def measure(model, label, prompt, new_tokens):
     return min(walls) / steps
 
 
-def step_ms(model, prompt, new_tokens) -> tuple[list[float], list[float]]:
-    """The wall time and the main thread's CPU time of each decode step of one eager ``generate`` (ms; the prefill
-    excluded), stamped by a stopping criterion, which transformers calls once a step. Steps, not whole calls: this
-    host's Python speed drifts for seconds at a time, and a median over many steps of alternating calls sees through
-    that; the CPU time leaves out the time the thread was not running (a shared host's other work)."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    stamps = []
-
-    class Stamp(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            stamps.append((time.perf_counter(), time.thread_time()))
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-              stopping_criteria=StoppingCriteriaList([Stamp()]))
-    with torch.no_grad():
-        model.generate(prompt, **kw)
-    return ([(b[0] - a[0]) * 1e3 for a, b in zip(stamps, stamps[1:])],
-            [(b[1] - a[1]) * 1e3 for a, b in zip(stamps, stamps[1:])])
-
-
 def replays(model, on: bool):
     """Whether merged projections replay an identical eager call's plan (MergedProjections' replay); drops the
     recorded ones either way."""
@@ -199,12 +177,12 @@ def ab(a, args, prompt):
     ratios = {label: ([], []) for label in labels[1:]}
     for r in range(a.rounds + 1):  # (round 0 warms up: not counted)
         fused.remove(qmodel)  # (its rotary replaces transformers' function, which bf16 calls too)
-        got = {"bf16": step_ms(model, prompt, a.new_tokens)}
+        got = {"bf16": bench_decode.eager_steps(model, prompt, a.new_tokens)}
         fused.apply(qmodel)
         for on, label in ((True, labels[1]), (False, labels[2])):
             switch(qmodel, on)
-            step_ms(qmodel, prompt, 4)  # (the first calls after the switch record new plans)
-            got[label] = step_ms(qmodel, prompt, a.new_tokens)
+            bench_decode.eager_steps(qmodel, prompt, 4)  # (the first calls after the switch record new plans)
+            got[label] = bench_decode.eager_steps(qmodel, prompt, a.new_tokens)
         switch(qmodel, True)
         if r == 0:
             continue
