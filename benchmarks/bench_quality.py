@@ -36,10 +36,12 @@ original weight, columns in decreasing Hessian-diagonal order), ``gptq-act`` (th
 ``gptq-static`` (original-weight groups, columns in order) and ``gptq-dynamic`` (groups from the weight as updated
 when the loop reaches them, columns in order) quantize the layers in forward order, each with the Hessian of its
 inputs on calibration text through the model quantized so far: the last 60,000 characters of the training part of the
-corpus (the witness was trained on them; disjoint from the held-out evaluation text).
+corpus (the witness was trained on them; disjoint from the held-out evaluation text), cut as ``convert --calibration
+FILE`` cuts it for a causal LM (quantpack.calibration.token_sequences: BOS-led sequences of 512 tokens, at most the
+model's context, at most 128 of them).
 ``gptq-self`` is ``gptq`` calibrated on no text, as ``convert --calibration self`` runs it: on the witness, sequences
-the model samples itself (quantpack.calibration.sampled_token_sequences: BOS, a random token, then temperature 1,
-as many sequences and as long as the text's); on the encoder, which writes nothing, random ordinary tokens between
+the model samples itself (quantpack.calibration.sampled_token_sequences: BOS, a random token, then temperature 1;
+64 sequences of 128 tokens, where convert samples 128 of 512); on the encoder, which writes nothing, random ordinary tokens between
 [CLS] and [SEP]; their Hessians shrunk towards the diagonal by quantpack.gptq.SELF_SHRINK. Candidates measured on
 the way: ``self-random`` (random ordinary tokens), ``self-gen`` (``gptq-self`` unshrunk), ``self-mix`` (half each).
 Options, combined with ``+``: ``+guard`` keeps hqq's rounding for a layer where it has the lower output error on the
@@ -446,7 +448,9 @@ def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     seq = 128
     batch = text_windows(tok, text, 8, seq)
-    calib = text_windows(tok, calibration, 64, seq)
+    # the calibration text as convert --calibration FILE cuts it (sequences of its default length, BOS-led)
+    calib = calibration_mod.token_sequences(calibration_mod.CalibrationText(calibration, "bench_quality", ""), tok,
+                                            calibration_mod.sequence_length(model.config, None))
 
     def run(m):
         return m(batch).logits
@@ -455,7 +459,7 @@ def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False
         return m(calib).logits
 
     ids_ok = calibration_mod.ordinary_token_ids(tok, model.config.vocab_size)
-    count, length = calib.shape
+    count, length = 64, seq  # (the sampled inputs: fewer and shorter than convert's, for the CPU's time)
     rand = calibration_mod.random_token_sequences(ids_ok, count, length, seed=0, lead=tok.bos_token_id)
     gen = calibration_mod.sampled_token_sequences(model, ids_ok, count, length, seed=calibration_mod.SELF_SEED,
                                                   bos=tok.bos_token_id)
