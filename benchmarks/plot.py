@@ -31,6 +31,10 @@ REQUIRED = {"kernels": KERNEL_FIELDS, "decode": DECODE_FIELDS, "conversion": CON
 IMPL_ORDER = ["quantpack", "tinygemm", "gemlite", "torchao", "hqq", "int_mm", "w4a8", "w8a8"]
 
 
+# convert's methods, in the quality plot's order and colours
+QUALITY_METHODS = ("rtn", "hqq", "sinq", "refit", "gptq", "gptq-self")
+
+
 def impl_color(impl: str) -> str:
     """One colour per implementation in every panel and figure (matplotlib's cycle, by IMPL_ORDER)."""
     i = IMPL_ORDER.index(impl) if impl in IMPL_ORDER else len(IMPL_ORDER) + sum(map(ord, impl))
@@ -179,17 +183,20 @@ def plot_quality(rows, out: Path, plt) -> list[Path]:
     rows = [r for r in rows if any(k in r for k in metric_of)]
     if not rows:
         return []
-    # Each checkpoint's latest run only: an older run may be of another build of the checkpoint (the witness is
-    # retrained from the documentation of its commit), and its ratios do not compare with the latest.
-    latest = {r["checkpoint"]: r["commit"] for r in rows}
-    rows = [r for r in rows if r["commit"] == latest[r["checkpoint"]]]
+    # The methods convert offers, each from its latest run on the checkpoint (every ratio is to hqq in its own run):
+    # an older run may be of an older form of the method, or of another build of the witness
+    rows = [r for r in rows if r["method"] in QUALITY_METHODS
+            and not (r["method"] == "gptq-self" and "one_minus_cos_ratio_to_hqq" in r)]  # (on an encoder, convert
+    # --calibration self runs a weighted refit: its rows come from another script)
+    latest = {(r["checkpoint"], r["method"]): r["commit"] for r in rows}
+    rows = [r for r in rows if r["commit"] == latest[r["checkpoint"], r["method"]]]
     cells = newest(rows, lambda r: (r["checkpoint"], r["method"], r["bits"], r["group_size"]))
     checkpoints = sorted({r["checkpoint"] for r in cells})
     fig, axes = plt.subplots(1, len(checkpoints), figsize=(4.8 * len(checkpoints), 3.2), squeeze=False)
     for ax, name in zip(axes.flat, checkpoints):
         mine = [r for r in cells if r["checkpoint"] == name]
         configs = sorted({(r["bits"], r["group_size"]) for r in mine})
-        methods = sorted({r["method"] for r in mine}, key=lambda m: (m != "rtn", m != "hqq", m))
+        methods = sorted({r["method"] for r in mine}, key=QUALITY_METHODS.index)
         key = next(k for k in metric_of if k in mine[0])
         width = 0.8 / len(methods)
         for i, method in enumerate(methods):
@@ -199,7 +206,7 @@ def plot_quality(rows, out: Path, plt) -> list[Path]:
                 if r is not None:
                     xs.append(c + (i - (len(methods) - 1) / 2) * width)
                     ys.append(r[key])
-            ax.bar(xs, ys, width, label=method)
+            ax.bar(xs, ys, width, label=method, color=f"C{QUALITY_METHODS.index(method)}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xticks(range(len(configs)))
         ax.set_xticklabels([f"{b}-bit g{g}" for b, g in configs], fontsize=8)
