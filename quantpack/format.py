@@ -7,7 +7,8 @@ A linear weight ``W`` of shape (N out-features, K in-features) is stored as
 * ``scales``, ``zeros``: compute dtype, contiguous. ``axis=1`` (groups along K): (K/group_size, N).
   ``axis=0`` (groups along N): (K, N/group_size).
 
-and dequantizes as ``W[n, k] = (q[n, k] - zero) * scale``. docs/format.md is the written spec.
+and dequantizes as ``W[n, k] = (q[n, k] - zero) * scale``. A mixture-of-experts projection stacks its experts' tensors
+along a leading axis in memory (:class:`PackedExperts`). docs/format.md is the written spec.
 """
 from __future__ import annotations
 
@@ -151,3 +152,56 @@ def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     high = qweight >> 4  # uint8 shift is logical: no sign extension
     kq, n = qweight.shape
     return torch.stack((low, high), dim=1).reshape(2 * kq, n).t().contiguous()
+
+
+@dataclass
+class PackedExperts:
+    """One projection of a mixture-of-experts block, all experts stacked along a leading axis: expert ``e``'s
+    matrix is the :class:`PackedWeight` ``(qweight[e], scales[e], zeros[e])`` of shape ``shape`` (N, K), groups along
+    K (``axis=1``). This is the in-memory layout the fused expert kernels read (checkpoints keep one matrix per expert,
+    docs/format.md); ``bias``, where the block has one, is (E, N) in the scales' dtype."""
+
+    qweight: torch.Tensor  # uint8, (E, K/2, N) at 4 bits, (E, K, N) at 8
+    scales: torch.Tensor  # (E, K/group_size, N)
+    zeros: torch.Tensor  # (E, K/group_size, N)
+    bits: int
+    group_size: int
+    shape: tuple[int, int]  # (N, K) of each expert's matrix
+    bias: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.qweight.shape[0]
+
+    def expert(self, e: int) -> PackedWeight:
+        """Expert ``e``'s matrix as a :class:`PackedWeight` (views, no copy)."""
+        return PackedWeight(self.qweight[e], self.scales[e], self.zeros[e], self.bits, self.group_size, 1, self.shape)
+
+    @classmethod
+    def stack(cls, weights: "list[PackedWeight]", bias: torch.Tensor | None = None) -> "PackedExperts":
+        """Stack per-expert matrices of one projection; they must share shape, bits and group size (axis 1)."""
+        if not weights:
+            raise ValueError("PackedExperts.stack: no expert matrices given")
+        first = weights[0]
+        for e, w in enumerate(weights):
+            w.validate()
+            if (w.shape, w.bits, w.group_size, w.axis) != (first.shape, first.bits, first.group_size, 1):
+                raise ValueError(f"expert {e}: shape {w.shape}, bits {w.bits}, group size {w.group_size}, axis "
+                                 f"{w.axis} differ from expert 0's ({first.shape}, {first.bits}, {first.group_size}, "
+                                 f"axis 1); experts of one projection are stacked only when they share all four")
+        return cls(torch.stack([w.qweight for w in weights]), torch.stack([w.scales for w in weights]),
+                   torch.stack([w.zeros for w in weights]), first.bits, first.group_size, first.shape, bias)
+
+    def validate(self) -> None:
+        """Raise ValueError if the stacked tensors do not match the declared bits, group size and shape."""
+        e = self.num_experts
+        check_layout_args(self.shape, self.bits, self.group_size, 1)
+        want = packed_shapes(self.shape, self.bits, self.group_size, 1)
+        for name, t in (("qweight", self.qweight), ("scales", self.scales), ("zeros", self.zeros)):
+            if tuple(t.shape) != (e, *want[name]):
+                raise ValueError(f"{name}: shape {tuple(t.shape)} does not match {(e, *want[name])} expected for "
+                                 f"{e} experts of shape={self.shape} bits={self.bits} group_size={self.group_size}")
+        if self.qweight.dtype != torch.uint8:
+            raise ValueError(f"qweight: dtype {self.qweight.dtype}, expected torch.uint8")
+        if self.bias is not None and tuple(self.bias.shape) != (e, self.shape[0]):
+            raise ValueError(f"bias: shape {tuple(self.bias.shape)}, expected {(e, self.shape[0])}")

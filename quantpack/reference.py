@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import PackedWeight, unpack
+from .format import PackedExperts, PackedWeight, unpack
 
 
 def expand_meta(meta: torch.Tensor, shape, group_size: int, axis: int) -> torch.Tensor:
@@ -57,4 +57,66 @@ def matmul_fp8_activations(x: torch.Tensor, pw: PackedWeight, bias: torch.Tensor
     out = (xq.float() @ dequantize(pw, torch.float32).t()) * scale.unsqueeze(-1)
     if bias is not None:
         out = out + bias.float()
+    return out.to(x.dtype)
+
+
+# Expert activations (``gate_up`` holds the gate rows first, then the up rows): what ``h`` is made of.
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
+
+
+def expert_activation(gate_up: torch.Tensor, activation: str, *, alpha: float = 1.702,
+                      limit: float = 7.0) -> torch.Tensor:
+    """``h`` from one projection's output (..., 2I): ``act(gate) * up`` for ``silu``, ``gelu`` (erf) and
+    ``gelu_tanh``; for ``swiglu_oai`` (gpt-oss) ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = clamp(gate, max=limit)``. Computed in ``gate_up``'s dtype (callers pass float32)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        return torch.nn.functional.gelu(gate, approximate=approximate) * up
+    if activation == "swiglu_oai":
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+    raise ValueError(f"activation={activation!r}: use one of {', '.join(EXPERT_ACTIVATIONS)}")
+
+
+def experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, topk_ids: torch.Tensor,
+            topk_weights: torch.Tensor, *, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+            weight_on_input: bool = False) -> torch.Tensor:
+    """A mixture-of-experts block's experts on packed weights: the oracle of the fused expert kernels.
+
+    ``x`` (T, H); ``gate_up`` stacks each expert's (2I, H) matrix (gate rows, then up rows) and ``down`` its (H, I)
+    matrix; ``topk_ids`` (T, k) names the experts each token goes to (an id outside ``[0, E)`` is an unused slot) and
+    ``topk_weights`` (T, k) their weights. For each (token, slot): ``h = activation(x @ W_gu.T + b_gu)``, rounded to
+    ``x.dtype`` (as a kernel stores it), then ``y = h @ W_d.T + b_d``; the token's output is ``sum_slots w * y``
+    (with ``weight_on_input``, Llama 4's form: ``x`` is scaled by ``w`` before ``gate_up`` and ``y`` is summed
+    unweighted). Accumulated in float32, returned in ``x.dtype``.
+    """
+    if x.dim() != 2 or x.shape[1] != gate_up.shape[1]:
+        raise ValueError(f"x: expected (tokens, {gate_up.shape[1]}), got {tuple(x.shape)}")
+    if down.shape != (gate_up.shape[1], gate_up.shape[0] // 2) or down.num_experts != gate_up.num_experts:
+        raise ValueError(f"down: {down.num_experts} experts of shape {down.shape} do not fit gate_up's "
+                         f"{gate_up.num_experts} of shape {gate_up.shape}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)}: expected "
+                         f"both ({x.shape[0]}, top_k)")
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < gate_up.num_experts:
+            continue
+        token, slot = torch.where(ids == e)
+        w = topk_weights[token, slot].float().unsqueeze(1)
+        xe = x[token].float()
+        if weight_on_input:
+            xe = (xe * w).to(x.dtype).float()
+        gu = xe @ dequantize(gate_up.expert(e), torch.float32).t()
+        if gate_up.bias is not None:
+            gu = gu + gate_up.bias[e].float()
+        h = expert_activation(gu, activation, alpha=alpha, limit=limit).to(x.dtype).float()
+        y = h @ dequantize(down.expert(e), torch.float32).t()
+        if down.bias is not None:
+            y = y + down.bias[e].float()
+        out.index_add_(0, token, y if weight_on_input else y * w)
     return out.to(x.dtype)
