@@ -1,0 +1,117 @@
+"""Which expert kernel runs: decode (``pairs``) or prefill (``sorted``), its tiles, and why.
+
+* ``pairs``: one program per (token, slot) pair and column tile, GEMV-style on CUDA cores; no sorting at all. Each
+  program reads its expert's packed weights for its columns once. Wins where few pairs share an expert (decode).
+* ``sorted``: pairs sorted into blocks of ``block_m`` per expert on the GPU (routing.py), one program per block and
+  column tile on tensor cores: each hit expert's weights are read once per block of pairs. Wins at prefill.
+
+:func:`choose` decides from the call's shape alone (no tuned table yet); :func:`explain` words it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..dequant import cdiv, interpreting
+from ..dispatch import DeviceProps, device_props
+
+__all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_EXPERT", "PAIRS_MAX"]
+
+PAIRS_PER_EXPERT = 2  # the pairs path runs while the pairs average at most this many per expert (beyond, sorting
+# into blocks reads each hit expert's weights once instead of once per pair)
+PAIRS_MAX = 256  # ... and while there are at most this many pairs (its CUDA-core math grows with the pairs)
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """One projection's launch: ``path`` ``pairs`` or ``sorted``; ``block_m`` pairs per program (1 for ``pairs``),
+    ``block_n`` output columns per program, ``block_r`` pair rows (2 in-features each) per K step."""
+
+    path: str
+    block_m: int
+    block_n: int
+    block_r: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __str__(self) -> str:
+        return (f"{self.path}(block_m={self.block_m}, block_n={self.block_n}, block_r={self.block_r}, "
+                f"warps={self.num_warps}, stages={self.num_stages})")
+
+
+@dataclass(frozen=True)
+class ExpertsDecision:
+    gate_up: ExpertsConfig
+    down: ExpertsConfig
+    reason: str
+
+    @property
+    def path(self) -> str:
+        return self.gate_up.path
+
+
+def _block_r(group_size: int, k: int, cap: int) -> int:
+    """Pair rows per K step: at most ``cap``, and a step inside one group where the group allows (its scales are
+    then one row, read once per step)."""
+    r = cap
+    while r > 8 and group_size % (2 * r):
+        r //= 2
+    return r
+
+
+def _pairs_config(pairs: int, n: int, k: int, group_size: int, sms: int) -> ExpertsConfig:
+    # the widest column tile that still gives every SM about two programs
+    block_n = 128
+    while block_n > 32 and pairs * cdiv(n, block_n) < 2 * sms:
+        block_n //= 2
+    return ExpertsConfig("pairs", 1, block_n, _block_r(group_size, k, 32), num_warps=4, num_stages=2)
+
+
+def _sorted_config(pairs: int, experts: int, n: int, k: int, group_size: int) -> ExpertsConfig:
+    per_expert = pairs / experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    return ExpertsConfig("sorted", block_m, 64 if block_m < 64 else 128, max(16, _block_r(group_size, k, 32)),
+                         num_warps=4, num_stages=3)
+
+
+def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+           group_size: int) -> ExpertsDecision:
+    """The kernels and tiles of a fused-experts call: ``tokens`` rows of x, ``top_k`` slots each, ``num_experts``
+    experts of hidden size ``hidden`` and expert width ``inter`` (gate_up is (2 inter, hidden), down (hidden,
+    inter)), groups of ``group_size`` along K."""
+    pairs = tokens * top_k
+    per_expert = pairs / num_experts
+    if pairs <= PAIRS_MAX and per_expert <= PAIRS_PER_EXPERT:
+        why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.2g} per expert <= "
+               f"{PAIRS_PER_EXPERT}, and <= {PAIRS_MAX} pairs): one program per pair and column tile, no sorting")
+        return ExpertsDecision(_pairs_config(pairs, inter, hidden, group_size, props.sms),
+                               _pairs_config(pairs, hidden, inter, group_size, props.sms), why)
+    why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.3g} per expert"
+           + (f" > {PAIRS_PER_EXPERT}" if per_expert > PAIRS_PER_EXPERT else f", but > {PAIRS_MAX} pairs")
+           + "): pairs sorted into per-expert blocks on the GPU, tensor-core tiles read each hit expert once a block")
+    return ExpertsDecision(_sorted_config(pairs, num_experts, inter, hidden, group_size),
+                           _sorted_config(pairs, num_experts, hidden, inter, group_size), why)
+
+
+def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, bits: int = 4,
+            group_size: int = 128, dtype: torch.dtype = torch.bfloat16,
+            device: torch.device | str | DeviceProps | None = None) -> str:
+    """One paragraph: which expert kernels and tiles ``fused_experts`` runs for this call shape on ``device``
+    (default: the current GPU; a :class:`~quantpack.kernels.dispatch.DeviceProps` to ask about another), and why."""
+    if isinstance(device, DeviceProps):
+        props = device
+    else:
+        if device is None:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = torch.device(device)
+        if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+            return (f"On {device}, without TRITON_INTERPRET, no Triton kernel runs: the pure-torch reference "
+                    f"(quantpack.reference.experts) computes the experts (T={tokens}, top-{top_k}, E={num_experts}).")
+        props = device_props(device)
+    d = choose(props, tokens, top_k, num_experts, hidden, inter, group_size)
+    where = props.name if props.gpu else "Triton's CPU interpreter"
+    shape = (f"T={tokens}, top-{top_k} of E={num_experts} experts, hidden {hidden}, expert width {inter}, {bits}-bit, "
+             f"group size {group_size}, {str(dtype).replace('torch.', '')}")
+    return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up} (activation fused) and down as "
+            f"{d.down} (top-k weight fused, slots summed in float32), because {d.reason}.")

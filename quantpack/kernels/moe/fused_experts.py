@@ -1,0 +1,240 @@
+"""Fused mixture-of-experts kernels on the packed layout: each projection of a block runs for all experts in one
+Triton launch, with no host synchronisation (a call can be captured in a CUDA graph and replayed with new routing).
+
+``fused_experts(x, gate_up, down, topk_ids, topk_weights)`` has :func:`quantpack.reference.experts`'s semantics:
+
+1. gate_up: for each (token, slot) pair, ``h = act(x @ W_gu[e].T + b)``; the program reads the gate rows and the up
+   rows of the merged matrix for its columns and applies the activation in its epilogue, so only ``h`` (pairs, I),
+   rounded to x's dtype, is written. With ``weight_on_input`` x is scaled by the pair's weight first.
+2. down: ``y = (h @ W_d[e].T + b) * w`` per pair, in float32 (the top-k weight in the epilogue), then summed over
+   the slots of each token.
+
+Both use one kernel, :func:`_experts_kernel`, in one of two modes that dispatch.py picks: ``pairs`` (decode: one
+program per pair and column tile, CUDA-core GEMV, no sorting) or ``sorted`` (prefill: pairs sorted into per-expert
+blocks by routing.py, tensor-core tiles). Weights dequantize in registers as in the dense kernels (dequant.py's pair
+rows: even in-features multiply the low nibbles, odd ones the high).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import reference
+from ...format import PackedExperts
+from .. import dequant
+from ..dequant import cdiv, dequant_pair_tile, interpreting, on_device, triton_usable
+from ..dispatch import device_props
+from .dispatch import ExpertsConfig, choose
+from .routing import align_block_size
+
+ACTIVATIONS = {name: i for i, name in enumerate(reference.EXPERT_ACTIVATIONS)}  # the kernel's ACT codes
+
+
+@triton.jit
+def _activation(g, u, ACT: tl.constexpr, alpha, limit):
+    """``h`` from the gate and up accumulators (float32), as reference.expert_activation."""
+    if ACT == 0:  # silu
+        h = g * tl.sigmoid(g) * u
+    elif ACT == 1:  # gelu (erf)
+        h = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+    elif ACT == 2:  # gelu (tanh), tanh(v) = 2 sigmoid(2v) - 1
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        h = 0.5 * g * (2.0 * tl.sigmoid(2.0 * inner)) * u
+    else:  # swiglu_oai: clamped gate and up
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    return h
+
+
+@triton.jit
+def _mac(acc, ae, ao, lo, hi, DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc += ae @ lo + ao @ hi: even in-features times the low values, odd times the high."""
+    if DOT:
+        if DOT_F32:
+            acc = tl.dot(ae.to(tl.float32), lo, acc, input_precision="ieee")
+            acc = tl.dot(ao.to(tl.float32), hi, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(ae, lo.to(ae.dtype), acc)
+            acc = tl.dot(ao, hi.to(ao.dtype), acc)
+    else:
+        acc += tl.sum(ae.to(tl.float32)[:, :, None] * lo[None, :, :] + ao.to(tl.float32)[:, :, None] * hi[None, :, :],
+                      axis=1)
+    return acc
+
+
+@triton.jit
+def _and(mask, flag):
+    """``mask & flag`` for a block mask and a scalar flag (Triton's interpreter leaves that product's dtype
+    unusable as a mask)."""
+    return mask & ((tl.zeros_like(mask.to(tl.int32)) + flag.to(tl.int32)) != 0)
+
+
+@triton.jit
+def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr, sorted_ptr, block_expert_ptr,
+                    P, E, N, K, G, TOPK, stride_a, stride_out, alpha, limit,
+                    BITS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    A_BY_TOKEN: tl.constexpr, SCALE_INPUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr,
+                    SORTED: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, META_ROW: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One projection for all experts. Rows of the input ``a``: x at the pair's token (``A_BY_TOKEN``, gate_up) or
+    the pair's own row (down). ``N`` output columns; the packed matrices have ``2N`` (``GATED``: gate rows, then up
+    rows, activation fused) or ``N``. Program (b, n tile): ``SORTED``, block b of routing's sorted pairs (its expert
+    from ``block_expert``; past the filled blocks it exits); otherwise pair b alone (its expert from topk_ids; an
+    unused slot writes zeros)."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if SORTED:
+        e = tl.load(block_expert_ptr + pid_b)
+        if e >= E:
+            return
+        pairs = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+        used = e >= 0  # (true: every pair of a block goes to its expert)
+        row_ok = pairs < P
+    else:
+        pairs = pid_b + tl.arange(0, BLOCK_M)
+        e = tl.load(ids_ptr + pid_b).to(tl.int32)
+        used = (e >= 0) & (e < E)
+        row_ok = _and(pairs < P, used)
+        e = tl.where(used, e, 0)
+    if A_BY_TOKEN:
+        rows = pairs // TOPK
+    else:
+        rows = pairs
+    rows = tl.where(row_ok, rows, 0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    if GATED:
+        NW = 2 * N
+    else:
+        NW = N
+    if BITS == 4:
+        KR = K // 2
+    else:
+        KR = K
+    e64 = e.to(tl.int64)
+    qw_e = qw_ptr + e64 * KR * NW
+    s_e = s_ptr + e64 * (K // G) * NW
+    z_e = z_ptr + e64 * (K // G) * NW
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_a
+    if SCALE_INPUT:
+        w_in = tl.load(tw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, (K + 1) // 2, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        ke = 2 * r
+        ko = ke + 1
+        ae = tl.load(a_rows + ke[None, :], mask=row_ok[:, None] & (ke < K)[None, :], other=0.0)
+        ao = tl.load(a_rows + ko[None, :], mask=row_ok[:, None] & (ko < K)[None, :], other=0.0)
+        if SCALE_INPUT:  # (x * w rounded to x's dtype, as the reference)
+            ae = (ae.to(tl.float32) * w_in[:, None]).to(a_ptr.dtype.element_ty)
+            ao = (ao.to(tl.float32) * w_in[:, None]).to(a_ptr.dtype.element_ty)
+        r_mask = _and(ke < K, used)  # (an unused slot reads no weights)
+        lo, hi = dequant_pair_tile(qw_e, s_e, z_e, r, n, r_mask, n_mask, r0, NW, K, G, 0, BITS, 1, META_ROW)
+        acc_g = _mac(acc_g, ae, ao, lo, hi, DOT, DOT_F32)
+        if GATED:
+            lo, hi = dequant_pair_tile(qw_e, s_e, z_e, r, n + N, r_mask, n_mask, r0, NW, K, G, 0, BITS, 1, META_ROW)
+            acc_u = _mac(acc_u, ae, ao, lo, hi, DOT, DOT_F32)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e64 * NW + n, mask=_and(n_mask, used), other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_ptr + e64 * NW + N + n, mask=_and(n_mask, used), other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        res = _activation(acc_g, acc_u, ACT, alpha, limit)
+    else:
+        res = acc_g
+    if SCALE_OUTPUT:
+        res = res * tl.load(tw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + n[None, :]
+    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=(pairs < P)[:, None] & n_mask[None, :])
+
+
+def check_experts(x, gate_up: PackedExperts, down: PackedExperts, topk_ids, topk_weights, activation: str) -> None:
+    """ValueError naming what does not fit, for a fused-experts call."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
+        raise ValueError("x: expected a 2-D floating-point (tokens, hidden) tensor")
+    if gate_up.shape[0] % 2 or x.shape[1] != gate_up.shape[1]:
+        raise ValueError(f"x: expected (tokens, {gate_up.shape[1]}) for gate_up of shape {gate_up.shape} (2I, H), "
+                         f"got {tuple(x.shape)}")
+    if down.shape != (gate_up.shape[1], gate_up.shape[0] // 2) or down.num_experts != gate_up.num_experts:
+        raise ValueError(f"down: {down.num_experts} experts of shape {down.shape} do not fit gate_up's "
+                         f"{gate_up.num_experts} of shape {gate_up.shape}")
+    if (not isinstance(topk_ids, torch.Tensor) or not isinstance(topk_weights, torch.Tensor)
+            or topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]):
+        raise ValueError(f"topk_ids and topk_weights: expected both ({x.shape[0]}, top_k)")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids: dtype {topk_ids.dtype}, expected an integer tensor of expert ids")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: use one of {', '.join(reference.EXPERT_ACTIVATIONS)}")
+    if gate_up.group_size > gate_up.shape[1] or down.group_size > down.shape[1]:
+        raise ValueError("gate_up/down: group size larger than the in-features")
+    for t in (gate_up.qweight, down.qweight, topk_ids, topk_weights):
+        if t.device != x.device:
+            raise ValueError(f"x on {x.device}, but the experts' tensors or the routing on {t.device}; move them "
+                             f"to one device")
+
+
+def _launch(a, pe: PackedExperts, out, cfg: ExpertsConfig, *, n: int, gated: bool, topk_ids, topk_weights,
+            routing, top_k: int, act: int, alpha: float, limit: float, a_by_token: bool, scale_input: bool,
+            scale_output: bool):
+    pairs = topk_ids.numel()
+    k = pe.shape[1]
+    sorted_mode = cfg.path == "sorted"
+    sorted_pairs, block_expert = routing if sorted_mode else (topk_ids, topk_ids)  # (unused pointers)
+    programs = block_expert.numel() if sorted_mode else pairs
+    bias = pe.bias if pe.bias is not None else pe.scales  # (an unused pointer)
+    grid = (programs, cdiv(n, cfg.block_n))
+    dot_f32 = a.dtype == torch.float32 or interpreting()  # (the interpreter's tl.dot is wrong on 16-bit floats)
+    _experts_kernel[grid](
+        a, pe.qweight, pe.scales, pe.zeros, bias, out, topk_ids, topk_weights, sorted_pairs, block_expert,
+        pairs, pe.num_experts, n, k, pe.group_size, top_k, a.stride(0), out.stride(0), alpha, limit,
+        BITS=pe.bits, GATED=gated, ACT=act, HAS_BIAS=pe.bias is not None, A_BY_TOKEN=a_by_token,
+        SCALE_INPUT=scale_input, SCALE_OUTPUT=scale_output, SORTED=sorted_mode, DOT=sorted_mode, DOT_F32=dot_f32,
+        META_ROW=pe.group_size % (2 * cfg.block_r) == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_R=cfg.block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, *, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                  weight_on_input: bool = False, config: tuple[ExpertsConfig, ExpertsConfig] | None = None
+                  ) -> torch.Tensor:
+    """A mixture-of-experts block's experts, fused: :func:`quantpack.reference.experts`'s semantics (see there) in
+    two Triton launches, one per projection, for all experts (plus the sort into per-expert blocks at prefill, and
+    the sum over slots). Runs on CUDA (and on the CPU under TRITON_INTERPRET=1), the reference otherwise; never
+    synchronises with the host, so it can be captured in a CUDA graph. ``config`` forces (gate_up, down) launch
+    configs (tests, benchmarks); by default :func:`quantpack.kernels.moe.dispatch.choose` picks them."""
+    check_experts(x, gate_up, down, topk_ids, topk_weights, activation)
+    if not triton_usable(x):
+        return reference.experts(x, gate_up, down, topk_ids, topk_weights, activation=activation, alpha=alpha,
+                                 limit=limit, weight_on_input=weight_on_input)
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = gate_up.shape[0] // 2
+    if tokens == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    if config is None:
+        d = choose(device_props(x.device), tokens, top_k, gate_up.num_experts, hidden, inter, gate_up.group_size)
+        config = (d.gate_up, d.down)
+    cfg_gu, cfg_d = config
+    pairs = tokens * top_k
+    common = dict(topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k, act=ACTIVATIONS[activation],
+                  alpha=float(alpha), limit=float(limit))
+    with on_device(x):
+        routing = {}
+        for cfg in config:
+            if cfg.path == "sorted" and cfg.block_m not in routing:
+                routing[cfg.block_m] = align_block_size(topk_ids, gate_up.num_experts, cfg.block_m)
+        h = dequant._alloc((pairs, inter), x.dtype, x.device)
+        _launch(x, gate_up, h, cfg_gu, n=inter, gated=True, routing=routing.get(cfg_gu.block_m), a_by_token=True,
+                scale_input=weight_on_input, scale_output=False, **common)
+        # (sorted: the rows of unused slots belong to no block, so y starts at zero; pairs writes every row)
+        y = (torch.zeros((pairs, hidden), dtype=torch.float32, device=x.device) if cfg_d.path == "sorted"
+             else dequant._alloc((pairs, hidden), torch.float32, x.device))
+        _launch(h, down, y, cfg_d, n=hidden, gated=False, routing=routing.get(cfg_d.block_m), a_by_token=False,
+                scale_input=False, scale_output=not weight_on_input, **common)
+        return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
