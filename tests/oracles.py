@@ -169,3 +169,20 @@ def assert_stored_layer_matches_float_product(packed: Path, layer: str) -> None:
                        config=cfg, out_dtype=torch.float32)
         assert not torch.isnan(got).any()
         assert float((got - want[:rows]).norm() / want[:rows].norm()) < 1e-2, cfg.path
+
+
+def random_experts(num_experts, n, k, gs, *, bits=4, dtype=torch.float32, bias=False, seed=0, device=None):
+    """A :class:`~quantpack.format.PackedExperts` of ``num_experts`` random (N, K) packed matrices (random codes,
+    scales and zeros: no quantizer run, so any size builds fast), on ``device`` (the GPU when there is one)."""
+    from quantpack.format import PackedExperts
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(seed)
+    rows = k // 2 if bits == 4 else k
+    qweight = torch.randint(0, 256, (num_experts, rows, n), generator=g, dtype=torch.uint8)
+    scales = torch.rand(num_experts, k // gs, n, generator=g) * 0.02 + 0.005
+    zeros = torch.rand(num_experts, k // gs, n, generator=g) * (2 ** bits - 1)
+    b = torch.randn(num_experts, n, generator=g).to(dtype).to(device) if bias else None
+    pe = PackedExperts(qweight.to(device), scales.to(dtype).to(device), zeros.to(dtype).to(device), bits, gs, (n, k), b)
+    pe.validate()
+    return pe
