@@ -177,12 +177,12 @@ def random_experts(num_experts, n, k, gs, *, bits=4, dtype=torch.float32, bias=F
     from quantpack.format import PackedExperts
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     rows = k // 2 if bits == 4 else k
-    qweight = torch.randint(0, 256, (num_experts, rows, n), generator=g, dtype=torch.uint8)
-    scales = torch.rand(num_experts, k // gs, n, generator=g) * 0.02 + 0.005
-    zeros = torch.rand(num_experts, k // gs, n, generator=g) * (2 ** bits - 1)
-    b = torch.randn(num_experts, n, generator=g).to(dtype).to(device) if bias else None
-    pe = PackedExperts(qweight.to(device), scales.to(dtype).to(device), zeros.to(dtype).to(device), bits, gs, (n, k), b)
+    qweight = torch.randint(0, 256, (num_experts, rows, n), generator=g, dtype=torch.uint8, device=device)
+    scales = (torch.rand(num_experts, k // gs, n, generator=g, device=device) * 0.02 + 0.005).to(dtype)
+    zeros = (torch.rand(num_experts, k // gs, n, generator=g, device=device) * (2 ** bits - 1)).to(dtype)
+    b = torch.randn(num_experts, n, generator=g, device=device).to(dtype) if bias else None
+    pe = PackedExperts(qweight, scales, zeros, bits, gs, (n, k), b)
     pe.validate()
     return pe
