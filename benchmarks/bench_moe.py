@@ -1,6 +1,7 @@
 """The fused mixture-of-experts kernels (quantpack.kernels.moe) against bf16 grouped GEMMs, on one GPU, in one run.
 
     python benchmarks/bench_moe.py [--tokens 1,16,512,2048] [--models qwen3-moe,mixtral] [--out DIR]
+    python benchmarks/bench_moe.py --sweep        # times every candidate launch config instead (JSON lines)
     TRITON_INTERPRET=1 python benchmarks/bench_moe.py --dry-run   # CPU smoke test: a tiny block, no timing
 
 Shapes: Qwen3-30B-A3B's experts (128 experts, top-8, hidden 2048, width 768) and Mixtral-8x7B's (8, top-2, 4096,
@@ -19,6 +20,7 @@ no single cuBLAS product to compare a block with).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -84,7 +86,7 @@ class Grouped:
 
     def sort(self, x):
         flat, perm = torch.sort(self.ids.reshape(-1))
-        counts = torch.histc(flat.int(), bins=self.experts, min=0, max=self.experts - 1)
+        counts = torch.histc(flat.int() if x.is_cuda else flat.float(), bins=self.experts, min=0, max=self.experts - 1)
         return x[perm // self.top_k], perm, torch.cumsum(counts, 0, dtype=torch.int32)
 
     def gate_up(self, xs, offs):
@@ -131,8 +133,12 @@ def copy_bandwidth() -> float:
     return bw
 
 
+def rel_error(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
 def check(name, got, want):
-    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    err = rel_error(got, want)
     if not err < TOL:
         raise SystemExit(f"{name}: relative error {err:.3g} against the reference (>= {TOL}); not timed")
     return err
@@ -211,28 +217,75 @@ def bench_model(model, token_counts, bw, l2, out_dir):
 
 
 def fe_parts(x, gate_up, down, ids, w, decision):
-    """Zero-argument calls of the fused block's two projections alone (buffers allocated once, routing computed
-    inside where the path sorts, as fused_experts does)."""
-    tokens, top_k = ids.shape
-    pairs, inter, hidden = tokens * top_k, gate_up.shape[0] // 2, x.shape[1]
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
-    common = dict(topk_ids=ids, topk_weights=w, top_k=top_k, act=0, alpha=1.702, limit=7.0)
-
-    def route(cfg):
-        return fe.align_block_size(ids, gate_up.num_experts, cfg.block_m) if cfg.path == "sorted" else None
+    """Zero-argument calls of the fused block's two projections alone (each with its routing where its path sorts,
+    as fused_experts runs them)."""
+    h = fe.gate_up_stage(x, gate_up, ids, w, decision.gate_up, fe.route(ids, gate_up.num_experts, decision.gate_up))
 
     def gate_up_call():
-        fe._launch(x, gate_up, h, decision.gate_up, n=inter, gated=True, routing=route(decision.gate_up),
-                   a_by_token=True, scale_input=False, scale_output=False, **common)
+        return fe.gate_up_stage(x, gate_up, ids, w, decision.gate_up,
+                                fe.route(ids, gate_up.num_experts, decision.gate_up))
 
     def down_call():
-        fe._launch(h, down, y, decision.down, n=hidden, gated=False, routing=route(decision.down), a_by_token=False,
-                   scale_input=False, scale_output=True, **common)
-        return y.view(tokens, top_k, hidden).sum(1)
+        return fe.down_stage(h, down, ids, w, decision.down, fe.route(ids, down.num_experts, decision.down))
 
-    gate_up_call()
     return gate_up_call, down_call
+
+
+def candidates(path: str, group_size: int) -> list:
+    """Launch configs --sweep times for one projection on ``path``."""
+    from quantpack.kernels.moe import ExpertsConfig
+
+    if path == "pairs":
+        return [ExpertsConfig("pairs", 1, bn, br, num_warps=w) for bn in (32, 64, 128, 256)
+                for br in (16, 32, 64) if group_size % (2 * br) == 0 for w in (2, 4, 8)]
+    return [ExpertsConfig("sorted", bm, bn, 32, num_warps=w, num_stages=st)
+            for bm, bn in ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128), (128, 128))
+            for w in (4, 8) for st in (2, 3, 4)]
+
+
+def sweep(model, token_counts, l2):
+    """Time every candidate config of each projection (both paths) per token count; print the fastest five and the
+    dispatch's pick, one JSON line per (model, tokens, projection, path)."""
+    experts, top_k, hidden, inter = MODELS[model]
+    dev = "cuda"
+    per_expert = None
+    for tokens in token_counts:
+        probe = random_block(experts, hidden, inter, torch.bfloat16, 0, dev)
+        per_expert = per_expert or expert_bytes(probe[0]) + expert_bytes(probe[1])
+        del probe
+        n_rep = max(2, min(16, math.ceil(4 * l2 / (min(experts, tokens * top_k) * per_expert))))
+        blocks = [random_block(experts, hidden, inter, torch.bfloat16, 1 + i, dev) for i in range(n_rep)]
+        xs = [torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16) for _ in range(n_rep)]
+        routes = [routing(tokens, experts, top_k, 100 + i, dev) for i in range(n_rep)]
+        d = choose(device_props(torch.device(dev)), tokens, top_k, experts, hidden, inter, GS)
+        want_h = [fe.gate_up_stage(xs[i], blocks[i][0], *routes[i], d.gate_up, fe.route(routes[i][0], experts,
+                                                                                          d.gate_up))
+                  for i in range(n_rep)]
+        want_y = fe.down_stage(want_h[0], blocks[0][1], *routes[0], d.down, fe.route(routes[0][0], experts, d.down))
+        for proj, pick in (("gate_up", d.gate_up), ("down", d.down)):
+            for path in ("pairs", "sorted"):
+                if path == "pairs" and tokens * top_k > 512:
+                    continue
+                results = []
+                for cfg in candidates(path, GS):
+                    def call(i, cfg=cfg):
+                        r = fe.route(routes[i][0], experts, cfg)
+                        if proj == "gate_up":
+                            return fe.gate_up_stage(xs[i], blocks[i][0], *routes[i], cfg, r)
+                        return fe.down_stage(want_h[i], blocks[i][1], *routes[i], cfg, r)
+                    try:
+                        got = call(0)
+                        ref = want_h[0] if proj == "gate_up" else want_y
+                        if not rel_error(got, ref) < TOL:
+                            continue
+                        ms, _ = graph_time([lambda i=i: call(i) for i in range(n_rep)], warmup=5, rep=20)
+                    except Exception as exc:  # noqa: BLE001  (a config that does not compile or fit is skipped)
+                        log(f"  {cfg}: {exc!r:.120}")
+                        continue
+                    results.append((ms * 1e3, str(cfg)))
+                results.sort()
+                print(json.dumps({"model": model, "tokens": tokens, "proj": proj, "path": path, "pick": str(pick),
+                                  "best": results[:5]}), flush=True)
 
 
 def dry_run():
@@ -252,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,16,512,2048", help="token counts, comma-separated")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results; '' records nothing)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every candidate launch config per projection and path instead (prints JSON lines)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test at a tiny shape (interpreter), no timing")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -275,6 +330,9 @@ def main(argv=None) -> int:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 * 2 ** 20)
     log(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s, L2 {l2 / 2 ** 20:.0f} MiB")
     for model in models:
+        if args.sweep:
+            sweep(model, tokens, l2)
+            continue
         bench_model(model, tokens, bw, l2, args.out)
         torch.cuda.empty_cache()
     return 0

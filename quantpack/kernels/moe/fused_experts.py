@@ -7,7 +7,7 @@ Triton launch, with no host synchronisation (a call can be captured in a CUDA gr
    rows of the merged matrix for its columns and applies the activation in its epilogue, so only ``h`` (pairs, I),
    rounded to x's dtype, is written. With ``weight_on_input`` x is scaled by the pair's weight first.
 2. down: ``y = (h @ W_d[e].T + b) * w`` per pair, in float32 (the top-k weight in the epilogue), then summed over
-   the slots of each token.
+   the slots of each token in float32 and rounded once (:func:`_sum_slots_kernel`).
 
 Both use one kernel, :func:`_experts_kernel`, in one of two modes that dispatch.py picks: ``pairs`` (decode: one
 program per pair and column tile, CUDA-core GEMV, no sorting) or ``sorted`` (prefill: pairs sorted into per-expert
@@ -49,8 +49,10 @@ def _activation(g, u, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _mac(acc, ae, ao, lo, hi, DOT: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc += ae @ lo + ao @ hi: even in-features times the low values, odd times the high."""
+def _mac(acc, ae, ao, lo, hi, DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_R: tl.constexpr):
+    """acc += ae @ lo + ao @ hi: even in-features times the low values, odd times the high. Without ``DOT`` (one
+    row of a, the GEMV) ``acc`` is (BLOCK_R, BLOCK_N), summed over its rows once after the K loop: each step is then
+    elementwise FMAs, with no reduction across threads."""
     if DOT:
         if DOT_F32:
             acc = tl.dot(ae.to(tl.float32), lo, acc, input_precision="ieee")
@@ -59,8 +61,7 @@ def _mac(acc, ae, ao, lo, hi, DOT: tl.constexpr, DOT_F32: tl.constexpr):
             acc = tl.dot(ae, lo.to(ae.dtype), acc)
             acc = tl.dot(ao, hi.to(ao.dtype), acc)
     else:
-        acc += tl.sum(ae.to(tl.float32)[:, :, None] * lo[None, :, :] + ao.to(tl.float32)[:, :, None] * hi[None, :, :],
-                      axis=1)
+        acc += (tl.reshape(ae.to(tl.float32), (BLOCK_R, 1)) * lo + tl.reshape(ao.to(tl.float32), (BLOCK_R, 1)) * hi)
     return acc
 
 
@@ -120,8 +121,12 @@ def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_a
     if SCALE_INPUT:
         w_in = tl.load(tw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if DOT:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # (BLOCK_M is 1: per-row partial sums, see _mac)
+        acc_g = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, (K + 1) // 2, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         ke = 2 * r
@@ -133,10 +138,13 @@ def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr
             ao = (ao.to(tl.float32) * w_in[:, None]).to(a_ptr.dtype.element_ty)
         r_mask = _and(ke < K, used)  # (an unused slot reads no weights)
         lo, hi = dequant_pair_tile(qw_e, s_e, z_e, r, n, r_mask, n_mask, r0, NW, K, G, 0, BITS, 1, META_ROW)
-        acc_g = _mac(acc_g, ae, ao, lo, hi, DOT, DOT_F32)
+        acc_g = _mac(acc_g, ae, ao, lo, hi, DOT, DOT_F32, BLOCK_R)
         if GATED:
             lo, hi = dequant_pair_tile(qw_e, s_e, z_e, r, n + N, r_mask, n_mask, r0, NW, K, G, 0, BITS, 1, META_ROW)
-            acc_u = _mac(acc_u, ae, ao, lo, hi, DOT, DOT_F32)
+            acc_u = _mac(acc_u, ae, ao, lo, hi, DOT, DOT_F32, BLOCK_R)
+    if not DOT:
+        acc_g = tl.reshape(tl.sum(acc_g, axis=0), (1, BLOCK_N))
+        acc_u = tl.reshape(tl.sum(acc_u, axis=0), (1, BLOCK_N))
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e64 * NW + n, mask=_and(n_mask, used), other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -149,6 +157,21 @@ def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr
         res = res * tl.load(tw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + n[None, :]
     tl.store(out, res.to(out_ptr.dtype.element_ty), mask=(pairs < P)[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, TOPK, H, BLOCK_H: tl.constexpr):
+    """out[t] = sum over slots j of y[t * TOPK + j], float32, rounded once to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+SUM_BLOCK = 1024  # columns per program of the sum over slots
 
 
 def check_experts(x, gate_up: PackedExperts, down: PackedExperts, topk_ids, topk_weights, activation: str) -> None:
@@ -221,20 +244,44 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
         d = choose(device_props(x.device), tokens, top_k, gate_up.num_experts, hidden, inter, gate_up.group_size)
         config = (d.gate_up, d.down)
     cfg_gu, cfg_d = config
-    pairs = tokens * top_k
-    common = dict(topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k, act=ACTIVATIONS[activation],
-                  alpha=float(alpha), limit=float(limit))
     with on_device(x):
-        routing = {}
-        for cfg in config:
-            if cfg.path == "sorted" and cfg.block_m not in routing:
-                routing[cfg.block_m] = align_block_size(topk_ids, gate_up.num_experts, cfg.block_m)
-        h = dequant._alloc((pairs, inter), x.dtype, x.device)
-        _launch(x, gate_up, h, cfg_gu, n=inter, gated=True, routing=routing.get(cfg_gu.block_m), a_by_token=True,
-                scale_input=weight_on_input, scale_output=False, **common)
-        # (sorted: the rows of unused slots belong to no block, so y starts at zero; pairs writes every row)
-        y = (torch.zeros((pairs, hidden), dtype=torch.float32, device=x.device) if cfg_d.path == "sorted"
-             else dequant._alloc((pairs, hidden), torch.float32, x.device))
-        _launch(h, down, y, cfg_d, n=hidden, gated=False, routing=routing.get(cfg_d.block_m), a_by_token=False,
-                scale_input=False, scale_output=not weight_on_input, **common)
-        return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+        routes = {cfg: route(topk_ids, gate_up.num_experts, cfg) for cfg in config}
+        h = gate_up_stage(x, gate_up, topk_ids, topk_weights, cfg_gu, routes[cfg_gu], activation=activation,
+                          alpha=alpha, limit=limit, weight_on_input=weight_on_input)
+        return down_stage(h, down, topk_ids, topk_weights, cfg_d, routes[cfg_d],
+                          weight_on_input=weight_on_input)
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, cfg: ExpertsConfig):
+    """The sorted blocks a ``sorted`` launch of ``cfg`` reads (routing.align_block_size), ``None`` for ``pairs``."""
+    return align_block_size(topk_ids, num_experts, cfg.block_m) if cfg.path == "sorted" else None
+
+
+def gate_up_stage(x, gate_up: PackedExperts, topk_ids, topk_weights, cfg: ExpertsConfig, routing, *,
+                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                  weight_on_input: bool = False) -> torch.Tensor:
+    """``h`` (T * k, I) in x's dtype: the first projection and the activation, one launch (x, topk_ids and
+    topk_weights contiguous; ``routing`` from :func:`route`)."""
+    pairs, inter = topk_ids.numel(), gate_up.shape[0] // 2
+    h = dequant._alloc((pairs, inter), x.dtype, x.device)
+    _launch(x, gate_up, h, cfg, n=inter, gated=True, routing=routing, a_by_token=True, scale_input=weight_on_input,
+            scale_output=False, topk_ids=topk_ids, topk_weights=topk_weights, top_k=topk_ids.shape[1],
+            act=ACTIVATIONS[activation], alpha=float(alpha), limit=float(limit))
+    return h
+
+
+def down_stage(h, down: PackedExperts, topk_ids, topk_weights, cfg: ExpertsConfig, routing, *,
+               weight_on_input: bool = False) -> torch.Tensor:
+    """The block's output (T, H) in h's dtype from :func:`gate_up_stage`'s ``h``: the second projection with the
+    top-k weight (unless ``weight_on_input``), then the sum over each token's slots."""
+    tokens, top_k = topk_ids.shape
+    pairs, hidden = topk_ids.numel(), down.shape[0]
+    # (sorted: the rows of unused slots belong to no block, so y starts at zero; pairs writes every row)
+    y = (torch.zeros((pairs, hidden), dtype=torch.float32, device=h.device) if cfg.path == "sorted"
+         else dequant._alloc((pairs, hidden), torch.float32, h.device))
+    _launch(h, down, y, cfg, n=hidden, gated=False, routing=routing, a_by_token=False, scale_input=False,
+            scale_output=not weight_on_input, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k, act=0,
+            alpha=0.0, limit=0.0)
+    out = dequant._alloc((tokens, hidden), h.dtype, h.device)
+    _sum_slots_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](y, out, top_k, hidden, BLOCK_H=SUM_BLOCK, num_warps=4)
+    return out
