@@ -226,7 +226,8 @@ def fe_parts(x, gate_up, down, ids, w, decision):
                                 fe.route(ids, gate_up.num_experts, decision.gate_up))
 
     def down_call():
-        return fe.down_stage(h, down, ids, w, decision.down, fe.route(ids, down.num_experts, decision.down))
+        return fe.down_stage(h, down, ids, w, decision.down, fe.route(ids, down.num_experts, decision.down),
+                             dtype=x.dtype)
 
     return gate_up_call, down_call
 
@@ -236,8 +237,8 @@ def candidates(path: str, group_size: int) -> list:
     from quantpack.kernels.moe import ExpertsConfig
 
     if path == "pairs":
-        return [ExpertsConfig("pairs", 1, bn, br, num_warps=w) for bn in (32, 64, 128, 256)
-                for br in (16, 32, 64) if group_size % (2 * br) == 0 for w in (2, 4, 8)]
+        return [ExpertsConfig("pairs", 1, bn, br, num_warps=w, split=sp) for bn in (32, 64, 128)
+                for br in (16, 32, 64) if group_size % (2 * br) == 0 for w in (4, 8) for sp in (1, 2, 4, 8)]
     return [ExpertsConfig("sorted", bm, bn, 32, num_warps=w, num_stages=st)
             for bm, bn in ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128), (128, 128))
             for w in (4, 8) for st in (2, 3, 4)]
@@ -261,7 +262,8 @@ def sweep(model, token_counts, l2):
         want_h = [fe.gate_up_stage(xs[i], blocks[i][0], *routes[i], d.gate_up, fe.route(routes[i][0], experts,
                                                                                           d.gate_up))
                   for i in range(n_rep)]
-        want_y = fe.down_stage(want_h[0], blocks[0][1], *routes[0], d.down, fe.route(routes[0][0], experts, d.down))
+        want_y = fe.down_stage(want_h[0], blocks[0][1], *routes[0], d.down, fe.route(routes[0][0], experts, d.down),
+                               dtype=torch.bfloat16)
         for proj, pick in (("gate_up", d.gate_up), ("down", d.down)):
             for path in ("pairs", "sorted"):
                 if path == "pairs" and tokens * top_k > 512:
@@ -272,7 +274,7 @@ def sweep(model, token_counts, l2):
                         r = fe.route(routes[i][0], experts, cfg)
                         if proj == "gate_up":
                             return fe.gate_up_stage(xs[i], blocks[i][0], *routes[i], cfg, r)
-                        return fe.down_stage(want_h[i], blocks[i][1], *routes[i], cfg, r)
+                        return fe.down_stage(want_h[i], blocks[i][1], *routes[i], cfg, r, dtype=torch.bfloat16)
                     try:
                         got = call(0)
                         ref = want_h[0] if proj == "gate_up" else want_y

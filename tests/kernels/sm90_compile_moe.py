@@ -11,6 +11,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -18,15 +19,17 @@ import importlib  # noqa: E402
 
 fe = importlib.import_module("quantpack.kernels.moe.fused_experts")  # (the package exports the function under this name)
 
-ARGS = {"a_ptr": "*{x}", "qw_ptr": "*u8", "s_ptr": "*{x}", "z_ptr": "*{x}", "b_ptr": "*{x}", "out_ptr": "*{o}",
+ARGS = {"a_ptr": "*{a}", "qw_ptr": "*u8", "s_ptr": "*{x}", "z_ptr": "*{x}", "b_ptr": "*{x}", "out_ptr": "*{o}",
         "ids_ptr": "*i64", "tw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "P": "i32", "E": "i32",
         "N": "i32", "K": "i32", "G": "i32", "TOPK": "i32", "stride_a": "i32", "stride_out": "i32", "alpha": "fp32",
-        "limit": "fp32"}
-# (x dtype, path, bits, gate_up projection (else down), activation, bias, weight on input, block_m, block_n, block_r)
+        "limit": "fp32", "STEPS": "i32"}
+# (x dtype, path, bits, gate_up projection (else down), activation, bias, weight on input, block_m, block_n, block_r);
+# pairs: gate_up writes split-K partial sums, down reads (two of) them
 VARIANTS = [("bf16", "pairs", 4, True, "silu", False, False, 1, 64, 32),
             ("bf16", "pairs", 4, False, "silu", False, False, 1, 128, 32),
             ("bf16", "pairs", 8, True, "swiglu_oai", True, False, 1, 32, 32),
             ("fp16", "pairs", 4, True, "gelu", False, True, 1, 64, 16),
+            ("bf16", "pairs", 4, False, "swiglu_oai", True, False, 1, 64, 32),
             ("bf16", "sorted", 4, True, "silu", False, False, 16, 64, 32),
             ("bf16", "sorted", 4, False, "silu", True, False, 64, 128, 32),
             ("bf16", "sorted", 4, True, "gelu_tanh", True, True, 32, 64, 32),
@@ -37,9 +40,13 @@ def compile_variant(xname, path, bits, gated, activation, bias, woi, block_m, bl
     sorted_mode = path == "sorted"
     const = dict(BITS=bits, GATED=gated, ACT=fe.ACTIVATIONS[activation], HAS_BIAS=bias, A_BY_TOKEN=gated,
                  SCALE_INPUT=woi and gated, SCALE_OUTPUT=not woi and not gated, SORTED=sorted_mode, DOT=sorted_mode,
-                 DOT_F32=False, META_ROW=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r)
-    out = xname if gated else "fp32"
-    sig = {name: ty.format(x=xname, o=out) for name, ty in ARGS.items()} | {name: "constexpr" for name in const}
+                 DOT_F32=False, META_ROW=True, SPLIT_OUT=not (sorted_mode and gated),
+                 A_SPLIT=2 if path == "pairs" and not gated else 0,
+                 A_DT={"bf16": tl.bfloat16, "fp16": tl.float16}[xname], BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_R=block_r)
+    out = xname if sorted_mode and gated else "fp32"
+    a = "fp32" if path == "pairs" and not gated else xname
+    sig = {name: ty.format(x=xname, o=out, a=a) for name, ty in ARGS.items()} | {name: "constexpr" for name in const}
     kernel = triton.compile(ASTSource(fn=fe._experts_kernel, signature=sig, constexprs=const),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]

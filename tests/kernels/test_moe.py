@@ -98,6 +98,32 @@ def test_weight_on_input(poisoned_outputs, path):
     run_case(16, 1, 5, 128, 64, 64, path=path, weight_on_input=True, dtype=torch.float16, seed=5)
 
 
+@pytest.mark.parametrize("split_gate_up,split_down,down_path", [(3, 2, "pairs"), (6, 4, "pairs"), (2, 1, "sorted")])
+def test_split_k_partial_sums(poisoned_outputs, split_gate_up, split_down, down_path):
+    """The pairs path's split-K: gate_up's partial sums (the bias in one of them) activated as down loads them, down's
+    summed with the slots; a split per step and beyond; down on the sorted path reading them too."""
+    gate_up = random_experts(8, 128, 192, 32, bias=True, seed=1)
+    down = random_experts(8, 192, 64, 32, bias=True, seed=2)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 192, generator=g).to(DEV)
+    ids = torch.tensor([[1, 6], [6, -1], [0, 1]]).to(DEV)
+    w = torch.rand(3, 2, generator=g).to(DEV)
+    cfg = (ExpertsConfig("pairs", 1, 64, 16, split=split_gate_up),
+           ExpertsConfig("pairs", 1, 64, 16, split=split_down) if down_path == "pairs"
+           else ExpertsConfig("sorted", 16, 64, 16))
+    got = fused_experts(x, gate_up, down, ids, w, activation="swiglu_oai", config=cfg)
+    want = reference.experts(x, gate_up, down, ids, w, activation="swiglu_oai")
+    assert rel_err(got, want) < TOL[torch.float32]
+
+
+def test_dispatch_splits_k_at_decode_to_fill_the_gpu():
+    h200 = DeviceProps("NVIDIA H200", (9, 0), 132)
+    d = choose(h200, 1, 8, 128, 2048, 768, 128)
+    assert d.gate_up.split > 1 and d.down.split > 1
+    assert choose(h200, 16, 8, 128, 2048, 768, 128).gate_up.split == 1  # (enough programs without)
+    assert choose(h200, 2048, 8, 128, 2048, 768, 128).gate_up.split == 1
+
+
 def test_routing_blocks_hold_each_experts_pairs_once():
     g = torch.Generator().manual_seed(0)
     experts, block_m = 6, 4

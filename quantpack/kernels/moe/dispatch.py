@@ -21,12 +21,15 @@ __all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_E
 PAIRS_PER_EXPERT = 2  # the pairs path runs while the pairs average at most this many per expert (beyond, sorting
 # into blocks reads each hit expert's weights once instead of once per pair)
 PAIRS_MAX = 256  # ... and while there are at most this many pairs (its CUDA-core math grows with the pairs)
+PAIRS_WAVES = 4  # programs per SM the pairs path aims at (column tiles, then K split)
+MIN_SPLIT_STEPS = 4  # K steps a split program runs at least
 
 
 @dataclass(frozen=True)
 class ExpertsConfig:
     """One projection's launch: ``path`` ``pairs`` or ``sorted``; ``block_m`` pairs per program (1 for ``pairs``),
-    ``block_n`` output columns per program, ``block_r`` pair rows (2 in-features each) per K step."""
+    ``block_n`` output columns per program, ``block_r`` pair rows (2 in-features each) per K step, ``split`` programs
+    splitting K (``pairs`` only: their float32 partial sums are added by the next kernel)."""
 
     path: str
     block_m: int
@@ -34,10 +37,11 @@ class ExpertsConfig:
     block_r: int
     num_warps: int = 4
     num_stages: int = 2
+    split: int = 1
 
     def __str__(self) -> str:
         return (f"{self.path}(block_m={self.block_m}, block_n={self.block_n}, block_r={self.block_r}, "
-                f"warps={self.num_warps}, stages={self.num_stages})")
+                f"split={self.split}, warps={self.num_warps}, stages={self.num_stages})")
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,14 @@ def _block_r(group_size: int, k: int, cap: int) -> int:
 
 
 def _pairs_config(pairs: int, n: int, k: int, group_size: int, sms: int) -> ExpertsConfig:
-    # the widest column tile that still gives every SM about two programs
-    block_n = 128
-    while block_n > 32 and pairs * cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
-    return ExpertsConfig("pairs", 1, block_n, _block_r(group_size, k, 32), num_warps=4, num_stages=2)
+    # 128 columns a program where that still gives every SM PAIRS_WAVES programs, else 64; then K split until it
+    # does (a GEMV at decode is latency-bound: the more loads in flight per SM, the closer to the copy bandwidth),
+    # keeping at least MIN_SPLIT_STEPS steps a split
+    block_n = 128 if pairs * cdiv(n, 128) >= PAIRS_WAVES * sms else 64
+    block_r = _block_r(group_size, k, 32)
+    steps = cdiv(cdiv(k, 2), block_r)
+    split = max(1, min(steps // MIN_SPLIT_STEPS, cdiv(PAIRS_WAVES * sms, pairs * cdiv(n, block_n))))
+    return ExpertsConfig("pairs", 1, block_n, block_r, num_warps=4, num_stages=2, split=split)
 
 
 def _sorted_config(pairs: int, experts: int, n: int, k: int, group_size: int) -> ExpertsConfig:

@@ -10,8 +10,9 @@ Triton launch, with no host synchronisation (a call can be captured in a CUDA gr
    the slots of each token in float32 and rounded once (:func:`_sum_slots_kernel`).
 
 Both use one kernel, :func:`_experts_kernel`, in one of two modes that dispatch.py picks: ``pairs`` (decode: one
-program per pair and column tile, CUDA-core GEMV, no sorting) or ``sorted`` (prefill: pairs sorted into per-expert
-blocks by routing.py, tensor-core tiles). Weights dequantize in registers as in the dense kernels (dequant.py's pair
+program per pair and column tile, CUDA-core GEMV, no sorting; K split over programs where the GPU would otherwise
+have too few, gate_up then storing float32 partial gate/up sums that down activates as it loads them) or ``sorted``
+(prefill: pairs sorted into per-expert blocks by routing.py, tensor-core tiles). Weights dequantize in registers as in the dense kernels (dequant.py's pair
 rows: even in-features multiply the low nibbles, odd ones the high).
 """
 from __future__ import annotations
@@ -66,6 +67,18 @@ def _mac(acc, ae, ao, lo, hi, DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_R:
 
 
 @triton.jit
+def _activated_rows(a_rows, k, mask, split_stride, K, A_SPLIT: tl.constexpr, ACT: tl.constexpr, alpha, limit):
+    """``act(gate, up)`` at in-features ``k`` of the rows ``a_rows`` of ``A_SPLIT`` partial gate/up sums (float32:
+    gate at column k, up at K + k; split s at ``s * split_stride``)."""
+    g = tl.zeros(mask.shape, dtype=tl.float32)
+    u = tl.zeros(mask.shape, dtype=tl.float32)
+    for s in tl.static_range(A_SPLIT):
+        g += tl.load(a_rows + s * split_stride + k[None, :], mask=mask, other=0.0)
+        u += tl.load(a_rows + s * split_stride + K + k[None, :], mask=mask, other=0.0)
+    return _activation(g, u, ACT, alpha, limit)
+
+
+@triton.jit
 def _and(mask, flag):
     """``mask & flag`` for a block mask and a scalar flag (Triton's interpreter leaves that product's dtype
     unusable as a mask)."""
@@ -74,18 +87,24 @@ def _and(mask, flag):
 
 @triton.jit
 def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr, sorted_ptr, block_expert_ptr,
-                    P, E, N, K, G, TOPK, stride_a, stride_out, alpha, limit,
+                    P, E, N, K, G, TOPK, stride_a, stride_out, alpha, limit, STEPS,
                     BITS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     A_BY_TOKEN: tl.constexpr, SCALE_INPUT: tl.constexpr, SCALE_OUTPUT: tl.constexpr,
                     SORTED: tl.constexpr, DOT: tl.constexpr, DOT_F32: tl.constexpr, META_ROW: tl.constexpr,
+                    SPLIT_OUT: tl.constexpr, A_SPLIT: tl.constexpr, A_DT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     """One projection for all experts. Rows of the input ``a``: x at the pair's token (``A_BY_TOKEN``, gate_up) or
     the pair's own row (down). ``N`` output columns; the packed matrices have ``2N`` (``GATED``: gate rows, then up
     rows, activation fused) or ``N``. Program (b, n tile): ``SORTED``, block b of routing's sorted pairs (its expert
     from ``block_expert``; past the filled blocks it exits); otherwise pair b alone (its expert from topk_ids; an
-    unused slot writes zeros)."""
+    unused slot writes zeros). Split-K: program (.., .., s) sums ``STEPS`` steps of the K range from step s * STEPS;
+    with ``SPLIT_OUT`` it stores its float32 partial sums as they are, at ``out + s * P * stride_out`` (``GATED``: gate
+    then up, the activation left to the reader; the bias in split 0's). ``A_SPLIT`` > 0: ``a`` holds ``A_SPLIT`` such
+    partial gate/up sums per pair (float32, rows of 2K), and the input is ``act(sum gate, sum up)`` rounded to
+    ``A_DT``, made while loading."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     if SORTED:
         e = tl.load(block_expert_ptr + pid_b)
         if e >= E:
@@ -127,12 +146,20 @@ def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr
     else:  # (BLOCK_M is 1: per-row partial sums, see _mac)
         acc_g = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, (K + 1) // 2, BLOCK_R):
+    r_begin = pid_s * STEPS * BLOCK_R
+    r_end = tl.minimum(r_begin + STEPS * BLOCK_R, (K + 1) // 2)
+    for r0 in range(r_begin, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         ke = 2 * r
         ko = ke + 1
-        ae = tl.load(a_rows + ke[None, :], mask=row_ok[:, None] & (ke < K)[None, :], other=0.0)
-        ao = tl.load(a_rows + ko[None, :], mask=row_ok[:, None] & (ko < K)[None, :], other=0.0)
+        if A_SPLIT > 0:
+            ae = _activated_rows(a_rows, ke, row_ok[:, None] & (ke < K)[None, :], P * stride_a, K, A_SPLIT, ACT,
+                                 alpha, limit).to(A_DT)
+            ao = _activated_rows(a_rows, ko, row_ok[:, None] & (ko < K)[None, :], P * stride_a, K, A_SPLIT, ACT,
+                                 alpha, limit).to(A_DT)
+        else:
+            ae = tl.load(a_rows + ke[None, :], mask=row_ok[:, None] & (ke < K)[None, :], other=0.0)
+            ao = tl.load(a_rows + ko[None, :], mask=row_ok[:, None] & (ko < K)[None, :], other=0.0)
         if SCALE_INPUT:  # (x * w rounded to x's dtype, as the reference)
             ae = (ae.to(tl.float32) * w_in[:, None]).to(a_ptr.dtype.element_ty)
             ao = (ao.to(tl.float32) * w_in[:, None]).to(a_ptr.dtype.element_ty)
@@ -146,28 +173,35 @@ def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr
         acc_g = tl.reshape(tl.sum(acc_g, axis=0), (1, BLOCK_N))
         acc_u = tl.reshape(tl.sum(acc_u, axis=0), (1, BLOCK_N))
     if HAS_BIAS:
-        acc_g += tl.load(b_ptr + e64 * NW + n, mask=_and(n_mask, used), other=0.0).to(tl.float32)[None, :]
+        b_used = used & (pid_s == 0)  # (one split adds it)
+        acc_g += tl.load(b_ptr + e64 * NW + n, mask=_and(n_mask, b_used), other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc_u += tl.load(b_ptr + e64 * NW + N + n, mask=_and(n_mask, used), other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        res = _activation(acc_g, acc_u, ACT, alpha, limit)
+            acc_u += tl.load(b_ptr + e64 * NW + N + n, mask=_and(n_mask, b_used), other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + pid_s.to(tl.int64) * P * stride_out + pairs.to(tl.int64)[:, None] * stride_out + n[None, :]
+    out_mask = (pairs < P)[:, None] & n_mask[None, :]
+    if GATED and SPLIT_OUT:
+        tl.store(out, acc_g, mask=out_mask)
+        tl.store(out + N, acc_u, mask=out_mask)
     else:
-        res = acc_g
-    if SCALE_OUTPUT:
-        res = res * tl.load(tw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + n[None, :]
-    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=(pairs < P)[:, None] & n_mask[None, :])
+        if GATED:
+            res = _activation(acc_g, acc_u, ACT, alpha, limit)
+        else:
+            res = acc_g
+        if SCALE_OUTPUT:
+            res = res * tl.load(tw_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, TOPK, H, BLOCK_H: tl.constexpr):
-    """out[t] = sum over slots j of y[t * TOPK + j], float32, rounded once to out's dtype."""
+def _sum_slots_kernel(y_ptr, out_ptr, TOPK, H, P, SPLIT, BLOCK_H: tl.constexpr):
+    """out[t] = sum over splits s and slots j of y[s, t * TOPK + j], float32, rounded once to out's dtype."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=mask, other=0.0)
+    for s in range(SPLIT):
+        for j in range(TOPK):
+            acc += tl.load(y_ptr + (s * P + t * TOPK + j) * H + cols, mask=mask, other=0.0)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -199,24 +233,30 @@ def check_experts(x, gate_up: PackedExperts, down: PackedExperts, topk_ids, topk
                              f"to one device")
 
 
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def _launch(a, pe: PackedExperts, out, cfg: ExpertsConfig, *, n: int, gated: bool, topk_ids, topk_weights,
-            routing, top_k: int, act: int, alpha: float, limit: float, a_by_token: bool, scale_input: bool,
-            scale_output: bool):
+            routing, act: int, alpha: float, limit: float, a_by_token: bool, scale_input: bool, scale_output: bool,
+            split_out: bool = False, a_split: int = 0, a_dtype: torch.dtype | None = None):
     pairs = topk_ids.numel()
     k = pe.shape[1]
     sorted_mode = cfg.path == "sorted"
     sorted_pairs, block_expert = routing if sorted_mode else (topk_ids, topk_ids)  # (unused pointers)
     programs = block_expert.numel() if sorted_mode else pairs
     bias = pe.bias if pe.bias is not None else pe.scales  # (an unused pointer)
-    grid = (programs, cdiv(n, cfg.block_n))
-    dot_f32 = a.dtype == torch.float32 or interpreting()  # (the interpreter's tl.dot is wrong on 16-bit floats)
+    steps = cdiv(cdiv(cdiv(k, 2), cfg.block_r), cfg.split)
+    grid = (programs, cdiv(n, cfg.block_n), cfg.split)
+    dot_f32 = a_dtype == torch.float32 or a.dtype == torch.float32 or interpreting()  # (the interpreter's tl.dot
+    # is wrong on 16-bit floats)
     _experts_kernel[grid](
         a, pe.qweight, pe.scales, pe.zeros, bias, out, topk_ids, topk_weights, sorted_pairs, block_expert,
-        pairs, pe.num_experts, n, k, pe.group_size, top_k, a.stride(0), out.stride(0), alpha, limit,
-        BITS=pe.bits, GATED=gated, ACT=act, HAS_BIAS=pe.bias is not None, A_BY_TOKEN=a_by_token,
+        pairs, pe.num_experts, n, k, pe.group_size, topk_ids.shape[1], a.stride(-2), out.stride(-2), alpha, limit,
+        steps, BITS=pe.bits, GATED=gated, ACT=act, HAS_BIAS=pe.bias is not None, A_BY_TOKEN=a_by_token,
         SCALE_INPUT=scale_input, SCALE_OUTPUT=scale_output, SORTED=sorted_mode, DOT=sorted_mode, DOT_F32=dot_f32,
-        META_ROW=pe.group_size % (2 * cfg.block_r) == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_R=cfg.block_r, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        META_ROW=pe.group_size % (2 * cfg.block_r) == 0, SPLIT_OUT=split_out, A_SPLIT=a_split,
+        A_DT=TL_DTYPES[a_dtype or a.dtype], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, topk_ids: torch.Tensor,
@@ -248,8 +288,8 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
         routes = {cfg: route(topk_ids, gate_up.num_experts, cfg) for cfg in config}
         h = gate_up_stage(x, gate_up, topk_ids, topk_weights, cfg_gu, routes[cfg_gu], activation=activation,
                           alpha=alpha, limit=limit, weight_on_input=weight_on_input)
-        return down_stage(h, down, topk_ids, topk_weights, cfg_d, routes[cfg_d],
-                          weight_on_input=weight_on_input)
+        return down_stage(h, down, topk_ids, topk_weights, cfg_d, routes[cfg_d], dtype=x.dtype,
+                          activation=activation, alpha=alpha, limit=limit, weight_on_input=weight_on_input)
 
 
 def route(topk_ids: torch.Tensor, num_experts: int, cfg: ExpertsConfig):
@@ -260,28 +300,39 @@ def route(topk_ids: torch.Tensor, num_experts: int, cfg: ExpertsConfig):
 def gate_up_stage(x, gate_up: PackedExperts, topk_ids, topk_weights, cfg: ExpertsConfig, routing, *,
                   activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                   weight_on_input: bool = False) -> torch.Tensor:
-    """``h`` (T * k, I) in x's dtype: the first projection and the activation, one launch (x, topk_ids and
-    topk_weights contiguous; ``routing`` from :func:`route`)."""
+    """The first projection, one launch (x, topk_ids and topk_weights contiguous; ``routing`` from :func:`route`):
+    ``sorted``, ``h`` (T * k, I) in x's dtype, the activation applied; ``pairs``, the float32 partial sums of gate
+    and up (split, T * k, 2I) of its split-K programs, which :func:`down_stage` activates as it loads them."""
     pairs, inter = topk_ids.numel(), gate_up.shape[0] // 2
-    h = dequant._alloc((pairs, inter), x.dtype, x.device)
+    if cfg.path == "pairs":
+        h = dequant._alloc((cfg.split, pairs, 2 * inter), torch.float32, x.device)
+    else:
+        if cfg.split != 1:
+            raise ValueError(f"{cfg}: the sorted path does not split K")
+        h = dequant._alloc((pairs, inter), x.dtype, x.device)
     _launch(x, gate_up, h, cfg, n=inter, gated=True, routing=routing, a_by_token=True, scale_input=weight_on_input,
-            scale_output=False, topk_ids=topk_ids, topk_weights=topk_weights, top_k=topk_ids.shape[1],
-            act=ACTIVATIONS[activation], alpha=float(alpha), limit=float(limit))
+            scale_output=False, topk_ids=topk_ids, topk_weights=topk_weights, act=ACTIVATIONS[activation],
+            alpha=float(alpha), limit=float(limit), split_out=cfg.path == "pairs")
     return h
 
 
-def down_stage(h, down: PackedExperts, topk_ids, topk_weights, cfg: ExpertsConfig, routing, *,
+def down_stage(h, down: PackedExperts, topk_ids, topk_weights, cfg: ExpertsConfig, routing, *, dtype: torch.dtype,
+               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                weight_on_input: bool = False) -> torch.Tensor:
-    """The block's output (T, H) in h's dtype from :func:`gate_up_stage`'s ``h``: the second projection with the
-    top-k weight (unless ``weight_on_input``), then the sum over each token's slots."""
+    """The block's output (T, H) in ``dtype`` (x's) from :func:`gate_up_stage`'s result: the second projection with
+    the top-k weight (unless ``weight_on_input``), its split-K partial sums and each token's slots then summed."""
     tokens, top_k = topk_ids.shape
     pairs, hidden = topk_ids.numel(), down.shape[0]
+    if cfg.path == "sorted" and cfg.split != 1:
+        raise ValueError(f"{cfg}: the sorted path does not split K")
     # (sorted: the rows of unused slots belong to no block, so y starts at zero; pairs writes every row)
-    y = (torch.zeros((pairs, hidden), dtype=torch.float32, device=h.device) if cfg.path == "sorted"
-         else dequant._alloc((pairs, hidden), torch.float32, h.device))
+    y = (torch.zeros((1, pairs, hidden), dtype=torch.float32, device=h.device) if cfg.path == "sorted"
+         else dequant._alloc((cfg.split, pairs, hidden), torch.float32, h.device))
     _launch(h, down, y, cfg, n=hidden, gated=False, routing=routing, a_by_token=False, scale_input=False,
-            scale_output=not weight_on_input, topk_ids=topk_ids, topk_weights=topk_weights, top_k=top_k, act=0,
-            alpha=0.0, limit=0.0)
-    out = dequant._alloc((tokens, hidden), h.dtype, h.device)
-    _sum_slots_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](y, out, top_k, hidden, BLOCK_H=SUM_BLOCK, num_warps=4)
+            scale_output=not weight_on_input, topk_ids=topk_ids, topk_weights=topk_weights,
+            act=ACTIVATIONS[activation], alpha=float(alpha), limit=float(limit), split_out=True,
+            a_split=h.shape[0] if h.dim() == 3 else 0, a_dtype=dtype)
+    out = dequant._alloc((tokens, hidden), dtype, h.device)
+    _sum_slots_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](y, out, top_k, hidden, pairs, y.shape[0],
+                                                         BLOCK_H=SUM_BLOCK, num_warps=4)
     return out
