@@ -37,7 +37,8 @@ from timing import graph_time, median_ms, record  # noqa: E402  (benchmarks/timi
 
 MODELS = {"qwen3-moe": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}
 GS, BITS = 128, 4
-TOL = 1e-2  # relative error of bf16 outputs against the float32 reference
+TOL = 1e-2  # relative error of the fused kernels' bf16 outputs against the float32 reference
+BASELINE_TOL = 2e-2  # ... of the bf16 baselines (weights rounded to bf16, and every intermediate)
 fe = sys.modules["quantpack.kernels.moe.fused_experts"]  # (the package exports the function under this name)
 
 
@@ -137,10 +138,10 @@ def rel_error(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def check(name, got, want):
+def check(name, got, want, tol=TOL):
     err = rel_error(got, want)
-    if not err < TOL:
-        raise SystemExit(f"{name}: relative error {err:.3g} against the reference (>= {TOL}); not timed")
+    if not err < tol:
+        raise SystemExit(f"{name}: relative error {err:.3g} against the reference (>= {tol}); not timed")
     return err
 
 
@@ -168,13 +169,15 @@ def bench_model(model, token_counts, bw, l2, out_dir):
         want = reference.experts(xs[0], gu0, d0, *routes[0])
         check("fused_experts", fused_experts(xs[0], gu0, d0, *routes[0]), want)
         grouped = [Grouped(*dense_w[i], *routes[i]) for i in range(n_rep_t)]
-        check("grouped_mm bf16", grouped[0](xs[0]), want)
+        check("grouped_mm bf16", grouped[0](xs[0]), want, BASELINE_TOL)
         tf = transformers_experts(model, *dense_w[0])
         if tf is not None:
             try:
-                check("transformers grouped_mm", tf(xs[0], *routes[0]), want)
-            except Exception as exc:  # noqa: BLE001
-                log(f"  transformers' experts: not timed ({exc!r:.200})")
+                err = rel_error(tf(xs[0], *routes[0]), want)
+            except Exception as exc:  # noqa: BLE001  (its row is left out; the others still run)
+                err = exc
+            if not (isinstance(err, float) and err < BASELINE_TOL):
+                log(f"  transformers' experts: not timed ({err!r:.200} against the reference)")
                 tf = None
         # per projection: the fused kernels' launches alone (routing included where the path sorts), and the bf16
         # grouped GEMMs alone (their sort done outside)
