@@ -185,7 +185,8 @@ def bench_model(model, token_counts, bw, l2, out_dir):
         base_parts = [(g, *g.sort(xs[i])) for i, g in enumerate(grouped)]
         base_h = [g.gate_up(xsort, offs) for g, xsort, _, offs in base_parts]
         timings = {
-            ("block", "fused_experts"): [lambda i=i: fused_experts(xs[i], *blocks[i], *routes[i]) for i in range(n_rep_t)],
+            ("block", "fused_experts"): [lambda i=i: fused_experts(xs[i], *blocks[i], *routes[i])
+                                         for i in range(n_rep_t)],
             ("block", "grouped_mm_bf16"): [lambda i=i: grouped[i](xs[i]) for i in range(n_rep_t)],
             ("gate_up", "fused_experts"): [p[0] for p in ours_parts],
             ("down", "fused_experts"): [p[1] for p in ours_parts],
@@ -204,7 +205,8 @@ def bench_model(model, token_counts, bw, l2, out_dir):
             row = {"case": "experts", "model": model, "op": op, "impl": impl,
                    "shape": {"experts": experts, "top_k": top_k, "tokens": tokens, "hidden": hidden, "inter": inter},
                    "M": tokens, "bits": BITS, "group_size": GS, "dtype": "bf16", "time_us": round(us, 2),
-                   "mode": mode, "ratio_to_cublas": None, "ratio_to_bf16": round(base / us, 3), "experts_hit": hit, "replicas": n_rep_t}
+                   "mode": mode, "ratio_to_cublas": None, "ratio_to_bf16": round(base / us, 3), "experts_hit": hit,
+                   "replicas": n_rep_t}
             if impl == "fused_experts":
                 row["config"] = str(d.gate_up if op == "gate_up" else d.down if op == "down" else d.path)
                 if op == "block":

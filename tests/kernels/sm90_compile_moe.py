@@ -17,7 +17,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import importlib  # noqa: E402
 
-fe = importlib.import_module("quantpack.kernels.moe.fused_experts")  # (the package exports the function under this name)
+# (the package exports the function under the module's name)
+fe = importlib.import_module("quantpack.kernels.moe.fused_experts")
 
 ARGS = {"a_ptr": "*{a}", "qw_ptr": "*u8", "s_ptr": "*{x}", "z_ptr": "*{x}", "b_ptr": "*{x}", "out_ptr": "*{o}",
         "ids_ptr": "*i64", "tw_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "P": "i32", "E": "i32",

@@ -22,7 +22,8 @@ def configs(path, tokens, top_k, experts, hidden, inter, gs):
     from quantpack.kernels.moe import dispatch
     pairs = tokens * top_k
     if path == "pairs":
-        return (dispatch._pairs_config(pairs, inter, hidden, gs, 8), dispatch._pairs_config(pairs, hidden, inter, gs, 8))
+        return (dispatch._pairs_config(pairs, inter, hidden, gs, 8),
+                dispatch._pairs_config(pairs, hidden, inter, gs, 8))
     return (dispatch._sorted_config(pairs, experts, inter, hidden, gs),
             dispatch._sorted_config(pairs, experts, hidden, inter, gs))
 

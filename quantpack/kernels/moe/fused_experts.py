@@ -12,8 +12,8 @@ Triton launch, with no host synchronisation (a call can be captured in a CUDA gr
 Both use one kernel, :func:`_experts_kernel`, in one of two modes that dispatch.py picks: ``pairs`` (decode: one
 program per pair and column tile, CUDA-core GEMV, no sorting; K split over programs where the GPU would otherwise
 have too few, gate_up then storing float32 partial gate/up sums that down activates as it loads them) or ``sorted``
-(prefill: pairs sorted into per-expert blocks by routing.py, tensor-core tiles). Weights dequantize in registers as in the dense kernels (dequant.py's pair
-rows: even in-features multiply the low nibbles, odd ones the high).
+(prefill: pairs sorted into per-expert blocks by routing.py, tensor-core tiles). Weights dequantize in registers as
+in the dense kernels (dequant.py's pair rows: even in-features multiply the low nibbles, odd ones the high).
 """
 from __future__ import annotations
 
