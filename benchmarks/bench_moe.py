@@ -9,7 +9,9 @@ Shapes: Qwen3-30B-A3B's experts (128 experts, top-8, hidden 2048, width 768) and
 For each token count: gate_up (activation fused), down (top-k weight fused, slots summed) and the whole block
 (``fused_experts``, routing included), against the same steps in bf16 with ``torch._grouped_mm`` on the
 dequantized weights (tokens sorted by expert as transformers does it), and against transformers' own experts module
-with its ``grouped_mm`` implementation (whole block). Every implementation is checked against
+with its ``grouped_mm`` implementation (whole block). Where the pairs average ``GROUPED_PER_EXPERT`` or more per expert, also
+``grouped_dequant``: the prefill path fused_experts takes outside CUDA-graph capture (experts dequantized, torch's
+grouped GEMM), timed eagerly since it reads the pairs per expert on the host. Every implementation is checked against
 ``quantpack.reference.experts`` first. Times: median of ``do_bench`` over CUDA-graph replays of one call per weight
 replica, enough replicas that the experts hit exceed 4x L2 (benchmarks/timing.py).
 Bandwidth floor: the packed bytes of the experts actually hit (codes, scales, zeros) / copy bandwidth measured in
@@ -32,6 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from quantpack import reference  # noqa: E402
 from quantpack.format import PackedExperts  # noqa: E402
 from quantpack.kernels.moe import choose, fused_experts  # noqa: E402
+from quantpack.kernels.moe.dispatch import GROUPED_PER_EXPERT  # noqa: E402
+from quantpack.kernels.moe.grouped import grouped_experts  # noqa: E402
 from quantpack.kernels.dispatch import device_props  # noqa: E402
 from timing import graph_time, median_ms, record  # noqa: E402  (benchmarks/timing.py)
 
@@ -199,6 +203,12 @@ def bench_model(model, token_counts, bw, l2, out_dir):
             timings[("block", "transformers_grouped_mm_bf16")] = [lambda i=i: tfs[i](xs[i], *routes[i])
                                                                   for i in range(n_rep_t)]
         times = {key: graph_time(calls, warmup=10, rep=60) for key, calls in timings.items()}
+        if tokens * top_k / experts >= GROUPED_PER_EXPERT:  # the prefill path fused_experts takes outside capture:
+            # it reads the pairs per expert on the host, so it is timed eagerly (prefill is never captured)
+            check("grouped_dequant", grouped_experts(xs[0], gu0, d0, *routes[0]), want)
+            calls = [lambda i=i: grouped_experts(xs[i], *blocks[i], *routes[i]) for i in range(n_rep_t)]
+            times[("block", "grouped_dequant")] = (median_ms(lambda: [c() for c in calls], 5, 30) / n_rep_t,
+                                                   "eager")
         for (op, impl), (ms, mode) in times.items():
             us = ms * 1e3
             base = times[(op, "grouped_mm_bf16")][0] * 1e3

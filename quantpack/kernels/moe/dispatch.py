@@ -3,7 +3,11 @@
 * ``pairs``: one program per (token, slot) pair and column tile, GEMV-style on CUDA cores; no sorting at all. Each
   program reads its expert's packed weights for its columns once. Wins where few pairs share an expert (decode).
 * ``sorted``: pairs sorted into blocks of ``block_m`` per expert on the GPU (routing.py), one program per block and
-  column tile on tensor cores: each hit expert's weights are read once per block of pairs. Wins at prefill.
+  column tile on tensor cores: each hit expert's weights are read once per block of pairs. Between decode and
+  prefill, and at prefill where the grouped path cannot run.
+* ``grouped``: many pairs per expert, bf16, a GPU where torch has a grouped GEMM (sm_90+), outside CUDA-graph
+  capture: the experts are dequantized a range at a time and multiplied by ``torch._grouped_mm`` (grouped.py); the
+  GEMMs are compute-bound there, so tensor-core GEMMs at bf16 speed beat dequantizing in registers.
 
 :func:`choose` decides from the call's shape alone (no tuned table yet); :func:`explain` words it.
 """
@@ -16,13 +20,16 @@ import torch
 from ..dequant import cdiv, interpreting
 from ..dispatch import DeviceProps, device_props
 
-__all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_EXPERT", "PAIRS_MAX"]
+__all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_EXPERT", "PAIRS_MAX",
+           "GROUPED_PER_EXPERT"]
 
 PAIRS_PER_EXPERT = 2  # the pairs path runs while the pairs average at most this many per expert (beyond, sorting
 # into blocks reads each hit expert's weights once instead of once per pair)
 PAIRS_MAX = 256  # ... and while there are at most this many pairs (its CUDA-core math grows with the pairs)
 PAIRS_WAVES = 4  # programs per SM the pairs path aims at (column tiles, then K split)
 MIN_SPLIT_STEPS = 4  # K steps a split program runs at least
+GROUPED_PER_EXPERT = 32  # the grouped path runs from this many pairs per expert on average (measured on an H200:
+# at 32 and more the sorted kernel ran at 0.12-0.36x bf16's grouped GEMM, bound by its tensor-core tiles)
 
 
 @dataclass(frozen=True)
@@ -83,12 +90,19 @@ def _sorted_config(pairs: int, experts: int, n: int, k: int, group_size: int) ->
 
 
 def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-           group_size: int) -> ExpertsDecision:
+           group_size: int, *, grouped: bool = False) -> ExpertsDecision:
     """The kernels and tiles of a fused-experts call: ``tokens`` rows of x, ``top_k`` slots each, ``num_experts``
     experts of hidden size ``hidden`` and expert width ``inter`` (gate_up is (2 inter, hidden), down (hidden,
-    inter)), groups of ``group_size`` along K."""
+    inter)), groups of ``group_size`` along K. ``grouped``: whether the grouped path could run for this call
+    (grouped.grouped_usable, and not inside CUDA-graph capture)."""
     pairs = tokens * top_k
     per_expert = pairs / num_experts
+    if grouped and per_expert >= GROUPED_PER_EXPERT:
+        why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.3g} per expert >= "
+               f"{GROUPED_PER_EXPERT}): compute-bound, so each range of experts is dequantized to 16 bits and "
+               f"multiplied by torch's grouped GEMM")
+        grouped_cfg = ExpertsConfig("grouped", 0, 0, 0)
+        return ExpertsDecision(grouped_cfg, grouped_cfg, why)
     if pairs <= PAIRS_MAX and per_expert <= PAIRS_PER_EXPERT:
         why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.2g} per expert <= "
                f"{PAIRS_PER_EXPERT}, and <= {PAIRS_MAX} pairs): one program per pair and column tile, no sorting")
@@ -116,9 +130,13 @@ def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, 
             return (f"On {device}, without TRITON_INTERPRET, no Triton kernel runs: the pure-torch reference "
                     f"(quantpack.reference.experts) computes the experts (T={tokens}, top-{top_k}, E={num_experts}).")
         props = device_props(device)
-    d = choose(props, tokens, top_k, num_experts, hidden, inter, group_size)
+    d = choose(props, tokens, top_k, num_experts, hidden, inter, group_size,
+               grouped=bool(props.gpu and props.capability and props.capability[0] >= 9
+                            and dtype == torch.bfloat16))
     where = props.name if props.gpu else "Triton's CPU interpreter"
     shape = (f"T={tokens}, top-{top_k} of E={num_experts} experts, hidden {hidden}, expert width {inter}, {bits}-bit, "
              f"group size {group_size}, {str(dtype).replace('torch.', '')}")
+    if d.path == "grouped":
+        return f"On {where}, fused experts with {shape} run dequantize + torch._grouped_mm, because {d.reason}."
     return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up} (activation fused) and down as "
             f"{d.down} (top-k weight fused, slots summed in float32), because {d.reason}.")

@@ -27,6 +27,7 @@ from .. import dequant
 from ..dequant import cdiv, dequant_pair_tile, interpreting, on_device, triton_usable
 from ..dispatch import device_props
 from .dispatch import ExpertsConfig, choose
+from .grouped import grouped_experts, grouped_usable
 from .routing import align_block_size
 
 ACTIVATIONS = {name: i for i, name in enumerate(reference.EXPERT_ACTIVATIONS)}  # the kernel's ACT codes
@@ -266,7 +267,8 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
     """A mixture-of-experts block's experts, fused: :func:`quantpack.reference.experts`'s semantics (see there) in
     two Triton launches, one per projection, for all experts (plus the sort into per-expert blocks at prefill, and
     the sum over slots). Runs on CUDA (and on the CPU under TRITON_INTERPRET=1), the reference otherwise; never
-    synchronises with the host, so it can be captured in a CUDA graph. ``config`` forces (gate_up, down) launch
+    synchronises with the host, so it can be captured in a CUDA graph (at many pairs per expert outside capture,
+    a prefill, the grouped path of grouped.py runs instead, with one host sync). ``config`` forces (gate_up, down) launch
     configs (tests, benchmarks); by default :func:`quantpack.kernels.moe.dispatch.choose` picks them."""
     check_experts(x, gate_up, down, topk_ids, topk_weights, activation)
     if not triton_usable(x):
@@ -281,9 +283,14 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     if config is None:
-        d = choose(device_props(x.device), tokens, top_k, gate_up.num_experts, hidden, inter, gate_up.group_size)
+        grouped = (x.device.type == "cuda" and grouped_usable(x) and not torch.cuda.is_current_stream_capturing())
+        d = choose(device_props(x.device), tokens, top_k, gate_up.num_experts, hidden, inter, gate_up.group_size,
+                   grouped=grouped)
         config = (d.gate_up, d.down)
     cfg_gu, cfg_d = config
+    if cfg_gu.path == "grouped":
+        return grouped_experts(x, gate_up, down, topk_ids, topk_weights, activation=activation, alpha=alpha,
+                               limit=limit, weight_on_input=weight_on_input)
     with on_device(x):
         routes = {cfg: route(topk_ids, gate_up.num_experts, cfg) for cfg in config}
         h = gate_up_stage(x, gate_up, topk_ids, topk_weights, cfg_gu, routes[cfg_gu], activation=activation,
