@@ -374,3 +374,24 @@ def test_graphs_mode_points_sdpa_models_at_the_decode_attention_and_back(packed_
     if eager is not None:
         generation.enable(eager, "graphs")
         assert eager.config._attn_implementation == "eager"  # (a choice other than sdpa is kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_default_generate_on_cuda_runs_the_split_kv_kernel(packed_llama, monkeypatch):
+    """On a GPU the default path's captured decode step runs the split-KV kernel (every layer), with the eager path's
+    logits and greedy tokens, left-padded prompts and a cache of several hundred positions included."""
+    calls = _counting_kernel(monkeypatch)
+    fast = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16)
+    eager = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16, decode="eager")
+    ids = _prompt(fast, batch=3, length=300).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    a = fast.generate(ids, **kw)
+    b = eager.generate(ids, **kw)
+    assert len(calls) == fast.config.num_hidden_layers * 3  # captured once (two warm-ups, the capture), replayed
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
