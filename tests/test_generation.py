@@ -384,7 +384,7 @@ def test_default_generate_on_cuda_runs_the_split_kv_kernel(packed_llama, monkeyp
     calls = _counting_kernel(monkeypatch)
     fast = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16)
     eager = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16, decode="eager")
-    ids = _prompt(fast, batch=3, length=300).cuda()
+    ids = _prompt(fast, batch=3, length=200).cuda()
     mask = torch.ones_like(ids)
     mask[1, :40] = 0
     kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True,

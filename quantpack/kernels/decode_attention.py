@@ -1,9 +1,8 @@
 """Split-KV (flash-decoding) attention for decode steps: a few query tokens over a static KV cache.
 
 At long context a decode step's time goes to attention: one query token reads the whole KV cache, and torch's sdpa
-over transformers' static cache reads all ``max_cache_len`` positions (the unused ones masked) with one program per
-head, a handful of programs for the whole GPU. :func:`decode_attention` reads only the valid positions and spreads
-them over the GPU:
+over transformers' static cache attends over all ``max_cache_len`` positions (the unused ones masked).
+:func:`decode_attention` reads only the valid positions and spreads them over the GPU:
 
 * stage 1, grid ``(batch * kv_heads, splits)``: each program takes one KV head (every query head of its GQA group
   and every query token at once, so each key and value is read once) and one contiguous share of the valid
