@@ -316,7 +316,7 @@ FAMILIES = [
     ("quantized linears", r"_fwd_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_tr_kernel|_w8a8|_dequant_kernel"),
     ("attention", r"flash|fmha|attention|softmax|bmm|efficient"),
     ("cuBLAS GEMM/GEMV (bf16 linears, lm_head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90_|splitKreduce"),
-    ("fused RMSNorm, rotary (quantpack)", r"_rms_norm_kernel|_rotary_kernel"),
+    ("fused RMSNorm, rotary, SiLU*up (quantpack)", r"_rms_norm_kernel|_rotary_kernel|_silu_mul_kernel"),
     ("KV-cache update", r"index_copy|index_put|scatter"),
     ("norms (pow, mean, rsqrt)", r"pow|rsqrt|MeanOps|mean|norm"),
     ("rotary (cos, sin, neg, cat)", r"cos|sin|neg|CatArray|cat_"),

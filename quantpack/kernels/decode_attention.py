@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, len_ptr, part_ptr, lse_ptr,
+def _decode_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, len_ptr, part_ptr, lse_ptr,
                   sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_m, sm_n,
                   H_KV, Q_LEN, qk_scale,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -97,7 +97,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, len_ptr, part_ptr, lse_ptr,
 
 
 @triton.jit
-def _combine_kernel(part_ptr, lse_ptr, o_ptr, so_b, so_m, so_h, H_Q, Q_LEN,
+def _decode_attention_combine_kernel(part_ptr, lse_ptr, o_ptr, so_b, so_m, so_h, H_Q, Q_LEN,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # (b * H_Q + h) * Q_LEN + qi
     qi = row % Q_LEN
@@ -200,7 +200,7 @@ def decode_attention_unchecked(query, key, value, kv_len, mask=None, scale=None,
         sm_b = sm_m = sm_n = 0
     block_d = next_power_of_2(dim)
     with on_device(query):
-        _split_kernel[(b * hkv, splits)](
+        _decode_attention_split_kernel[(b * hkv, splits)](
             query, key, value, mask if mask is not None else query, kv_len, part, lse,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), sm_b, sm_m, sm_n,
@@ -208,7 +208,7 @@ def decode_attention_unchecked(query, key, value, kv_len, mask=None, scale=None,
             GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=max(16, next_power_of_2(group * q_len)),
             BLOCK_N=BLOCK_N, SPLITS=splits, HAS_MASK=mask is not None,
             UPCAST=interpreting() and query.device.type == "cpu", num_warps=4)
-        _combine_kernel[(b * hq * q_len,)](
+        _decode_attention_combine_kernel[(b * hq * q_len,)](
             part, lse, out, out.stride(0), out.stride(1), out.stride(2), hq, q_len,
             HEAD_DIM=dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=next_power_of_2(splits), num_warps=4)
     return out

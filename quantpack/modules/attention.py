@@ -62,7 +62,8 @@ def _valid_length(module, key, value) -> torch.Tensor | None:
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """An ``AttentionInterface`` function: the kernel for a decode step over the cache in :func:`decoding`,
     transformers' sdpa otherwise."""
-    if (dropout == 0.0 and enabled() and getattr(module, "is_causal", False)
+    # (torch.compile traces sdpa: the steps it compiles are not this module's, and dynamo cannot read a ContextVar)
+    if (not torch.compiler.is_compiling() and dropout == 0.0 and enabled() and getattr(module, "is_causal", False)
             and not kwargs.get("output_attentions") and kwargs.get("sliding_window") is None
             and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
             and kwargs.get("position_bias") is None and not torch.is_grad_enabled()):
