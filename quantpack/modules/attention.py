@@ -93,7 +93,11 @@ def use(model) -> bool:
             getattr(model, "set_attn_implementation", None)):
         return False
     _register()
-    model.set_attn_implementation(NAME)
+    try:
+        model.set_attn_implementation(NAME)
+    except (ValueError, KeyError, ImportError):  # (a model transformers will not switch: it keeps sdpa)
+        model.set_attn_implementation("sdpa")
+        return False
     return config._attn_implementation == NAME
 
 
