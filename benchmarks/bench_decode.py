@@ -31,8 +31,24 @@ weights. Prints a table and writes JSON (``--json``).
     python benchmarks/bench_decode.py --modes default graph --lm-head-bits 8 4   # + lm_head quantized too
     python benchmarks/bench_decode.py --profile                    # + where a decode step's GPU time goes
 
-Each measured cell is appended to benchmarks/results/decode.jsonl (device, commit, date, batch, model, path,
-tok_s, first_call_s), bf16 and quantpack from the same run; ``--profile`` adds decode_profile.jsonl.
+Long context: ``--context 4096 32768`` prefills a prompt of that many tokens before the timed decode steps (``0``:
+the short ``--prompt-len`` prompt); each (batch, context) cell runs unless batch x context exceeds
+``--max-kv-tokens`` (default 65,536: batch 1 to 32k, batch 16 to 4k on an 8B shape, whose bf16 KV cache takes
+128 KiB a token). ``--ttft-prompt`` (default 2048) also times the first token of a prompt that long at batch 1,
+``generate(max_new_tokens=1)``, bf16 and quantpack's default path.
+
+Every row carries the memory-bandwidth limit it is measured against: ``bytes_per_token``, the bytes a decode step
+reads divided by the batch (every weight: packed linears with their scales and zeros, the bf16 lm_head, norms, plus
+one embedding row per sequence and the valid part of the KV cache, at the mean length of the timed steps);
+``copy_tb_s``, a device-to-device copy's bandwidth measured in the same run (bytes read + written); ``limit_tok_s``
+= copy_tb_s / bytes_per_token, and ``limit_fraction`` = tok_s / limit_tok_s.
+
+    python benchmarks/bench_decode.py --modes default graph --batch-sizes 1 16 --context 0 4096 32768
+
+Each measured cell is appended to benchmarks/results/decode.jsonl (device, commit, date, batch, context, model,
+path, tok_s, first_call_s, the limit above), bf16 and quantpack from the same run; time-to-first-token lines have
+path ``ttft`` and ``ttft_ms``; ``--profile`` adds decode_profile.jsonl. ``--device cpu`` runs the default and eager
+paths on the CPU (a smoke test of the script at a tiny shape; no bandwidth meaning).
 """
 from __future__ import annotations
 
@@ -46,13 +62,18 @@ import time
 import torch
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def build_model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = args.hidden // 128
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                          num_attention_heads=heads, num_key_value_heads=min(8, heads), vocab_size=args.vocab,
-                         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+                         max_position_embeddings=max(8192, max_context(args)), rope_theta=500000.0, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
@@ -74,6 +95,49 @@ def quantize_in_place(model, *, bits: int, group_size: int, method: str) -> int:
     return len(names)
 
 
+def max_context(args) -> int:
+    """The longest sequence a cell reaches: its prompt and the new tokens (and slack for warm-up calls)."""
+    return max([args.prompt_len, args.ttft_prompt, *args.context]) + args.new_tokens + 64
+
+
+def cells(args) -> list[tuple[int, int]]:
+    """The (batch, context) cells measured: every pair within ``--max-kv-tokens`` (short prompts always)."""
+    return [(b, c) for c in args.context for b in args.batch_sizes if c == 0 or b * c <= args.max_kv_tokens]
+
+
+def copy_bandwidth(device) -> float:
+    """TB/s of a device-to-device copy of 1 GiB (bytes read + written), the median of do_bench's runs (on a CPU:
+    64 MiB, best of 5, for the smoke test)."""
+    if device.type == "cuda":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from timing import median_ms  # (benchmarks/timing.py)
+
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        ms = median_ms(lambda: dst.copy_(src))
+        return 2 * src.numel() / (ms * 1e-3) / 1e12
+    src = torch.empty(1 << 26, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() / best / 1e12
+
+
+def bytes_per_token(model, batch: int, kv_positions: float) -> float:
+    """Bytes a decode step of ``batch`` sequences reads, per token: every weight but the embedding table (one row of
+    it per sequence instead), and the keys and values of ``kv_positions`` cached positions per sequence."""
+    config = model.config
+    embed = model.get_input_embeddings().weight
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * embed.element_size() * kv_positions
+    step = weight_bytes(model) - embed.numel() * embed.element_size() + batch * (embed[0].numel() * embed.element_size()
+                                                                                 + kv)
+    return step / batch
+
+
 def weight_bytes(model) -> int:
     seen = {}
     for t in list(model.parameters()) + list(model.buffers()):
@@ -89,10 +153,10 @@ def generate_decode(model, prompt, new_tokens: int, repeats: int = 3, **generate
     kw = dict(do_sample=False, pad_token_id=0, **generate_kw)
 
     def timed(n):
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - t
 
     timed(4)  # warm-up: kernels compiled, caches allocated
@@ -152,11 +216,11 @@ def eager_alternating(bf16, qmodel, prompt, new_tokens: int, rounds: int) -> dic
 def compiled_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
     """(tokens/s, seconds of the first call) of generate() with a static cache, whose decode step transformers
     compiles (inductor, CUDA graphs) on the first call."""
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
                    cache_implementation="static")
-    torch.cuda.synchronize()
+    _sync()
     first = time.perf_counter() - t
     return generate_decode(model, prompt, new_tokens, cache_implementation="static"), first
 
@@ -183,7 +247,7 @@ def graph_decode(model, prompt, new_tokens: int) -> float:
     device = prompt.device
     cache = StaticCache(config=model.config, max_cache_len=p + new_tokens + 8)
     out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                cache_position=torch.arange(p, device=device))
+                cache_position=torch.arange(p, device=device), logits_to_keep=1)  # (a long prompt's logits: GBs)
     ids = out.logits[:, -1:].argmax(-1)
     pos = torch.tensor([p], device=device)
 
@@ -209,10 +273,10 @@ def graph_decode(model, prompt, new_tokens: int) -> float:
 
     run(2)
     pos.fill_(p)
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     run(new_tokens)
-    torch.cuda.synchronize()
+    _sync()
     return b * new_tokens / (time.perf_counter() - t)
 
 
@@ -237,10 +301,10 @@ def default_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
 
     generation.enable(model, "graphs")
     try:
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
+        _sync()
         first = time.perf_counter() - t
         return generate_decode(model, prompt, new_tokens), first
     finally:
@@ -252,7 +316,7 @@ FAMILIES = [
     ("quantized linears", r"_fwd_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_tr_kernel|_w8a8|_dequant_kernel"),
     ("attention", r"flash|fmha|attention|softmax|bmm|efficient"),
     ("cuBLAS GEMM/GEMV (bf16 linears, lm_head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90_|splitKreduce"),
-    ("fused RMSNorm, rotary (quantpack)", r"_rms_norm_kernel|_rotary_kernel"),
+    ("fused RMSNorm, rotary, SiLU*up (quantpack)", r"_rms_norm_kernel|_rotary_kernel|_silu_mul_kernel"),
     ("KV-cache update", r"index_copy|index_put|scatter"),
     ("norms (pow, mean, rsqrt)", r"pow|rsqrt|MeanOps|mean|norm"),
     ("rotary (cos, sin, neg, cat)", r"cos|sin|neg|CatArray|cat_"),
@@ -276,16 +340,16 @@ def profile_decode(model, prompt, steps: int = 16) -> dict:
     try:
         model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
         n = steps + 1
-        torch.cuda.synchronize()
+        _sync()
         t1 = time.perf_counter()
         model.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
+        _sync()
         t1 = time.perf_counter() - t1
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch.cuda.synchronize()
+            _sync()
             t = time.perf_counter()
             model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
+            _sync()
             wall = time.perf_counter() - t
     finally:
         generation.disable(model)
@@ -332,10 +396,12 @@ def append_results(args, results) -> None:
             if " lm_head w" in row["model"]:
                 variant = f"merged, lm_head {row['model'].rsplit(' ', 1)[1]}"
             for key, value in row.items():
-                if key.endswith("_tok_s"):
+                if key.endswith("_tok_s") and key != "limit_tok_s":
                     path_name = key.removesuffix("_tok_s")
-                    line = {**base, "batch": row["batch"], "model": model, "path": path_name, "tok_s": value,
-                            "first_call_s": row.get(f"{path_name}_first_call_s")}
+                    line = {**base, "batch": row["batch"], "context": row["context"], "model": model,
+                            "path": path_name, "tok_s": value, "first_call_s": row.get(f"{path_name}_first_call_s"),
+                            "bytes_per_token": row["bytes_per_token"], "copy_tb_s": results["copy_tb_s"],
+                            "limit_tok_s": row["limit_tok_s"], "limit_fraction": value / row["limit_tok_s"]}
                     if model == "quantpack":
                         line["projections"] = variant
                     detail = row.get(f"{path_name}_detail")
@@ -343,6 +409,8 @@ def append_results(args, results) -> None:
                         line.update(ratio=detail["ratio"], ratio_range=detail["ratio_range"], rounds=detail["rounds"],
                                     bf16_tok_s=detail["bf16_tok_s"])
                     f.write(json.dumps(line) + "\n")
+        for line in results.get("ttft", []):
+            f.write(json.dumps({**base, **line}) + "\n")
         for prof in results.get("profiles", []):
             f2 = path.replace("decode.jsonl", "decode_profile.jsonl")
             with open(f2, "a") as g:
@@ -352,16 +420,17 @@ def append_results(args, results) -> None:
 def measure(model, args, prompts, label, results, quantized=False, bf16=None):
     """Time ``model`` in each of ``args.modes`` at each batch size into a row of ``results``; ``bf16``: the bf16
     model the quantized one's eager rounds alternate with."""
-    for b in args.batch_sizes:
-        row = {"model": label, "batch": b}
+    for b, context in cells(args):
+        prompt = prompts[b, context]
+        row = {"model": label, "batch": b, "context": context}
         if "default" in args.modes and quantized:
             try:
-                row["default_tok_s"], row["default_first_call_s"] = default_decode(model, prompts[b], args.new_tokens)
+                row["default_tok_s"], row["default_first_call_s"] = default_decode(model, prompt, args.new_tokens)
             except Exception as exc:
                 row["default_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if args.profile:
             try:
-                prof = profile_decode(model, prompts[b])
+                prof = profile_decode(model, prompt)
                 prof.update({"batch": b, "model": label})
                 results.setdefault("profiles", []).append(prof)
                 print(json.dumps(prof), flush=True)
@@ -369,29 +438,58 @@ def measure(model, args, prompts, label, results, quantized=False, bf16=None):
                 print(f"profile failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         if "eager" in args.modes and quantized:  # (bf16's eager cell: from these rounds)
             try:
-                got = eager_alternating(bf16, model, prompts[b], args.new_tokens, args.eager_rounds)
+                got = eager_alternating(bf16, model, prompt, args.new_tokens, args.eager_rounds)
                 row["eager_tok_s"], row["eager_ratio"] = got["tok_s"], got["ratio"]
                 row["eager_detail"] = got
-                bf16_row = next(r for r in results["rows"] if r["model"] == "bf16" and r["batch"] == b)
+                bf16_row = next(r for r in results["rows"] if r["model"] == "bf16" and r["batch"] == b
+                                and r["context"] == context)
                 bf16_row.setdefault("eager_tok_s", got["bf16_tok_s"])  # (the first quantized model's rounds)
                 if args.no_plans:
-                    row["eager_no_plans_tok_s"] = without_launch_plans(generate_decode, model, prompts[b],
+                    row["eager_no_plans_tok_s"] = without_launch_plans(generate_decode, model, prompt,
                                                                        args.new_tokens)
             except Exception as exc:  # keep going: report what failed
                 row["eager_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        if "graph" in args.modes:
+        if "graph" in args.modes and prompt.is_cuda:
             try:
-                row["graph_tok_s"] = graph_decode(model, prompts[b], args.new_tokens)
+                row["graph_tok_s"] = graph_decode(model, prompt, args.new_tokens)
             except Exception as exc:
                 row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-        if "compiled" in args.modes:
+        if "compiled" in args.modes and prompt.is_cuda:
             try:
-                row["compiled_tok_s"], row["compiled_first_call_s"] = compiled_decode(model, prompts[b],
+                row["compiled_tok_s"], row["compiled_first_call_s"] = compiled_decode(model, prompt,
                                                                                       args.new_tokens)
             except Exception as exc:
                 row["compiled_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        # the bandwidth limit: the timed steps' mean cache length
+        row["bytes_per_token"] = bytes_per_token(model, b, prompt.shape[1] + args.new_tokens / 2)
+        row["limit_tok_s"] = results["copy_tb_s"] * 1e12 / row["bytes_per_token"]
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
+
+
+@torch.no_grad()
+def time_to_first_token(model, prompt, quantized: bool, repeats: int = 5) -> float:
+    """Milliseconds of ``generate(prompt, max_new_tokens=1)`` (prefill and the first token), the median of
+    ``repeats`` after a warm-up; a quantized model on its default path (quantpack.load's), bf16 as transformers
+    gives it."""
+    import statistics
+
+    from quantpack import generation
+
+    if quantized:
+        generation.enable(model, "graphs")
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            _sync()
+            t = time.perf_counter()
+            model.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+            _sync()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times[1:])
+    finally:
+        if quantized:
+            generation.disable(model)
 
 
 def main(argv=None) -> int:
@@ -403,6 +501,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--context", type=int, nargs="+", default=[0],
+                        help="prompt lengths prefilled before the timed decode steps; 0: --prompt-len [default: 0]")
+    parser.add_argument("--max-kv-tokens", type=int, default=65536,
+                        help="skip (batch, context) cells whose batch x context exceeds this [default: 65536]")
+    parser.add_argument("--ttft-prompt", type=int, default=2048,
+                        help="time the first token of a prompt this long at batch 1, bf16 and quantpack; 0 skips "
+                             "[default: 2048]")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a smoke test at a tiny shape (default and eager paths only)")
     parser.add_argument("--bits", type=int, default=4, choices=[4, 8])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--method", default="rtn", choices=["rtn", "hqq"])
@@ -423,15 +530,18 @@ def main(argv=None) -> int:
                         help="also measure each quantized layer alone (quantpack.load(..., merge=False))")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("Error: this benchmark needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("Error: this benchmark needs a CUDA GPU (--device cpu runs a smoke test)", file=sys.stderr)
+        return 2
+    if min(args.context) < 0 or args.ttft_prompt < 0 or args.new_tokens < 2:
+        print("Error: --context and --ttft-prompt take lengths >= 0, --new-tokens at least 2", file=sys.stderr)
         return 2
     import transformers
 
     import quantpack
 
-    device = torch.device("cuda")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    device = torch.device(args.device)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                "transformers": transformers.__version__, "quantpack": quantpack.__version__,
                "shape": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "vocab")},
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -440,9 +550,16 @@ def main(argv=None) -> int:
     model = build_model(args, device)
     results["build_s"] = time.perf_counter() - t
     g = torch.Generator(device="cpu").manual_seed(1)
-    prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=g).to(device) for b in args.batch_sizes}
+    prompts = {(b, c): torch.randint(0, args.vocab, (b, c or args.prompt_len), generator=g).to(device)
+               for b, c in cells(args)}
+    ttft_prompt = torch.randint(0, args.vocab, (1, args.ttft_prompt), generator=g).to(device) if args.ttft_prompt \
+        else None
+    results["copy_tb_s"] = copy_bandwidth(device)
     results["bf16_weight_bytes"] = weight_bytes(model)
     measure(model, args, prompts, "bf16", results)
+    if ttft_prompt is not None:
+        results["ttft"] = [{"batch": 1, "context": args.ttft_prompt, "model": "bf16", "path": "ttft",
+                            "ttft_ms": time_to_first_token(model, ttft_prompt, quantized=False)}]
     bf16 = copy.deepcopy(model) if "eager" in args.modes else None  # (the quantized models' eager rounds alternate
     # with it: GPU memory for a second bf16 copy)
 
@@ -454,7 +571,8 @@ def main(argv=None) -> int:
     from quantpack.modules import fused
 
     results["fused_norms"] = fused.apply(model)  # (as quantpack.load does: RMSNorm, rotary as one kernel each)
-    results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, prompts[min(args.batch_sizes)][:, :16])
+    short = prompts[min(cells(args))]
+    results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, short[:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)
     if args.unmerged:
         measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size}", results, quantized=True,
@@ -463,11 +581,15 @@ def main(argv=None) -> int:
         from quantpack.modules.merged import merge_projections
 
         results["merged_groups"] = merge_projections(model)
-        one_token = prompts[min(args.batch_sizes)][:1, :1]  # (one row of x: the merged decode path)
+        one_token = short[:1, :1]  # (one row of x: the merged decode path)
         results["merged_kernel_vs_reference_rel_err"] = kernel_vs_reference(model, one_token)
         print(json.dumps({k: v for k, v in results.items() if k.startswith("merged")}), flush=True)
         measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged", results, quantized=True,
                 bf16=bf16)
+    if ttft_prompt is not None:
+        ms = time_to_first_token(model, ttft_prompt, quantized=True)
+        results["ttft"].append({"batch": 1, "context": args.ttft_prompt, "model": "quantpack", "path": "ttft",
+                                "ttft_ms": ms, "ratio_to_bf16": results["ttft"][0]["ttft_ms"] / ms})
     bf16_head = model.lm_head
     for bits in args.lm_head_bits:  # (last: the rows above keep the bf16 lm_head, as convert does by default)
         from quantpack.modules.linear import QuantLinear
@@ -475,21 +597,27 @@ def main(argv=None) -> int:
         with torch.no_grad():
             model.lm_head = QuantLinear.from_linear(bf16_head, bits=bits, group_size=args.group_size,
                                                     method=args.method, dtype=torch.bfloat16)
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         results[f"lm_head_w{bits}_weight_bytes"] = weight_bytes(model)
         measure(model, args, prompts, f"quantpack w{args.bits} g{args.group_size} merged lm_head w{bits}", results,
                 quantized=True, bf16=bf16)
 
     nan = float("nan")
-    print(f"\n{'model':<30}{'batch':>6}{'default tok/s':>15}{'(first s)':>10}{'eager tok/s':>14}{'(x bf16)':>9}"
+    print(f"\n{'model':<30}{'batch':>6}{'context':>8}{'limit tok/s':>12}{'default tok/s':>15}{'(first s)':>10}{'eager tok/s':>14}{'(x bf16)':>9}"
           f"{'graph tok/s':>14}{'compiled tok/s':>16}{'(first call s)':>16}{'eager, no launch plans':>24}")
     for row in results["rows"]:
-        print(f"{row['model']:<30}{row['batch']:>6}{row.get('default_tok_s', nan):>15.1f}"
+        print(f"{row['model']:<30}{row['batch']:>6}{row['context']:>8}{row['limit_tok_s']:>12.0f}"
+              f"{row.get('default_tok_s', nan):>15.1f}"
               f"{row.get('default_first_call_s', nan):>10.1f}{row.get('eager_tok_s', nan):>14.1f}"
               f"{row.get('eager_ratio', nan):>9.2f}"
               f"{row.get('graph_tok_s', nan):>14.1f}{row.get('compiled_tok_s', nan):>16.1f}"
               f"{row.get('compiled_first_call_s', nan):>16.1f}"
               f"{row.get('eager_no_plans_tok_s', nan):>24.1f}")
+    print(f"copy bandwidth {results['copy_tb_s']:.2f} TB/s (limit tok/s = that / bytes_per_token)")
+    for line in results.get("ttft", []):
+        print(f"time to first token, {line['context']}-token prompt, {line['model']}: {line['ttft_ms']:.1f} ms"
+              + (f" ({line['ratio_to_bf16']:.2f}x bf16's speed)" if "ratio_to_bf16" in line else ""))
     for prof in results.get("profiles", []):
         print(f"\n{prof['model']}, batch {prof['batch']}: one decode step {prof['step_us']:.0f} us")
         for family, us in sorted(prof["families_us"].items(), key=lambda kv: -kv[1]):

@@ -35,6 +35,8 @@ import time
 
 import torch
 
+from .modules import attention
+
 MODES = ("graphs", "compile", "eager")
 MAX_TOKENS = 8  # a call of more tokens per sequence (a prefill) runs eagerly: each prompt length would be a graph
 
@@ -69,11 +71,14 @@ def enable(model, mode: str = "graphs") -> None:
     model.generate = functools.wraps(model.generate)(StaticCacheGenerate(model.generate, keep_cache=mode == "graphs"))
     if mode == "graphs":
         model.get_compiled_call = DecodeGraphs(model).get_compiled_call
+        attention.use(model)
     model._quantpack_decode = mode
 
 
 def disable(model) -> None:
     """Undo :func:`enable`: transformers' own ``generate`` and ``get_compiled_call`` again."""
+    if mode_of(model) == "graphs":
+        attention.unuse(model)
     for name in ("generate", "get_compiled_call"):
         model.__dict__.pop(name, None)
     model.__dict__.pop("_quantpack_decode", None)
@@ -307,6 +312,10 @@ class DecodeGraphs:
             self.cache, self.cache_tensors = cache, _tensors_of(cache)
         start = time.perf_counter()
         inputs = _clone_inputs(kwargs)
+
+        def run():  # (attention over ``cache`` may take the split-KV kernel: modules/attention.py)
+            with attention.decoding(cache):
+                return self.model(**inputs)
         # The step runs here more than once (warm-up; a stand-in graph runs it to capture): the cache (keys, values,
         # position counters) is put back as it was after each, so that only the replay below advances it.
         saved = [(t, t.clone()) for t in _tensor_objects(cache)]
@@ -324,15 +333,15 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.model(**inputs)
+                    run()
                 restore()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                output = self.model(**inputs)
+                output = run()
         else:
             graph = self.graph_cls()
-            output = graph.capture(lambda: self.model(**inputs))
+            output = graph.capture(run)
             restore()
         del saved
         self.graphs[key] = _Captured(inputs, graph, output)

@@ -119,7 +119,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     * ``decode``: how ``model.generate`` decodes on a GPU (:mod:`quantpack.generation`): ``"graphs"`` (default: a
       static KV cache, each decode step captured once as a CUDA graph and replayed), ``"compile"`` (a static cache
       and transformers' torch.compile of the step) or ``"eager"`` (transformers' defaults, unchanged). On a GPU,
-      Llama-style RMSNorms and rotary embeddings run as one kernel each in every mode
+      Llama-style RMSNorms, rotary embeddings and MLPs' SiLU * up run as one kernel each in every mode
       (:mod:`quantpack.modules.fused`; ``quantpack.modules.fused.remove(model)`` undoes it).
     * ``trust_remote_code``: run the Python code the checkpoint ships for its config and model
       (``auto_map``). Off by default: such a checkpoint is refused, and nothing ever prompts.

@@ -296,3 +296,102 @@ def test_compile_caches_kept_under_quantpacks_cache_directory(packed_llama, tmp_
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     assert err.count("\n") == 1 and "cannot keep torch.compile's caches" in err and "QUANTPACK_CACHE_DIR" in err
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+needs_interpreter = pytest.mark.skipif(not __import__("quantpack.kernels.dequant", fromlist=["x"]).interpreting(),
+                                       reason="the decode attention kernel runs on the CPU only under TRITON_INTERPRET=1")
+
+
+def _counting_kernel(monkeypatch):
+    from quantpack.kernels import decode_attention
+
+    calls = []
+    original = decode_attention.decode_attention_unchecked
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "decode_attention_unchecked", counted)
+    return calls
+
+
+@needs_interpreter
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_steps_take_the_split_kv_kernel_with_the_eager_tokens(packed_llama, monkeypatch, padded):
+    """On the graphs path the decode steps' attention runs the split-KV kernel over the static cache (prefill keeps
+    sdpa), with the eager path's greedy tokens and logits, left-padded prompts included; the switch turns it off.
+    (float32: in bfloat16 the tiny model's top logits tie, and any rounding difference picks another token.)"""
+    from quantpack.modules import attention
+
+    model = quantpack.load(packed_llama, device="cpu", dtype=torch.float32)
+    ids = _prompt(model, batch=3, length=6)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :2] = 0
+        mask[2, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    eager = model.generate(ids, disable_compile=True, **kw)
+    assert attention.use(model) and model.config._attn_implementation == attention.NAME
+    calls = _counting_kernel(monkeypatch)
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    config._compile_all_devices = True
+    runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
+    model.get_compiled_call = lambda compile_config=None: runner.session()
+    graphed = model.generate(ids, cache_implementation="static", compile_config=config, **kw)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.logits, eager.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    layers = model.config.num_hidden_layers
+    assert calls and all(shape[2] == 1 for shape in calls)  # decode steps only: the prefill took sdpa
+    assert len(calls) == layers * 5  # capture (run once; the warm-up is the GPU's) + 4 replays, every layer
+    calls.clear()
+    monkeypatch.setenv("QUANTPACK_DECODE_ATTENTION", "0")
+    runner.reset()
+    off = model.generate(ids, cache_implementation="static", compile_config=config, **kw)
+    assert torch.equal(off.sequences, eager.sequences) and not calls
+    attention.unuse(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_graphs_mode_points_sdpa_models_at_the_decode_attention_and_back(packed_llama):
+    from quantpack.modules import attention
+
+    model = quantpack.load(packed_llama, device="cpu", decode="eager")
+    assert model.config._attn_implementation == "sdpa"
+    generation.enable(model, "graphs")
+    assert model.config._attn_implementation == attention.NAME
+    generation.enable(model, "eager")
+    assert model.config._attn_implementation == "sdpa"
+    generation.enable(model, "compile")
+    assert model.config._attn_implementation == "sdpa"  # (compiled steps keep sdpa: inductor traces it)
+    generation.disable(model)
+    eager = quantpack.load(packed_llama, device="cpu", decode="eager", attn_implementation="eager") \
+        if "attn_implementation" in __import__("inspect").signature(quantpack.load).parameters else None
+    if eager is not None:
+        generation.enable(eager, "graphs")
+        assert eager.config._attn_implementation == "eager"  # (a choice other than sdpa is kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_default_generate_on_cuda_runs_the_split_kv_kernel(packed_llama, monkeypatch):
+    """On a GPU the default path's captured decode step runs the split-KV kernel (every layer), with the eager path's
+    logits and greedy tokens, left-padded prompts and a cache of several hundred positions included."""
+    calls = _counting_kernel(monkeypatch)
+    fast = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16)
+    eager = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16, decode="eager")
+    ids = _prompt(fast, batch=3, length=200).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :40] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    a = fast.generate(ids, **kw)
+    b = eager.generate(ids, **kw)
+    assert len(calls) == fast.config.num_hidden_layers * 3  # captured once (two warm-ups, the capture), replayed
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)

@@ -1,7 +1,9 @@
-"""One-launch Triton versions of two small decode-step ops that torch runs as many tiny kernels.
+"""One-launch Triton versions of small decode-step ops that torch runs as several tiny kernels.
 
 * :func:`rms_norm`: transformers' ``LlamaRMSNorm.forward`` (about 8 kernels in torch).
 * :func:`rotary`: transformers' ``apply_rotary_pos_emb`` for q and k together (about 10 kernels in torch).
+* :func:`silu_mul`: ``silu(gate) * up`` of a gated MLP (2 kernels in torch), reading gate and up where the merged
+  gate/up projection left them.
 
 Both compute in float32 and round exactly where torch rounds, so results match torch's to the bit (rotary) or
 within a float32 rounding of the mean (RMSNorm). ``*_unsupported`` say why an input cannot take the kernel
@@ -232,3 +234,63 @@ def rotary_unchecked(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 _ROTARY = KernelReplays(_rotary_kernel)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, stride_g, stride_u, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    dt = y_ptr.dtype.element_ty
+    # torch rounds silu's result to the dtype before the product, and the product once
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(y_ptr + row * N + cols, (s * u).to(dt), mask=mask)
+
+
+SILU_MUL_BLOCK = 1024
+
+
+def silu_mul_unsupported(gate: torch.Tensor, up: torch.Tensor) -> str | None:
+    """Why ``silu_mul(gate, up)`` cannot run the kernel, or ``None`` when it can."""
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
+        return "gate and up must be tensors"
+    if gate.dtype not in DTYPES or up.dtype != gate.dtype:
+        return f"dtypes {gate.dtype}/{up.dtype}: the kernel takes one of float32, float16 and bfloat16 for both"
+    if not (gate.is_cuda or triton_usable(gate)) or up.device != gate.device:
+        return f"gate on {gate.device}, up on {up.device}: the kernel needs both on one GPU (or TRITON_INTERPRET=1)"
+    if gate.shape != up.shape or gate.dim() == 0 or gate.numel() == 0:
+        return f"shapes {tuple(gate.shape)} and {tuple(up.shape)}: expected one non-empty shape"
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return "gate and up: the last dimension must be contiguous"
+    if _row_stride(gate) is None or _row_stride(up) is None:
+        return "gate/up: the leading dimensions do not flatten into rows of one stride without a copy"
+    return None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one launch, as torch computes it (silu in float32 rounded to the dtype, then the
+    product rounded once; the exponential may differ from torch's in the last float32 bit). ``gate`` and ``up``
+    share a shape and dtype, and may be column slices of one tensor (the merged gate/up product); the result is a
+    new contiguous tensor."""
+    reason = silu_mul_unsupported(gate, up)
+    if reason is not None:
+        raise ValueError(f"silu_mul: {reason}")
+    return silu_mul_unchecked(gate, up)
+
+
+def silu_mul_unchecked(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul` for inputs :func:`silu_mul_unsupported` passed (no second check on the hot path)."""
+    n = gate.shape[-1]
+    rows = gate.numel() // n
+    y = _dq._alloc((rows, n), gate.dtype, gate.device)
+    key = ((gate.shape, gate.stride(), up.stride(), gate.dtype, gate.device, gate.data_ptr() % 16,
+            up.data_ptr() % 16) if launch_plans_enabled() else None)
+    with on_device(gate):
+        _SILU_MUL(key, (rows, cdiv(n, SILU_MUL_BLOCK), 1), gate, gate, up, y, _row_stride(gate), _row_stride(up), n,
+                  BLOCK=SILU_MUL_BLOCK, num_warps=4)
+    return y.view(gate.shape)
+
+
+_SILU_MUL = KernelReplays(_silu_mul_kernel)

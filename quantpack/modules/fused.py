@@ -1,4 +1,4 @@
-"""Run a loaded transformers model's RMSNorms and rotary embeddings as one Triton launch each.
+"""Run a loaded transformers model's RMSNorms, rotary embeddings and gated MLPs' SiLU * up as one Triton launch each.
 
 In a decode step torch runs an RMSNorm as about 8 kernels and the rotary embedding of q and k as about 10, each a
 launch gap and a tail on the GPU; :func:`apply` swaps in the one-launch kernels of
@@ -8,6 +8,10 @@ rounding of its mean):
 * every norm module whose class's ``forward`` is transformers' ``LlamaRMSNorm.forward`` verbatim (Llama, Mistral,
   Qwen2, Qwen3 and the other models that copy it; not Gemma's, which differs) gets an instance-level ``forward``
   (an instance-level ``forward`` already there, such as accelerate's device hook, stays its fallback);
+* every MLP module whose class's ``forward`` is transformers' ``LlamaMLP.forward`` verbatim and whose ``act_fn`` is
+  SiLU gets an instance-level ``forward`` computing ``silu(gate) * up`` in one launch (:func:`fused_ops.silu_mul`,
+  reading the merged gate/up product where it is one), the projections called as before, in the same order (an
+  MLP with an instance-level ``forward`` already there is left alone);
 * the modeling module (e.g. ``transformers.models.llama.modeling_llama``) of each module class of the model whose
   ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's verbatim gets its module-level ``apply_rotary_pos_emb``
   replaced. This is global: every model of that architecture in the process, patched or not, goes through the
@@ -93,6 +97,33 @@ def _patched_norm(module: nn.Module):
     return f if isinstance(f, functools.partial) and f.func is _norm_forward else None
 
 
+# --- gated MLP's SiLU * up: per instance ----------------------------------------------------------------------------
+
+def _mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The patched ``forward`` of a Llama-style MLP: ``down(silu(gate(x)) * up(x))``, the middle in one launch."""
+    gate = module.gate_proj(x)
+    up = module.up_proj(x)
+    if isinstance(gate, torch.Tensor) and _kernel_wanted(gate, up) and _k.silu_mul_unsupported(gate, up) is None:
+        return module.down_proj(_k.silu_mul_unchecked(gate, up))
+    return module.down_proj(module.act_fn(gate) * up)
+
+
+def _patched_mlp(module: nn.Module):
+    f = module.__dict__.get("forward")
+    return f if isinstance(f, functools.partial) and f.func is _mlp_forward else None
+
+
+def _silu_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is a Llama-style MLP (its class's forward verbatim) with a SiLU activation."""
+    if not _same_code(getattr(type(module), "forward", None), _llama().LlamaMLP.forward):
+        return False
+    from transformers.activations import SiLUActivation
+
+    act = getattr(module, "act_fn", None)
+    return type(act) is nn.SiLU or (isinstance(act, SiLUActivation)
+                                    and type(act).forward is SiLUActivation.forward)
+
+
 # --- rotary embedding: per modeling module --------------------------------------------------------------------------
 
 def _original(fn):
@@ -161,6 +192,8 @@ def apply(model: nn.Module) -> int:
         elif _same_code(getattr(type(m), "forward", None), ref):
             m.forward = functools.partial(_norm_forward, m, m.__dict__.get("forward"))
             count += 1
+        elif "forward" not in m.__dict__ and _silu_mlp(m):
+            m.forward = functools.partial(_mlp_forward, m)
     for name in sorted(modeling_modules):
         module = sys.modules.get(name)
         if module is not None:
@@ -174,6 +207,9 @@ def remove(model: nn.Module) -> int:
     _check_model(model)
     count = 0
     for m in model.modules():
+        if _patched_mlp(m) is not None:
+            del m.forward
+            continue
         f = _patched_norm(m)
         if f is None:
             continue

@@ -169,13 +169,41 @@ def test_rotary_refuses_what_it_cannot_take(bad, match):
         k.rotary(*args)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 64), (3, 1500), (17, 14336)])
+def test_silu_mul_matches_torch_on_merged_columns(rows, width, dtype):
+    """silu(gate) * up, gate and up the two column halves of one (merged gate/up) product, as a decode step has
+    them; also contiguous and 3-D."""
+    merged = _randn(rows, 2 * width, dtype=dtype) * 4
+    gate, up = merged[:, :width], merged[:, width:]
+    ref = torch.nn.functional.silu(gate) * up
+    out = k.silu_mul(gate, up)
+    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+    # a GPU's exponential in Triton is the fast one (a few float32 ulps off torch's, times |x| for large x): float32
+    # results within 1e-5; in 16 bits one rounding of silu and one of the product
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    g3, u3 = gate.contiguous().view(1, rows, width), up.contiguous().view(1, rows, width)
+    torch.testing.assert_close(k.silu_mul(g3, u3), torch.nn.functional.silu(g3) * u3, rtol=tol, atol=tol)
+
+
+def test_silu_mul_refuses_what_it_cannot_take():
+    a = _randn(2, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="shapes"):
+        k.silu_mul(a, a[:, :4])
+    with pytest.raises(ValueError, match="dtypes"):
+        k.silu_mul(a, a.half())
+    with pytest.raises(ValueError, match="contiguous"):
+        k.silu_mul(a.t(), a.t())
+
+
 # --- apply / remove -------------------------------------------------------------------------------------------------
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """fused_ops' kernels run wherever Triton does (the interpreter here); counts their launches."""
     monkeypatch.setattr(fused_ops, "backend", "triton")
-    calls = {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
+    calls = {"rms_norm_unchecked": 0, "rotary_unchecked": 0, "silu_mul_unchecked": 0}
     for name in calls:
         real = getattr(k, name)
 
@@ -215,11 +243,11 @@ def test_apply_keeps_logits_and_remove_undoes(kernels_on_cpu, undo):
         assert fused_ops.apply(model) == 5  # 2 layers x (input, post-attention) + the final norm
         assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_ROTARY
         out = model(ids).logits
-        assert kernels_on_cpu == {"rms_norm_unchecked": 5, "rotary_unchecked": 2}
+        assert kernels_on_cpu == {"rms_norm_unchecked": 5, "rotary_unchecked": 2, "silu_mul_unchecked": 2}
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
         assert fused_ops.apply(model) == 5  # idempotent: nothing wrapped twice
-        assert all(m.forward.args[1] is None for m in model.modules() if "forward" in m.__dict__)
+        assert all(m.forward.args[1:] in ((), (None,)) for m in model.modules() if "forward" in m.__dict__)
         # a copy's norms are bound to the copy; apply() on it registers it as a user of the rotary replacement
         clone = copy.deepcopy(model)
         undo(clone)
@@ -246,7 +274,7 @@ def test_original_code_runs_where_the_kernels_do_not(kernels_on_cpu, undo, monke
     model.train()
     model(ids).logits.sum().backward()
     assert model.model.norm.weight.grad is not None
-    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0, "silu_mul_unchecked": 0}
     model.zero_grad()
     monkeypatch.setattr(fused_ops, "backend", "reference")
     with torch.no_grad():
@@ -255,7 +283,7 @@ def test_original_code_runs_where_the_kernels_do_not(kernels_on_cpu, undo, monke
     if DEV == "cpu":
         with torch.no_grad():
             model(ids)
-    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0}
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0, "silu_mul_unchecked": 0}
     monkeypatch.setattr(fused_ops, "backend", "gpu-please")
     with pytest.raises(ValueError, match="backend='gpu-please'"), torch.no_grad():
         model(ids)
@@ -300,3 +328,33 @@ def test_bf16_llama_on_gpu(undo):
         assert fused_ops.apply(model) == 5
         out = model(ids).logits.float()
     torch.testing.assert_close(out, ref, rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_silu_mlps_are_patched_in_projection_order_and_others_left(kernels_on_cpu, undo):
+    """Llama's MLP with SiLU takes the fused silu * up, calling gate_proj before up_proj as Llama's forward does (the
+    merged projections rely on it); another activation, or an MLP with an instance-level forward, keeps its own."""
+    model = _tiny_llama()
+    other = _tiny_llama()
+    other.model.layers[0].mlp.act_fn = nn.GELU()
+    hooked = other.model.layers[1].mlp
+    hooked.forward = functools.partial(type(hooked).forward, hooked)
+    ids = torch.tensor([[1, 2, 3, 4]], device=DEV)
+    order = []
+    for name in ("gate_proj", "up_proj"):
+        model.model.layers[0].mlp.get_submodule(name).register_forward_hook(lambda *a, _n=name: order.append(_n))
+    with torch.no_grad():
+        ref, ref_other = model(ids).logits, other(ids).logits
+        order.clear()
+        undo(model)
+        undo(other)
+        fused_ops.apply(model)
+        fused_ops.apply(other)
+        assert all("forward" in layer.mlp.__dict__ for layer in model.model.layers)
+        assert "forward" not in other.model.layers[0].mlp.__dict__ and hooked.forward.func is type(hooked).forward
+        torch.testing.assert_close(model(ids).logits, ref, rtol=1e-5, atol=1e-5)
+        assert order == ["gate_proj", "up_proj"]
+        assert kernels_on_cpu["silu_mul_unchecked"] == 2
+        torch.testing.assert_close(other(ids).logits, ref_other, rtol=1e-5, atol=1e-5)
+        assert kernels_on_cpu["silu_mul_unchecked"] == 2  # (neither of the other model's MLPs)
+        fused_ops.remove(model)
+        assert not any("forward" in layer.mlp.__dict__ for layer in model.model.layers)
