@@ -22,6 +22,7 @@ from . import checkpoint, generation
 from .hub import resolve_checkpoint
 from .integrity import (check_manifest_layers, check_tensors, digest_mismatch, expected_tensors, fail,
                         read_checkpoint_files)
+from .modules.experts import ExpertMatrix
 from .modules.linear import QuantLinear
 from .modules import fused
 from .modules.merged import merge_projections
@@ -177,7 +178,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
 
     quantized = linear_modules_to_convert(model, qc)
     replace_linear_layers(model, qc, quantized, compute_dtype)
-    quantized = set(quantized) | {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}  # + experts
+    quantized = set(quantized) | {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, ExpertMatrix))}
     expected, aliases = expected_tensors(model)
     check_tensors(model, expected, aliases, tensors, quantized, qc)
 
@@ -247,5 +248,7 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     if leaf in module._parameters:
         old = module._parameters[leaf]
         module._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad and tensor.is_floating_point())
-    else:
+    elif leaf in module._buffers:
         module._buffers[leaf] = tensor
+    else:  # one expert's matrix: copied into its slot of the block's stacked buffers (modules/experts.py)
+        setattr(module, leaf, tensor)
