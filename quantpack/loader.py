@@ -192,6 +192,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     # One tensor at a time: read it from its shard (positioned read, no mmap), cast it to the dtype its
     # module wants, move it to its device. Peak extra memory is one tensor.
     handles: dict[Path, object] = {}
+    modules = dict(model.named_modules())  # (one walk of the tree: a MoE model has a module per expert matrix)
     try:
         for name, want in expected.items():
             info = tensors.get(name)
@@ -205,7 +206,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
             if tensor.is_floating_point():
                 to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)
                 tensor = tensor.to(to_dtype)
-            _set_tensor(model, name, tensor.to(_device_of(placement, name)))
+            _set_tensor(model, name, tensor.to(_device_of(placement, name)), modules)
     finally:
         for f in handles.values():
             f.close()
@@ -242,9 +243,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     return model.eval()
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, modules: dict | None = None) -> None:
     parent_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(parent_name) if parent_name else model
+    module = modules[parent_name] if modules is not None else model.get_submodule(parent_name) if parent_name else model
     if leaf in module._parameters:
         old = module._parameters[leaf]
         module._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad and tensor.is_floating_point())

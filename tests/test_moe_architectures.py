@@ -95,3 +95,27 @@ def test_kernel_path_logits_equal_the_reference_path(packed, monkeypatch):
         monkeypatch.setattr(experts.reference, "experts", moe.fused_experts)
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4_text"])
+def test_experts_blocks_quantpack_cannot_pack_are_refused(arch, tmp_path):
+    """gpt-oss's block (biased, gate/up interleaved, stored (E, H, 2I)) and Llama 4's (stored transposed) are not
+    the standard block: convert names the block in one line and writes nothing, instead of keeping the experts in
+    full precision."""
+    import transformers
+
+    config = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_local_experts=4, max_position_embeddings=128)
+    if arch == "gpt_oss":
+        classes, config = ("GptOssConfig", "GptOssForCausalLM"), dict(config, num_experts_per_tok=2,
+                                                                    layer_types=["full_attention"])
+        block = "GptOssExperts"
+    else:
+        classes, config = ("Llama4TextConfig", "Llama4ForCausalLM"), dict(config, intermediate_size_mlp=128,
+                                                                        num_experts_per_tok=1)
+        block = "Llama4TextExperts"
+    src = make_tiny_moe(tmp_path / "src", *(getattr(transformers, c) for c in classes), **config)
+    with pytest.raises(ValueError, match=rf"^model\.layers\.0\.(mlp|feed_forward)\.experts: quantpack does not "
+                                         rf"quantize this mixture-of-experts block \({block}\) yet"):
+        convert(src, tmp_path / "out", group_size=16, method="rtn")
+    assert not (tmp_path / "out").exists()

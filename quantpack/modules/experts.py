@@ -183,7 +183,7 @@ class QuantExperts(nn.Module):
         """Expert ``e``'s ``field`` of projection ``proj`` as the checkpoint stores it: a view of the stacked buffer
         (gate_proj: the first I columns of gate_up's; up_proj: the last I)."""
         stack = "down" if proj == "down_proj" else "gate_up"
-        t = getattr(self, f"{stack}_{field}")
+        t = self._buffers[f"{stack}_{field}"]
         if t is None:
             return None
         t = t[e]
@@ -194,13 +194,12 @@ class QuantExperts(nn.Module):
             return t[..., i:]
         return t
 
-    @torch.no_grad()
     def fill(self, proj: str, e: int, field: str, value: torch.Tensor) -> None:
         """Copy ``value`` into expert ``e``'s slot of ``proj``'s ``field`` (cast to the buffer's dtype). A buffer
         still on meta is first allocated, once, on ``value``'s device."""
         stack = "down" if proj == "down_proj" else "gate_up"
         name = f"{stack}_{field}"
-        buf = getattr(self, name)
+        buf = self._buffers[name]
         if buf is None:
             raise ValueError(f"{proj}.{e}.{field}: this experts block has no {field}")
         if buf.is_meta:
@@ -211,7 +210,7 @@ class QuantExperts(nn.Module):
             raise ValueError(f"{proj}.{e}.{field}: shape {list(value.shape)}, expected {list(target.shape)}")
         if (value.dtype == torch.uint8) != (target.dtype == torch.uint8):
             raise ValueError(f"{proj}.{e}.{field}: dtype {value.dtype}, expected {target.dtype}")
-        target.copy_(value.detach())
+        target.copy_(value.detach())  # (buffers and a detached value: nothing for autograd to record)
 
     # -- forward -----------------------------------------------------------------------------------------------
 
