@@ -153,6 +153,31 @@ class QuantExperts(nn.Module):
         for proj in PROJECTIONS:
             setattr(self, proj, ExpertMatrices(ExpertMatrix(self, proj, e) for e in range(num_experts)))
 
+    @classmethod
+    @torch.no_grad()
+    def from_experts(cls, block: nn.Module, *, bits: int = 4, group_size: int | None = 128,
+                     method: str = "rtn", dtype: torch.dtype | None = None) -> "QuantExperts":
+        """Quantize a transformers experts block (see :func:`fused_experts_dims`) in memory, expert by expert as
+        ``convert`` does, on the device its weights are on (benchmarks build random models this way)."""
+        from ..quantize import quantize
+
+        dims = fused_experts_dims(block)
+        if dims is None:
+            raise ValueError(f"{type(block).__name__}: not an experts block with gate_up_proj (E, 2I, H) and "
+                             f"down_proj (E, H, I)")
+        e, h, i = dims
+        dtype = dtype or block.gate_up_proj.dtype
+        new = cls(e, h, i, activation=activation_of(block.act_fn), bits=bits, group_size=group_size, dtype=dtype,
+                  device="meta")
+        for x in range(e):
+            for proj, w in (("gate_proj", block.gate_up_proj[x, :i]), ("up_proj", block.gate_up_proj[x, i:]),
+                            ("down_proj", block.down_proj[x])):
+                stack = "down" if proj == "down_proj" else "gate_up"
+                pw = quantize(w, bits=bits, group_size=new.group_sizes[stack], axis=1, method=method, dtype=dtype)
+                for field in ("qweight", "scales", "zeros"):
+                    new.fill(proj, x, field, getattr(pw, field))
+        return new
+
     # The stacked buffers are persistent (transformers re-creates a non-persistent buffer, empty, after loading)
     # but the state dict names the tensors per expert, as checkpoints do (ExpertMatrix).
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -264,3 +264,18 @@ def test_peak_gpu_memory_of_a_moe_load_is_the_packed_bytes(tmp_path):
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= 1.1 * stored, (peak, stored)
     assert model.model.layers[0].mlp.experts.gate_up_qweight.is_cuda
+
+
+def test_from_experts_quantizes_a_block_in_memory_as_convert_does(mixtral):
+    """QuantExperts.from_experts (what benchmarks build random models with) stores the tensors convert stores."""
+    from transformers import AutoModelForCausalLM
+
+    src, packed, _ = mixtral
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    loaded = load(packed, device="cpu", dtype=torch.float32).model.layers[1].mlp.experts
+    made = QuantExperts.from_experts(source.model.layers[1].mlp.experts, bits=4, group_size=32, method="rtn",
+                                     dtype=loaded.gate_up_scales.dtype)
+    for name in ("gate_up_qweight", "gate_up_scales", "gate_up_zeros", "down_qweight", "down_scales", "down_zeros"):
+        assert torch.equal(getattr(made, name), getattr(loaded, name)), name
+    with pytest.raises(ValueError, match="^Linear: not an experts block"):
+        QuantExperts.from_experts(torch.nn.Linear(4, 4))
