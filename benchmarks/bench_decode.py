@@ -30,6 +30,12 @@ weights. Prints a table and writes JSON (``--json``).
     python benchmarks/bench_decode.py --modes compiled graph       # skip the eager timings
     python benchmarks/bench_decode.py --modes default graph --lm-head-bits 8 4   # + lm_head quantized too
     python benchmarks/bench_decode.py --profile                    # + where a decode step's GPU time goes
+    python benchmarks/bench_decode.py --model qwen3-moe            # Qwen3-30B-A3B's shape (128 experts, top-8)
+    python benchmarks/bench_decode.py --model mixtral --modes default graph compiled   # Mixtral-8x7B's shape
+      (eager's second bf16 copy does not fit next to Mixtral's 94 GB)
+
+The mixture-of-experts presets quantize each expert's matrices with ``--method`` on the GPU as convert does
+(``QuantExperts.from_experts``) and keep the routers in bf16; rows carry ``shape.experts`` and ``shape.top_k``.
 
 Long context: ``--context 4096 32768`` prefills a prompt of that many tokens before the timed decode steps (``0``:
 the short ``--prompt-len`` prompt); each (batch, context) cell runs unless batch x context exceeds
@@ -67,9 +73,40 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# --model presets: mixture-of-experts shapes (the Llama-8B shape is the flags' defaults)
+MODELS = {
+    "qwen3-moe": dict(arch="qwen3_moe", layers=48, hidden=2048, intermediate=768, vocab=151936, experts=128, top_k=8,
+                      heads=32, kv_heads=4, head_dim=128),  # Qwen3-30B-A3B
+    "mixtral": dict(arch="mixtral", layers=32, hidden=4096, intermediate=14336, vocab=32000, experts=8, top_k=2,
+                    heads=32, kv_heads=8, head_dim=128),  # Mixtral-8x7B
+}
+
+
+def build_moe_model(preset: dict, layers: int, device):
+    """A mixture-of-experts model of ``preset``'s shape (``layers`` decoder layers), random weights, bf16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    p = preset
+    kw = dict(hidden_size=p["hidden"], num_hidden_layers=layers, num_attention_heads=p["heads"],
+              num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"], vocab_size=p["vocab"],
+              max_position_embeddings=8192, tie_word_embeddings=False, num_experts_per_tok=p["top_k"])
+    if p["arch"] == "qwen3_moe":
+        kw.update(intermediate_size=6144, moe_intermediate_size=p["intermediate"], num_experts=p["experts"],
+                  norm_topk_prob=True)
+    else:
+        kw.update(intermediate_size=p["intermediate"], num_local_experts=p["experts"])
+    config = AutoConfig.for_model(p["arch"], **kw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
 def build_model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if getattr(args, "model", None) in MODELS:
+        return build_moe_model(MODELS[args.model], args.layers, device)
     heads = args.hidden // 128
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                          num_attention_heads=heads, num_key_value_heads=min(8, heads), vocab_size=args.vocab,
@@ -82,17 +119,27 @@ def build_model(args, device):
 
 @torch.no_grad()
 def quantize_in_place(model, *, bits: int, group_size: int, method: str) -> int:
-    """Replace every decoder linear layer by a QuantLinear made from its weight; returns how many."""
+    """Replace every decoder linear layer by a QuantLinear made from its weight, and every experts block by a
+    QuantExperts (each expert's matrices quantized as convert does, on the block's device); returns how many."""
+    from quantpack.convert.plan import ROUTER_NAME
+    from quantpack.modules.experts import QuantExperts, fused_experts_dims
     from quantpack.modules.linear import QuantLinear
 
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    blocks = [n for n, m in model.named_modules() if fused_experts_dims(m) is not None]
+    for name in blocks:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, QuantExperts.from_experts(getattr(parent, child), bits=bits, group_size=group_size,
+                                                         method=method, dtype=torch.bfloat16))
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+             and not (blocks and ROUTER_NAME.search(n))]  # (routers stay, as convert keeps them)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, QuantLinear.from_linear(getattr(parent, child), bits=bits, group_size=group_size,
                                                        method=method, dtype=torch.bfloat16))
     torch.cuda.empty_cache()
-    return len(names)
+    return len(names) + len(blocks)
 
 
 def max_context(args) -> int:
@@ -494,7 +541,10 @@ def time_to_first_token(model, prompt, quantized: bool, repeats: int = 5) -> flo
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--model", choices=["llama-8b", *MODELS], default="llama-8b",
+                        help="the shape: Llama-3.1-8B (the flags below), or a mixture of experts: qwen3-moe "
+                             "(Qwen3-30B-A3B), mixtral (Mixtral-8x7B); --layers still sets the depth")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers [default: the model's]")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--vocab", type=int, default=128256)
@@ -530,6 +580,11 @@ def main(argv=None) -> int:
                         help="also measure each quantized layer alone (quantpack.load(..., merge=False))")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    preset = MODELS.get(args.model)
+    if preset is not None:
+        args.hidden, args.intermediate, args.vocab = preset["hidden"], preset["intermediate"], preset["vocab"]
+    if args.layers is None:
+        args.layers = preset["layers"] if preset is not None else 32
     if args.device == "cuda" and not torch.cuda.is_available():
         print("Error: this benchmark needs a CUDA GPU (--device cpu runs a smoke test)", file=sys.stderr)
         return 2
@@ -543,7 +598,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                "transformers": transformers.__version__, "quantpack": quantpack.__version__,
-               "shape": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "vocab")},
+               "shape": {**{k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "vocab")},
+                         **({"model": args.model, "experts": preset["experts"], "top_k": preset["top_k"]}
+                            if preset is not None else {})},
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "quant": {"bits": args.bits, "group_size": args.group_size, "method": args.method}, "rows": []}
     t = time.perf_counter()

@@ -247,6 +247,10 @@ class DecodeGraphs:
     those, or a cache object) runs eagerly. The graphs hold the cache object they were captured with, and are
     dropped when a call brings another cache or when the cache's tensors moved (transformers re-allocated them).
     ``graph_cls`` is ``torch.cuda.CUDAGraph`` on a GPU; tests pass a stand-in.
+
+    A step that cannot be captured (a forward that waits for the GPU: ``.tolist()``, ``.item()``, ``nonzero()``)
+    runs eagerly, and so does every later step of this model (``eager_reason`` says why), with one line on stderr:
+    the failed capture's graph and pool are dropped and the cache is put back as it was before the step.
     """
 
     def __init__(self, model, *, graph_cls=None, max_graphs: int = 8):
@@ -258,6 +262,7 @@ class DecodeGraphs:
         self.cache_tensors = None  # (data_ptr, shape) of its tensors then
         self.pool = None
         self.captures = 0
+        self.eager_reason = None  # why a step could not be captured; set, every step runs eagerly
 
     def get_compiled_call(self, compile_config=None):
         """What transformers' ``generate`` asks the model for, once per call, to run the decode steps with (off a
@@ -294,7 +299,7 @@ class DecodeGraphs:
     def __call__(self, **kwargs):
         tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
         key = _signature(kwargs) if tokens is not None and tokens.dim() >= 2 and tokens.shape[1] <= MAX_TOKENS else None
-        if key is None:
+        if key is None or self.eager_reason is not None:
             return self.model(**kwargs)
         captured = self.graphs.get(key)
         if captured is None:
@@ -325,24 +330,13 @@ class DecodeGraphs:
                 t.copy_(copy)
 
         if self.graph_cls is None:
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            # Warm-up on a side stream, so that first-use work (kernel compiles, weight copies, launch plans) is
-            # not captured.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    run()
-                restore()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = run()
-        else:
-            graph = self.graph_cls()
-            output = graph.capture(run)
+            self._warm_up(run, restore)
+        try:
+            graph, output = self._record(run, restore)
+        except Exception as e:  # (a capture error is a RuntimeError, a stand-in's anything)
             restore()
+            self._give_up(e, kwargs)
+            return self.model(**kwargs)
         del saved
         self.graphs[key] = _Captured(inputs, graph, output)
         graph.replay()  # (capturing ran nothing: this step's result)
@@ -353,6 +347,57 @@ class DecodeGraphs:
             _progress(f"decode step captured as a CUDA graph in {seconds:.1f} s (batch {tokens.shape[0]}); later "
                       f"steps replay it (quantpack.load(..., decode='eager') turns this off)")
         return output
+
+    def _warm_up(self, run, restore) -> None:
+        """Run the step (``run()``) twice on a side stream before capturing it on a GPU, so that first-use work
+        (kernel compiles, weight copies, launch plans) is not captured."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+            restore()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def _record(self, run, restore):
+        """Capture one step (``run()``); returns the graph and the outputs it writes."""
+        if self.graph_cls is not None:
+            graph = self.graph_cls()
+            output = graph.capture(run)
+            restore()
+            return graph, output
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # Not ``torch.cuda.graph``: when the step fails, its exit's capture_end fails too (the capture was
+        # invalidated) and leaves the capture stream current; here the capture always ends, the stream is always
+        # left, and the step's own error is the one raised.
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            graph.capture_begin(pool=self.pool)
+            try:
+                output = run()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass
+                raise
+            graph.capture_end()
+        return graph, output
+
+    def _give_up(self, error: Exception, kwargs) -> None:
+        """After a failed capture: no graphs from now on for this model (the ones captured and their pool are
+        dropped: a pool that saw a failed capture is not reused), and one line on stderr saying why."""
+        self.reset()
+        first = (str(error).strip().splitlines() or [""])[0]
+        self.eager_reason = f"{type(error).__name__}: {first}" if first else type(error).__name__
+        tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        name = getattr(getattr(self.model, "config", None), "model_type", None) or type(self.model).__name__
+        _progress(f"the decode step of this {name} model cannot be captured as a CUDA graph ({self.eager_reason}); "
+                  f"it decodes eagerly from now on (batch {tokens.shape[0]}). Please report it to quantpack's "
+                  f"issue tracker with the model's name and this line; quantpack.load(..., decode='eager') "
+                  f"silences it")
 
 
 def _cache_of(kwargs):

@@ -22,6 +22,7 @@ from . import checkpoint, generation
 from .hub import resolve_checkpoint
 from .integrity import (check_manifest_layers, check_tensors, digest_mismatch, expected_tensors, fail,
                         read_checkpoint_files)
+from .modules.experts import ExpertMatrix
 from .modules.linear import QuantLinear
 from .modules import fused
 from .modules.merged import merge_projections
@@ -177,7 +178,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
 
     quantized = linear_modules_to_convert(model, qc)
     replace_linear_layers(model, qc, quantized, compute_dtype)
-    quantized = set(quantized) | {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}  # + experts
+    quantized = set(quantized) | {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, ExpertMatrix))}
     expected, aliases = expected_tensors(model)
     check_tensors(model, expected, aliases, tensors, quantized, qc)
 
@@ -191,6 +192,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     # One tensor at a time: read it from its shard (positioned read, no mmap), cast it to the dtype its
     # module wants, move it to its device. Peak extra memory is one tensor.
     handles: dict[Path, object] = {}
+    modules = dict(model.named_modules())  # (one walk of the tree: a MoE model has a module per expert matrix)
     try:
         for name, want in expected.items():
             info = tensors.get(name)
@@ -204,7 +206,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
             if tensor.is_floating_point():
                 to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)
                 tensor = tensor.to(to_dtype)
-            _set_tensor(model, name, tensor.to(_device_of(placement, name)))
+            _set_tensor(model, name, tensor.to(_device_of(placement, name)), modules)
     finally:
         for f in handles.values():
             f.close()
@@ -241,11 +243,13 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     return model.eval()
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor, modules: dict | None = None) -> None:
     parent_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(parent_name) if parent_name else model
+    module = modules[parent_name] if modules is not None else model.get_submodule(parent_name) if parent_name else model
     if leaf in module._parameters:
         old = module._parameters[leaf]
         module._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad and tensor.is_floating_point())
-    else:
+    elif leaf in module._buffers:
         module._buffers[leaf] = tensor
+    else:  # one expert's matrix: copied into its slot of the block's stacked buffers (modules/experts.py)
+        setattr(module, leaf, tensor)

@@ -220,18 +220,27 @@ def make_tiny_mixtral(path, *, num_shards: int = 1, dtype: torch.dtype = torch.f
     while transformers 5 holds them as 3-D tensors. ``train_steps`` as in :func:`make_tiny_llama`."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
+    return make_tiny_moe(path, MixtralConfig, MixtralForCausalLM, num_shards=num_shards, dtype=dtype, seed=seed,
+                         vocab_size=vocab_size, train_steps=train_steps, hidden_size=hidden_size,
+                         intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=num_local_experts,
+                         num_experts_per_tok=num_experts_per_tok, max_position_embeddings=256, **config_overrides)
+
+
+def make_tiny_moe(path, config_cls, model_cls, *, num_shards: int = 1, dtype: torch.dtype = torch.float32,
+                  seed: int = 0, vocab_size: int = 320, train_steps: int = 0, **config) -> Path:
+    """Write a tiny mixture-of-experts checkpoint of the transformers classes ``config_cls`` / ``model_cls`` (e.g.
+    ``OlmoeConfig``, ``OlmoeForCausalLM``; byte-level BPE tokenizer) to ``path``, ``config`` giving its sizes.
+    ``save_pretrained`` stores the experts as the hub does (one matrix per expert, undoing transformers' 3-D
+    fusion). ``train_steps`` as in :func:`make_tiny_llama`. Returns ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _bpe_tokenizer(vocab_size)
-    config = MixtralConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
-                           num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=num_local_experts, num_experts_per_tok=num_experts_per_tok,
-                           vocab_size=vocab_size, max_position_embeddings=256,
-                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id, **config_overrides)
-    return _build_and_save(MixtralForCausalLM, config, tokenizer, path, seed=seed, train_steps=train_steps,
-                           max_tokens=config.max_position_embeddings, dtype=dtype, num_shards=num_shards,
-                           title="tiny-mixtral")
+    config = config_cls(vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **config)
+    return _build_and_save(model_cls, config, tokenizer, path, seed=seed, train_steps=train_steps,
+                           max_tokens=getattr(config, "max_position_embeddings", 256), dtype=dtype,
+                           num_shards=num_shards, title=f"tiny-{config.model_type}")
 
 
 def make_tiny_encoder(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,

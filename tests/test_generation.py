@@ -30,6 +30,39 @@ class RerunGraph:
                 self.out[key].copy_(value)
 
 
+class CaptureGraph(RerunGraph):
+    """A stand-in that fails as a real capture does: the step runs until it waits for the device (``.tolist()``,
+    ``.item()``, ``nonzero()``, ``bool(tensor)``), which raises CUDA's capture error (after the ops before it ran,
+    so the cache may be half-written)."""
+
+    SYNCS = {"tolist", "item", "nonzero", "__bool__", "__int__", "__float__", "cpu", "numpy"}
+
+    def capture(self, fn):
+        from torch.overrides import TorchFunctionMode
+
+        syncs = self.SYNCS
+
+        class Capturing(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", None) in syncs:
+                    raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless "
+                                       "the CPU tensor is pinned")
+                return func(*args, **(kwargs or {}))
+
+        with Capturing():
+            return super().capture(fn)
+
+
+def _syncing(model):
+    """Make the first decoder layer's MLP read its input on the host, as a MoE block that routes with
+    ``nonzero().tolist()`` does; its result is unchanged."""
+    def hook(module, args):
+        (x,) = args
+        assert len((x.abs().sum(-1) >= 0).nonzero().tolist()) == x.shape[0] * x.shape[1]
+
+    return model.model.layers[0].mlp.register_forward_pre_hook(hook)
+
+
 @pytest.fixture(scope="module")
 def packed_llama(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gen") / "packed"
@@ -78,6 +111,35 @@ def test_graph_replayed_decode_gives_the_eager_tokens_and_logits(packed_llama):
     again = _graph_generate(model, ids, 6, runner)
     assert torch.equal(again, eager.sequences)
     assert len(runner.graphs) == 1 and runner.cache is not None
+
+
+def test_a_step_that_cannot_be_captured_decodes_eagerly_from_then_on(packed_llama, capsys):
+    model = quantpack.load(packed_llama, device="cpu")
+    _syncing(model)
+    ids = _prompt(model)
+    eager = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, disable_compile=True,
+                           output_logits=True, return_dict_in_generate=True)
+    runner = generation.DecodeGraphs(model, graph_cls=CaptureGraph)
+    RerunGraph.replays = 0
+    capsys.readouterr()
+    # The failed capture ran the first layer (writing its keys and values) before it failed: the cache is put back,
+    # so the tokens and logits are the eager ones.
+    for _ in range(2):
+        from transformers import CompileConfig
+
+        config = CompileConfig()
+        config._compile_all_devices = True
+        model.get_compiled_call = lambda compile_config=None: runner.session()
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                             compile_config=config, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, eager.sequences)
+        for a, b in zip(out.logits, eager.logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert runner.captures == 0 and RerunGraph.replays == 0 and not runner.graphs and runner.pool is None
+    assert runner.eager_reason.startswith("RuntimeError: Cannot copy between CPU and CUDA tensors")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1  # one line, once for the model
+    assert "cannot be captured as a CUDA graph" in err and "decodes eagerly" in err and "report" in err
 
 
 def test_new_cache_shape_captures_again_and_drops_the_old_graphs(packed_llama):
@@ -214,6 +276,34 @@ def test_default_generate_on_cuda_matches_eager(packed_llama, dtype):
     # A second and third call (a new cache each: the old graphs and their memory pool are dropped) agree too.
     for _ in range(2):
         assert torch.equal(fast.generate(ids, **kw).sequences, b.sequences)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_default_generate_on_cuda_survives_a_forward_that_syncs(packed_llama, capsys):
+    """A real CUDA graph capture of a step that waits for the GPU fails; the default path then decodes eagerly, with
+    the eager path's tokens, at batch 1 and 16, and the device is left usable (current stream, later captures)."""
+    fast = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16)
+    eager = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16, decode="eager")
+    for model in (fast, eager):
+        _syncing(model)
+    stream = torch.cuda.current_stream()
+    capsys.readouterr()
+    for batch in (1, 16):
+        ids = _prompt(fast, batch=batch, length=7).cuda()
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(fast.generate(ids, **kw), eager.generate(ids, **kw))
+    runner = fast.get_compiled_call.__self__
+    assert runner.captures == 0 and runner.eager_reason and not runner.graphs
+    assert torch.cuda.current_stream() == stream
+    assert capsys.readouterr().err.count("cannot be captured as a CUDA graph") == 1
+    # Another model in the same process still captures and replays.
+    clean = quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16)
+    ids = _prompt(clean, batch=2, length=7).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(clean.generate(ids, **kw), quantpack.load(packed_llama, device="cuda", dtype=torch.bfloat16,
+                                                                 decode="eager").generate(ids, **kw))
+    assert clean.get_compiled_call.__self__.captures == 1
 
 
 class _HostEvent:

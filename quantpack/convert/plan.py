@@ -201,6 +201,23 @@ def _load_time_conversion(model) -> bool:
     return bool(get_checkpoint_conversion_mapping(getattr(model.config, "model_type", None)))
 
 
+def check_expert_blocks(model) -> None:
+    """Refuse, naming it, a mixture-of-experts block that quantpack cannot quantize (one that holds its experts as
+    stacked parameters other than :func:`quantpack.modules.experts.fused_experts_dims`'s: gpt-oss's biased,
+    interleaved block, Llama 4's transposed one): converting would keep its experts, nearly all the weights, in
+    full precision."""
+    from ..modules.experts import fused_experts_dims
+
+    for name, module in model.named_modules():
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+        if not stacked or "expert" not in (name.rpartition(".")[2] + type(module).__name__).lower():
+            continue
+        if fused_experts_dims(module) is None:
+            raise ValueError(f"{name}: quantpack does not quantize this mixture-of-experts block "
+                             f"({type(module).__name__}) yet; the blocks it does are Mixtral's, Qwen2/3-MoE's, "
+                             f"OLMoE's and DeepSeek-V2/V3's (gate_up_proj (E, 2I, H), down_proj (E, H, I))")
+
+
 def plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides, skip_patterns, bits_rules,
                   bits, group_size, axis, w8a8) -> list[str]:
     """Plan every expert matrix of the model's fused experts blocks as a quantized layer
@@ -234,6 +251,13 @@ def plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides
                 raise ValueError(f"--skip {matched.pattern} selects {name}, one matrix of the experts block {block}; "
                                  f"a block is quantized whole: skip none or all of it is not supported yet")
             layer_bits = next((b for p, b in bits_rules if p.search(name)), bits)
+            block_bits = block_bits if (proj, e) != (PROJECTIONS[0], 0) else layer_bits
+            if layer_bits != block_bits:
+                raise ValueError(f"--bits-for gives {name} {layer_bits} bits but {block}.gate_proj.0 {block_bits}; "
+                                 f"an experts block is quantized whole with one bit width: select all of it or none")
+            if axis != 1:
+                raise ValueError(f"{block}: --axis {axis}: experts are packed with groups along in-features; use "
+                                 f"--axis 1 for a model with experts")
             gs = resolve_group_size(group_size, shape, axis)
             try:
                 check_layout_args(shape, layer_bits, gs, axis)

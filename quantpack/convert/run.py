@@ -21,8 +21,9 @@ from ..schemes import SCHEMES
 from .options import DEFAULT_GROUP_SIZE, check_arguments, default_output_name, resolve_dtype
 from .output import (PARTIAL_SUFFIX, PROGRESS_NAME, OutputLock, check_replaceable_output, conversion_fingerprint,
                      fsync_dir, make_manifest, publish, resume_state)
-from .plan import (Unit, plan_linears, canonical_names, check_complete, expert_count, expert_tensors, linear_modules,
-                   model_structure, natural_key, nothing_to_quantize, plan_experts, tied_word_embeddings)
+from .plan import (Unit, plan_linears, canonical_names, check_complete, check_expert_blocks, expert_count,
+                   expert_tensors, linear_modules, model_structure, natural_key, nothing_to_quantize, plan_experts,
+                   tied_word_embeddings)
 from .summary import ConvertSummary, LayerResult, format_size
 from .writer import write_shards
 
@@ -81,6 +82,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                                   f"floating-point checkpoint")
         weight_names = set(src.tensors)
         model, config, head = model_structure(config_dict, resolved.path, weight_names, trust_remote_code)
+        check_expert_blocks(model)
         expert_sources, block_renames = expert_tensors(model, src.tensors)
         canonical, dropped = canonical_names(model, src.tensors, expert_sources, block_renames)
         linears, output_names, absent = linear_modules(model, weight_names)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..modules.experts import ExpertMatrices, ExpertMatrix, QuantExperts
 from ..modules.linear import QuantLinear
 
 
@@ -94,5 +95,15 @@ def lora_config(**kwargs):
     from peft import LoraConfig
 
     config = LoraConfig(**kwargs)
-    config._register_custom_module({QuantLinear: __getattr__("QuantLinearLora")})
+    config._register_custom_module({QuantLinear: __getattr__("QuantLinearLora"), ExpertMatrix: _refuse_experts,
+                                    ExpertMatrices: _refuse_experts, QuantExperts: _refuse_experts})
     return config
+
+
+def _refuse_experts(target, adapter_name, **kwargs):
+    """What peft calls to wrap a module of a packed mixture-of-experts block: adapters there are not supported (the
+    experts' kernels have no backward)."""
+    what = (f"{target.proj}.{target.expert}" if isinstance(target, ExpertMatrix) else
+            target[0].proj if isinstance(target, ExpertMatrices) else "experts")
+    raise ValueError(f"LoRA on a mixture-of-experts block ({what}) is not supported on packed experts; leave the "
+                     f"experts out of target_modules (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'])")

@@ -35,6 +35,7 @@ from ..checkpoint import QUANT_METHOD, CheckpointError, TensorInfo
 from ..hub import resolve_checkpoint
 from ..integrity import (check_manifest_layers, check_tensors, check_tensor_digests, expected_tensors, fail,
                          read_checkpoint_files)
+from ..modules.experts import ExpertMatrix
 from ..modules.linear import QuantLinear
 from ..modules import fused
 from ..modules.merged import merge_projections
@@ -121,7 +122,7 @@ class QuantpackHfQuantizer(HfQuantizer):
         scales_dtypes = _stored_scales_dtypes(tensors)
         names = linear_modules_to_convert(model, qc)
         replace_linear_layers(model, qc, names, lambda name: scales_dtypes.get(name, dtype))
-        quantized = set(names) | {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}  # + experts
+        quantized = set(names) | {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, ExpertMatrix))}
         expected, aliases = expected_tensors(model)
         check_tensors(model, expected, aliases, tensors, quantized, qc)
         if config.verify:

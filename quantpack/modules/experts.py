@@ -1,27 +1,37 @@
 """``QuantExperts``: the mixture-of-experts block of transformers 5 (``MixtralExperts``,
 ``Qwen3MoeExperts``, ...: 3-D ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)) over packed
-weights, one :class:`~quantpack.modules.linear.QuantLinear` per expert and projection.
+weights, each projection's experts stacked in memory (:class:`~quantpack.format.PackedExperts`: gate and up
+merged, then down), run by one fused kernel per projection on a GPU.
 
 Checkpoints store those experts one matrix per expert and projection (``experts.<e>.w1`` or
-``experts.<e>.gate_proj``), which is what quantpack quantizes; the 3-D tensors only exist in memory.
+``experts.<e>.gate_proj`` in the source, ``<block>.gate_proj.<e>.qweight`` ... once packed, docs/format.md). The
+block keeps those names as light submodules (``gate_proj[e]``...) whose tensors are views of their slot in the
+stacked buffers, and a tensor assigned to one is copied into its slot: every loader (``quantpack.load``,
+transformers' ``from_pretrained``, ``load_state_dict``) fills the stacked buffers in place, each allocated once on
+the device of the first tensor it receives.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .linear import QuantLinear
+from .. import reference
+from ..format import PackedExperts, PackedWeight, check_layout_args
+from ..quantize import resolve_group_size
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+FIELDS = ("qweight", "scales", "zeros", "bias")
+_STACKS = ("gate_up", "down")  # the stacked projections: gate_proj and up_proj -> gate_up, down_proj -> down
 
 
 def fused_experts_dims(module: nn.Module) -> tuple[int, int, int] | None:
     """``(num_experts, hidden, intermediate)`` of a transformers experts block with the standard
     forward (``down(act(gate(x)) * up(x))`` per expert): parameters exactly ``gate_up_proj``
-    (E, 2I, H) and ``down_proj`` (E, H, I), and an ``act_fn``; ``None`` for anything else (biased or
+    (E, 2I, H) and ``down_proj`` (E, H, I), and an ``act_fn`` that is one of the expert activations
+    (:data:`quantpack.reference.EXPERT_ACTIVATIONS`); ``None`` for anything else (biased or
     interleaved variants are not this block)."""
     params = dict(module.named_parameters(recurse=False))
-    if set(params) != {"gate_up_proj", "down_proj"} or not hasattr(module, "act_fn"):
+    if set(params) != {"gate_up_proj", "down_proj"} or activation_of(getattr(module, "act_fn", None)) is None:
         return None
     gate_up, down = params["gate_up_proj"], params["down_proj"]
     if gate_up.dim() != 3 or down.dim() != 3:
@@ -32,40 +42,217 @@ def fused_experts_dims(module: nn.Module) -> tuple[int, int, int] | None:
     return e, h, two_i // 2
 
 
+def activation_of(act_fn) -> str | None:
+    """The name in :data:`quantpack.reference.EXPERT_ACTIVATIONS` of the elementwise ``act_fn`` (told by running it,
+    not by its class: transformers has several classes for each), or ``None``."""
+    if not callable(act_fn):
+        return None
+    x = torch.linspace(-6, 6, 97, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            y = act_fn(x)
+    except Exception:  # (not an elementwise function of one tensor)
+        return None
+    f = torch.nn.functional
+    for name, want in (("silu", f.silu(x)), ("gelu", f.gelu(x)), ("gelu_tanh", f.gelu(x, approximate="tanh"))):
+        if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y.double(), want, atol=1e-6):
+            return name
+    return None
+
+
+class ExpertMatrix(nn.Module):
+    """One expert's matrix of one projection, under the name the checkpoint gives it (``<block>.gate_proj.<e>``):
+    ``qweight``, ``scales``, ``zeros`` (and ``bias``) are views of its slot in the block's stacked buffers, and a
+    tensor assigned to one of them is copied into that slot. It holds no tensors of its own."""
+
+    def __init__(self, block: "QuantExperts", proj: str, expert: int):
+        super().__init__()
+        object.__setattr__(self, "_owner", block)  # (not a submodule: no cycle in the module tree)
+        self.proj, self.expert = proj, expert
+
+    def _field(self, name: str) -> torch.Tensor | None:
+        return self._owner.slot(self.proj, self.expert, name)
+
+    qweight = property(lambda self: self._field("qweight"))
+    scales = property(lambda self: self._field("scales"))
+    zeros = property(lambda self: self._field("zeros"))
+    bias = property(lambda self: self._field("bias"))
+
+    def __setattr__(self, name, value):
+        if name in FIELDS and isinstance(value, torch.Tensor):
+            self._owner.fill(self.proj, self.expert, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in FIELDS:
+            t = self._field(name)
+            if t is not None:
+                destination[prefix + name] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name in FIELDS:
+            if self._field(name) is None:
+                continue
+            if prefix + name in state_dict:
+                self._owner.fill(self.proj, self.expert, name, state_dict[prefix + name])
+            else:
+                missing_keys.append(prefix + name)
+
+    def packed(self) -> PackedWeight:
+        block = self._owner
+        stack = block.gate_up if self.proj != "down_proj" else block.down
+        return PackedWeight(self.qweight, self.scales, self.zeros, stack.bits, stack.group_size, 1,
+                            (block.intermediate_dim, block.hidden_dim) if self.proj != "down_proj"
+                            else (block.hidden_dim, block.intermediate_dim))
+
+    def extra_repr(self) -> str:
+        return f"{self.proj}[{self.expert}]"
+
+
+class ExpertMatrices(nn.ModuleList):
+    """One projection's :class:`ExpertMatrix` modules (``<block>.gate_proj``): a class of its own, so that tools
+    that wrap modules by name (peft) can tell it from other lists."""
+
+
 class QuantExperts(nn.Module):
     """Drop-in replacement for a transformers experts block: same ``forward(hidden_states,
-    top_k_index, top_k_weights)``, with ``gate_proj[e]``, ``up_proj[e]`` and ``down_proj[e]`` as
-    frozen :class:`QuantLinear` layers (state-dict names ``gate_proj.<e>.qweight`` ...)."""
+    top_k_index, top_k_weights)``. The weights are two :class:`~quantpack.format.PackedExperts`, ``gate_up`` (each
+    expert's gate rows, then its up rows) and ``down``, held as buffers ``gate_up_qweight`` ...; the
+    state dict names them per expert (``gate_proj.<e>.qweight`` ..., see :class:`ExpertMatrix`).
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, act_fn, *, bits: int = 4,
-                 group_size: int | None = 128, axis: int = 1, dtype: torch.dtype = torch.float16,
-                 device=None):
+    ``activation`` is one of :data:`quantpack.reference.EXPERT_ACTIVATIONS` (``alpha``/``limit`` for
+    ``swiglu_oai``); ``weight_on_input`` scales each token's input by its routing weight (Llama 4). On CUDA the
+    forward is ``quantpack.kernels.moe.fused_experts`` (no host sync: a decode step with it is captured as a CUDA
+    graph), elsewhere the reference."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, activation: str = "silu",
+                 alpha: float = 1.702, limit: float = 7.0, weight_on_input: bool = False, bias: bool = False,
+                 bits: int = 4, group_size: int | None = 128, dtype: torch.dtype = torch.float16, device=None):
         super().__init__()
+        if activation not in reference.EXPERT_ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: use one of {', '.join(reference.EXPERT_ACTIVATIONS)}")
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, intermediate
-        self.act_fn = act_fn
-        shapes = {"gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
-                  "down_proj": (intermediate, hidden)}
+        self.activation, self.alpha, self.limit, self.weight_on_input = activation, alpha, limit, weight_on_input
+        self.bits = bits
+        self.group_sizes = {}
+        for stack, shape in (("gate_up", (2 * intermediate, hidden)), ("down", (hidden, intermediate))):
+            # (the group size each expert's matrix was quantized with: gate and up are (I, H) each)
+            gs = resolve_group_size(group_size, (shape[0] // 2 if stack == "gate_up" else shape[0], shape[1]), 1)
+            check_layout_args(shape, bits, gs, 1)
+            self.group_sizes[stack] = gs
+            n, k = shape
+            q = (num_experts, k // 2, n) if bits == 4 else (num_experts, k, n)
+            meta = (num_experts, k // gs, n)
+            self.register_buffer(f"{stack}_qweight", torch.empty(q, dtype=torch.uint8, device=device))
+            self.register_buffer(f"{stack}_scales", torch.empty(meta, dtype=dtype, device=device))
+            self.register_buffer(f"{stack}_zeros", torch.empty(meta, dtype=dtype, device=device))
+            self.register_buffer(f"{stack}_bias", torch.empty((num_experts, n), dtype=dtype, device=device)
+                                 if bias else None)
         for proj in PROJECTIONS:
-            k, n = shapes[proj]
-            setattr(self, proj, nn.ModuleList(
-                QuantLinear(k, n, bits=bits, group_size=group_size, axis=axis, bias=False, dtype=dtype, device=device)
-                for _ in range(num_experts)))
+            setattr(self, proj, ExpertMatrices(ExpertMatrix(self, proj, e) for e in range(num_experts)))
+
+    @classmethod
+    @torch.no_grad()
+    def from_experts(cls, block: nn.Module, *, bits: int = 4, group_size: int | None = 128,
+                     method: str = "rtn", dtype: torch.dtype | None = None) -> "QuantExperts":
+        """Quantize a transformers experts block (see :func:`fused_experts_dims`) in memory, expert by expert as
+        ``convert`` does, on the device its weights are on (benchmarks build random models this way)."""
+        from ..quantize import quantize
+
+        dims = fused_experts_dims(block)
+        if dims is None:
+            raise ValueError(f"{type(block).__name__}: not an experts block with gate_up_proj (E, 2I, H) and "
+                             f"down_proj (E, H, I)")
+        e, h, i = dims
+        dtype = dtype or block.gate_up_proj.dtype
+        new = cls(e, h, i, activation=activation_of(block.act_fn), bits=bits, group_size=group_size, dtype=dtype,
+                  device="meta")
+        for x in range(e):
+            for proj, w in (("gate_proj", block.gate_up_proj[x, :i]), ("up_proj", block.gate_up_proj[x, i:]),
+                            ("down_proj", block.down_proj[x])):
+                stack = "down" if proj == "down_proj" else "gate_up"
+                pw = quantize(w, bits=bits, group_size=new.group_sizes[stack], axis=1, method=method, dtype=dtype)
+                for field in ("qweight", "scales", "zeros"):
+                    new.fill(proj, x, field, getattr(pw, field))
+        return new
+
+    # The stacked buffers are persistent (transformers re-creates a non-persistent buffer, empty, after loading)
+    # but the state dict names the tensors per expert, as checkpoints do (ExpertMatrix).
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        pass
+
+    # -- the stacked layout ------------------------------------------------------------------------------------
+
+    @property
+    def gate_up(self) -> PackedExperts:
+        return self._stack("gate_up")
+
+    @property
+    def down(self) -> PackedExperts:
+        return self._stack("down")
+
+    def _stack(self, stack: str) -> PackedExperts:
+        n, k = ((2 * self.intermediate_dim, self.hidden_dim) if stack == "gate_up"
+                else (self.hidden_dim, self.intermediate_dim))
+        return PackedExperts(getattr(self, f"{stack}_qweight"), getattr(self, f"{stack}_scales"),
+                             getattr(self, f"{stack}_zeros"), self.bits, self.group_sizes[stack], (n, k),
+                             getattr(self, f"{stack}_bias"))
+
+    def slot(self, proj: str, e: int, field: str) -> torch.Tensor | None:
+        """Expert ``e``'s ``field`` of projection ``proj`` as the checkpoint stores it: a view of the stacked buffer
+        (gate_proj: the first I columns of gate_up's; up_proj: the last I)."""
+        stack = "down" if proj == "down_proj" else "gate_up"
+        t = self._buffers[f"{stack}_{field}"]
+        if t is None:
+            return None
+        t = t[e]
+        i = self.intermediate_dim
+        if proj == "gate_proj":
+            return t[..., :i]
+        if proj == "up_proj":
+            return t[..., i:]
+        return t
+
+    def fill(self, proj: str, e: int, field: str, value: torch.Tensor) -> None:
+        """Copy ``value`` into expert ``e``'s slot of ``proj``'s ``field`` (cast to the buffer's dtype). A buffer
+        still on meta is first allocated, once, on ``value``'s device."""
+        stack = "down" if proj == "down_proj" else "gate_up"
+        name = f"{stack}_{field}"
+        buf = self._buffers[name]
+        if buf is None:
+            raise ValueError(f"{proj}.{e}.{field}: this experts block has no {field}")
+        if buf.is_meta:
+            buf = torch.empty(buf.shape, dtype=buf.dtype, device=value.device)
+            self._buffers[name] = buf
+        target = self.slot(proj, e, field)
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{proj}.{e}.{field}: shape {list(value.shape)}, expected {list(target.shape)}")
+        if (value.dtype == torch.uint8) != (target.dtype == torch.uint8):
+            raise ValueError(f"{proj}.{e}.{field}: dtype {value.dtype}, expected {target.dtype}")
+        target.copy_(value.detach())  # (buffers and a detached value: nothing for autograd to record)
+
+    # -- forward -----------------------------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[:self.num_experts]
-            hit = counts.nonzero().flatten().tolist()  # (an index == num_experts marks an unused slot)
-        for e in hit:
-            token_idx, slot = torch.where(top_k_index == e)
-            x = hidden_states[token_idx]
-            h = self.act_fn(self.gate_proj[e](x)) * self.up_proj[e](x)
-            h = self.down_proj[e](h) * top_k_weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, h.to(out.dtype))
-        return out
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        run = reference.experts
+        if x.is_cuda:
+            try:
+                from ..kernels.moe import fused_experts as run
+            except ImportError:  # (a build without the fused expert kernels: the reference, which syncs)
+                pass
+        out = run(x, self.gate_up, self.down, top_k_index.reshape(x.shape[0], -1),
+                  top_k_weights.reshape(x.shape[0], -1), activation=self.activation, alpha=self.alpha,
+                  limit=self.limit, weight_on_input=self.weight_on_input)
+        return out.reshape(hidden_states.shape)
 
     def extra_repr(self) -> str:
-        q = self.gate_proj[0]
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-                f"bits={q.bits}, group_size={q.group_size}")
+                f"bits={self.bits}, group_size={self.group_sizes['gate_up']}, activation={self.activation}")

@@ -9,8 +9,8 @@ from torch import nn
 
 from .. import schemes
 from ..integrity import fail, tied_targets
-from .experts import PROJECTIONS, QuantExperts, fused_experts_dims
-from .linear import QuantLinear, linear_dims
+from .experts import PROJECTIONS, QuantExperts, activation_of, fused_experts_dims
+from .linear import linear_dims
 
 
 def linear_modules_to_convert(model: nn.Module, qc: dict) -> list[str]:
@@ -49,14 +49,15 @@ def replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -
     if dims is None:
         raise fail(f"config.json: quantization_config.quantized_experts lists {name}, which is not an experts "
                     f"block of {type(model).__name__}; the checkpoint does not match its config: re-convert")
-    new = QuantExperts(*dims, old.act_fn, bits=qc["bits"], group_size=qc["group_size"], axis=qc["axis"],
+    matrices = [f"{name}.{proj}.{e}" for proj in PROJECTIONS for e in range(dims[0])]
+    bits = {qc["bits_overrides"].get(m, qc["bits"]) for m in matrices}
+    if len(bits) > 1:
+        raise fail(f"config.json: quantization_config.bits_overrides gives the experts of {name} {len(bits)} bit "
+                    f"widths; an experts block is quantized whole with one: re-convert")
+    if qc["axis"] != 1:
+        raise fail(f"config.json: quantization_config.axis={qc['axis']} with the experts block {name}; experts are "
+                    f"packed with groups along in-features (axis 1): re-convert")
+    new = QuantExperts(*dims, activation=activation_of(old.act_fn), bits=bits.pop(), group_size=qc["group_size"],
                        dtype=dtype, device="meta")
-    for proj in PROJECTIONS:
-        for e, layer in enumerate(getattr(new, proj)):
-            bits = qc["bits_overrides"].get(f"{name}.{proj}.{e}")
-            if bits is not None and bits != layer.bits:
-                getattr(new, proj)[e] = QuantLinear(layer.in_features, layer.out_features, bits=bits,
-                                                    group_size=qc["group_size"], axis=qc["axis"], bias=False,
-                                                    dtype=dtype, device="meta")
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

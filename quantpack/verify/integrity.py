@@ -19,7 +19,18 @@ from .report import PROBLEM_KINDS, Problem
 
 
 def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if schemes.module_check(m) is not None]
+    """Every quantized layer by its checkpoint name; one expert's matrix of a stacked experts block as a
+    ``QuantLinear`` over its slot (views, no copy)."""
+    from ..modules.experts import ExpertMatrix
+    from ..modules.linear import QuantLinear
+
+    out = []
+    for n, m in model.named_modules():
+        if isinstance(m, ExpertMatrix):
+            out.append((n, QuantLinear.from_packed(m.packed())))
+        elif schemes.module_check(m) is not None:
+            out.append((n, m))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
