@@ -207,23 +207,17 @@ def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp, ep):
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_refuses_a_tp_size_that_does_not_fit(packed_dirs, tmp_path):
-    proc = _serve(packed_dirs["q4g128"], 2, tmp_path)
+@pytest.mark.parametrize("name,line", [
+    ("q4g128", "quantpack: layer model.layers.0.self_attn.o_proj (row-parallel) cannot be split over tensor-parallel "
+               "size 2: each rank would hold 64 of its 128 in-features, not a multiple of the group size 128; this "
+               "layer allows tensor-parallel sizes 1 (or re-convert with a smaller --group-size)"),
+    ("qwen3-moe-q4g64", "quantpack: layer model.layers.0.mlp.experts.down_proj (row-parallel) cannot be split over "
+                        "tensor-parallel size 2: each rank would hold 32 of its 64 in-features, not a multiple of the "
+                        "group size 64; this layer allows tensor-parallel sizes 1 (or re-convert with a smaller "
+                        "--group-size)")])
+def test_vllm_refuses_a_tp_size_that_does_not_fit(packed_dirs, tmp_path, name, line):
+    proc = _serve(packed_dirs[name], 2, tmp_path)
     assert proc.returncode != 0
-    line = ("quantpack: layer model.layers.0.self_attn.o_proj (row-parallel) cannot be split over tensor-parallel "
-            "size 2: each rank would hold 64 of its 128 in-features, not a multiple of the group size 128; this "
-            "layer allows tensor-parallel sizes 1 (or re-convert with a smaller --group-size)")
-    assert line in proc.stdout + proc.stderr
-
-
-@needs_vllm
-@pytest.mark.slow
-def test_vllm_refuses_experts_that_do_not_split(packed_dirs, tmp_path):
-    proc = _serve(packed_dirs["qwen3-moe-q4g64"], 2, tmp_path)
-    assert proc.returncode != 0
-    line = ("quantpack: layer model.layers.0.mlp.experts.down_proj (row-parallel) cannot be split over tensor-parallel "
-            "size 2: each rank would hold 32 of its 64 in-features, not a multiple of the group size 64; this layer "
-            "allows tensor-parallel sizes 1 (or re-convert with a smaller --group-size)")
     assert line in proc.stdout + proc.stderr
 
 
