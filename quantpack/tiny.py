@@ -243,29 +243,18 @@ def make_tiny_moe(path, config_cls, model_cls, *, num_shards: int = 1, dtype: to
                            num_shards=num_shards, title=f"tiny-{config.model_type}")
 
 
-def make_tiny_qwen3_moe(path, *, num_shards: int = 1, dtype: torch.dtype = torch.float32, seed: int = 0,
-                        hidden_size: int = 64, moe_intermediate_size: int = 64, num_hidden_layers: int = 2,
-                        num_experts: int = 8, num_experts_per_tok: int = 2, vocab_size: int = 320,
-                        train_steps: int = 0, **config_overrides) -> Path:
-    """Write a tiny ``Qwen3MoeForCausalLM`` checkpoint (byte-level BPE tokenizer, every layer sparse, normalized
-    top-k, head size 32) to ``path``; experts stored one matrix per expert (``mlp.experts.<e>.gate_proj``), as on the hub.
-    ``train_steps`` as in :func:`make_tiny_llama`."""
+def make_tiny_qwen3_moe(path, *, hidden_size: int = 64, moe_intermediate_size: int = 64, num_hidden_layers: int = 2,
+                        num_experts: int = 8, num_experts_per_tok: int = 2, **kwargs) -> Path:
+    """Write a tiny ``Qwen3MoeForCausalLM`` checkpoint (every layer sparse, normalized top-k, head size 32: vLLM's
+    CPU attention takes no smaller) with :func:`make_tiny_moe`; ``kwargs`` as there."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _bpe_tokenizer(vocab_size)
-    config = Qwen3MoeConfig(hidden_size=hidden_size, intermediate_size=2 * moe_intermediate_size,
-                            moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_hidden_layers,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[], vocab_size=vocab_size,
-                            max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            **config_overrides)
-    return _build_and_save(Qwen3MoeForCausalLM, config, tokenizer, path, seed=seed, train_steps=train_steps,
-                           max_tokens=config.max_position_embeddings, dtype=dtype, num_shards=num_shards,
-                           title="tiny-qwen3-moe")
+    return make_tiny_moe(path, Qwen3MoeConfig, Qwen3MoeForCausalLM, hidden_size=hidden_size,
+                         intermediate_size=2 * moe_intermediate_size, moe_intermediate_size=moe_intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
+                         **kwargs)
 
 
 def make_tiny_encoder(path, *, num_shards: int = 2, dtype: torch.dtype = torch.float32, seed: int = 0,
