@@ -20,7 +20,7 @@ from ..modules.linear import linear_dims
 from ..schemes import SCHEMES
 from .options import DEFAULT_GROUP_SIZE, check_arguments, default_output_name, resolve_dtype
 from .output import (PARTIAL_SUFFIX, PROGRESS_NAME, OutputLock, check_replaceable_output, conversion_fingerprint,
-                     fsync_dir, make_manifest, publish, resume_state)
+                     fsync_dir, make_manifest, make_partial, publish, resume_state)
 from .plan import (Unit, plan_linears, canonical_names, check_complete, expert_count, expert_tensors, linear_modules,
                    model_structure, natural_key, nothing_to_quantize, plan_experts, tied_word_embeddings)
 from .summary import ConvertSummary, LayerResult, format_size
@@ -214,7 +214,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             raise CheckpointError(f"output: {out_path} is inside the source checkpoint {resolved.path}; "
                                   f"choose an --output outside it")
         summary.disk_free = shutil.disk_usage(probe).free
-        already = sum(f.stat().st_size for f in partial.glob("*.safetensors")) if partial.is_dir() else 0
+        already = sum(f.stat().st_size for f in partial.glob("*.safetensors")) \
+            if partial.is_dir() and not partial.is_symlink() else 0
         if summary.disk_free + already < needed:
             raise CheckpointError(f"output: needs about {format_size(needed)} free on {probe} but only "
                                   f"{format_size(summary.disk_free)} is available; free space or choose another --output")
@@ -223,12 +224,12 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             summary.seconds = time.perf_counter() - t0
             return summary
 
-        created = not partial.exists()
+        created = False
         try:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             held.enter_context(OutputLock(out_path))
             check_replaceable_output(out_path, resolved.path, overwrite)  # again: another run may have finished
-            partial.mkdir(exist_ok=True)
+            created = make_partial(partial)
             if not os.access(partial, os.W_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as e:

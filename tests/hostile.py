@@ -1,0 +1,78 @@
+"""Builders of hostile inputs shared by the tests: links planted where quantpack writes, packed
+tensors destroyed behind a manifest that still matches, and small files that are broken."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantpack.checkpoint import MANIFEST_NAME, sha256_file
+
+LOCK = ".{}.qp-lock"
+PARTIAL = ".{}.qp-partial"
+
+
+def plant_link(out: Path, kind: str, target: Path) -> Path:
+    """A symbolic link at the lock (``kind="lock"``) or partial (``"partial"``) path of output ``out``."""
+    link = out.parent / (LOCK if kind == "lock" else PARTIAL).format(out.name)
+    link.symlink_to(target)
+    return link
+
+
+def user_folder(path: Path) -> dict:
+    """A folder of a user's files; returns its contents, to compare with afterwards."""
+    (path / "sub").mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    (path / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    return snapshot(path)
+
+
+def snapshot(path: Path) -> dict:
+    """Every file and folder under ``path`` with its bytes."""
+    return {str(p.relative_to(path)): (p.read_bytes() if p.is_file() else None) for p in sorted(path.rglob("*"))}
+
+
+def edit_json(path: Path, change) -> None:
+    """Rewrite the JSON file at ``path`` with ``change(data)`` applied (in place, or its return value)."""
+    data = json.loads(path.read_text())
+    data = change(data) or data
+    path.write_text(json.dumps(data))
+
+
+def rehash(out: Path) -> None:
+    """Make the manifest's output digests match the files again, as an attacker who edits them would."""
+    def update(manifest):
+        for rel, entry in manifest["files"]["outputs"].items():
+            entry.update(sha256=sha256_file(out / rel), size=(out / rel).stat().st_size)
+    edit_json(out / MANIFEST_NAME, update)
+
+
+def edit_tensors(out: Path, change) -> None:
+    """Apply ``change(tensors)`` (a dict name -> tensor, edited in place) to every shard of the
+    packed output ``out``, keeping each shard's metadata, then rehash the manifest."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        change(tensors)
+        save_file(tensors, shard, metadata=meta)
+    rehash(out)
+
+
+def swap_scales_and_zeros(out: Path, layer: str) -> None:
+    """Destroy one packed layer: its scales and zeros trade places; the manifest still matches."""
+    def swap(tensors):
+        s, z = f"{layer}.scales", f"{layer}.zeros"
+        if s in tensors:
+            tensors[s], tensors[z] = tensors[z].clone(), tensors[s].clone()
+    edit_tensors(out, swap)
+
+
+def poison_scales(out: Path, layer: str, value: float) -> None:
+    """One non-finite ``value`` (NaN, inf) in a packed layer's scales; the manifest still matches."""
+    def poison(tensors):
+        if f"{layer}.scales" in tensors:
+            tensors[f"{layer}.scales"].view(-1)[0] = value
+    edit_tensors(out, poison)
