@@ -76,3 +76,52 @@ def poison_scales(out: Path, layer: str, value: float) -> None:
         if f"{layer}.scales" in tensors:
             tensors[f"{layer}.scales"].view(-1)[0] = value
     edit_tensors(out, poison)
+
+
+def broken_source(src: Path, kind: str) -> None:
+    """Break the source checkpoint folder ``src`` (a copy) in one way that a user or a bad download
+    could: ``kind`` names it (see the cases below)."""
+    config = src / "config.json"
+    if kind == "quantization_config_list":
+        edit_json(config, lambda d: d.update(quantization_config=[{"quant_method": "x"}]))
+    elif kind == "layers_as_string":
+        edit_json(config, lambda d: d.update(num_hidden_layers=str(d["num_hidden_layers"])))
+    elif kind == "eps_nan":
+        edit_json(config, lambda d: d.update(rms_norm_eps=float("nan")))
+    elif kind == "nested_infinity":
+        edit_json(config, lambda d: d.update(rope_scaling={"rope_type": "linear", "factor": float("inf")}))
+    elif kind == "config_is_a_folder":
+        config.unlink()
+        config.mkdir()
+    elif kind == "weights_file_is_a_folder":
+        (src / "model.safetensors").mkdir()
+    elif kind == "single_file_beside_shards":
+        from safetensors.torch import load_file, save_file
+
+        tensors = {}
+        for shard in sorted(src.glob("model-*.safetensors")):
+            tensors.update(load_file(shard))
+        save_file({k: v * 2 for k, v in tensors.items()}, src / "model.safetensors")
+    elif kind == "metadata_not_strings":
+        set_metadata(sorted(src.glob("*.safetensors"))[0], {"format": 1})
+    else:
+        raise ValueError(kind)
+
+
+def set_metadata(shard: Path, metadata) -> None:
+    """Write ``metadata`` (any JSON, even what the safetensors library refuses) as the shard's
+    ``__metadata__``, keeping its tensors."""
+    import struct
+
+    blob = shard.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + blob[8 + n:])
+
+
+def claim_layers(src: Path, count: int) -> None:
+    """A source whose config claims ``count`` decoder layers, whatever its weights hold."""
+    edit_json(src / "config.json", lambda d: d.update(num_hidden_layers=count))

@@ -202,6 +202,17 @@ def foreign_files(path: Path, written: set[str]) -> list[str]:
     return sorted(found)
 
 
+def check_output_name(out_path: Path, given: bool) -> None:
+    """Refuse an output name the file system cannot hold beside its partial directory's name
+    (``.<name>.qp-partial``), before anything is built."""
+    limit = 255 - len(f".{PARTIAL_SUFFIX}")  # NAME_MAX of common file systems, in bytes
+    size = len(out_path.name.encode())
+    if size > limit:
+        what = "--output" if given else "the default output name (from the source's name)"
+        raise CheckpointError(f"output: {what} {out_path.name[:40]}... is {size} bytes, more than the {limit} a file "
+                              f"name may have here; pass a shorter --output")
+
+
 def check_replaceable_output(out_path: Path, source: Path, overwrite: bool) -> None:
     """Refuse an existing ``out_path`` that a conversion may not replace (one-line CheckpointError).
 
