@@ -39,10 +39,16 @@ def edit_json(path: Path, change) -> None:
 
 
 def rehash(out: Path) -> None:
-    """Make the manifest's output digests match the files again, as an attacker who edits them would."""
+    """Make the manifest's output digests (files' and tensors') match the files again, as an attacker who
+    edits them would."""
+    from quantpack.checkpoint import read_safetensors_header, sha256_tensor_data
+
     def update(manifest):
         for rel, entry in manifest["files"]["outputs"].items():
             entry.update(sha256=sha256_file(out / rel), size=(out / rel).stat().st_size)
+            if isinstance(entry.get("tensors"), dict):
+                infos, _ = read_safetensors_header(out / rel)
+                entry["tensors"] = {name: sha256_tensor_data(info) for name, info in infos.items()}
     edit_json(out / MANIFEST_NAME, update)
 
 
