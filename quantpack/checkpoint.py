@@ -426,7 +426,33 @@ class SourceCheckpoint:
                 continue
             self._check_inside(rel)  # copied into the output: never a file from elsewhere
             out.append(rel)
+        for rel in out:
+            check_small_file(self.path, rel)
         return out
+
+
+def check_small_file(root: Path, rel: str) -> None:
+    """Refuse (one line naming it) a file to copy that transformers could not read as it reads it:
+    JSON that does not parse, a generation config it rejects, a tokenizer.json tokenizers rejects."""
+    f = Path(root) / rel
+    name = Path(rel).name
+    if not name.endswith(".json"):
+        return
+    try:
+        if name == "tokenizer.json":
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(str(f))
+            return
+        json.loads(f.read_text(encoding="utf-8"))
+        if rel == "generation_config.json":
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_pretrained(root)
+    except Exception as e:  # each reader raises its own kinds; all mean the same: unreadable
+        first = " ".join(str(e).split())[:160] or type(e).__name__
+        raise CheckpointError(f"source: {f} cannot be read as transformers reads it ({first}); fix or remove "
+                              f"it, or download it again") from None
 
 
 # ----------------------------------------------------------------------------------------------

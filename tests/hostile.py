@@ -108,6 +108,12 @@ def broken_source(src: Path, kind: str) -> None:
         for shard in sorted(src.glob("model-*.safetensors")):
             tensors.update(load_file(shard))
         save_file({k: v * 2 for k, v in tensors.items()}, src / "model.safetensors")
+    elif kind == "generation_config_not_json":
+        (src / "generation_config.json").write_text('{"temperature": ')
+    elif kind == "generation_config_invalid":
+        edit_json(src / "generation_config.json", lambda d: d.update(max_new_tokens="many"))
+    elif kind == "tokenizer_garbage":
+        (src / "tokenizer.json").write_text('{"version": "1.0", "model": "no such model"}')
     elif kind == "metadata_not_strings":
         set_metadata(sorted(src.glob("*.safetensors"))[0], {"format": 1})
     else:

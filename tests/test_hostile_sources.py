@@ -358,6 +358,9 @@ def test_checkpoint_of_the_base_model_under_a_head_name(tiny_encoder_dir, tmp_pa
     ("single_file_beside_shards", "holds both model.safetensors and model.safetensors.index.json (transformers "
                                   "reads model.safetensors)"),
     ("metadata_not_strings", "__metadata__ must map names to strings"),
+    ("generation_config_not_json", "generation_config.json cannot be read as transformers reads it"),
+    ("generation_config_invalid", "generation_config.json cannot be read as transformers reads it"),
+    ("tokenizer_garbage", "tokenizer.json cannot be read as transformers reads it"),
 ])
 def test_broken_source_is_one_line_before_anything_is_written(tiny_llama_dir, tmp_path, kind, match):
     src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
