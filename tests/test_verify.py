@@ -21,7 +21,7 @@ from quantpack import checkpoint, checkpoint_writer
 from quantpack.convert import convert
 from quantpack.modules.linear import QuantLinear
 
-from hostile import poison_scales, swap_scales_and_zeros
+from hostile import poison_scales, swap_scales_and_zeros, zero_tensor_digest
 from quantpack.verify import (
     DEFAULT_TEXT, REPORT_SCHEMA, VerifyReport, compare_causal_lm, kernel_errors, verify,
 )
@@ -735,3 +735,14 @@ def test_non_finite_scales_are_refused_by_load_and_verify(ckpt, tmp_path, value)
         quantpack.load(bad, device="cpu")
     r = verify(bad, reference=False, device="cpu")
     assert r.exit_code == 2 and any(p.tensor == "model.layers.1.self_attn.q_proj.scales" for p in r.problems)
+
+
+def test_verify_and_load_agree_on_a_zeroed_tensor_digest(ckpt, tmp_path):
+    import quantpack
+
+    bad = copy_of(ckpt("q4"), tmp_path)
+    name = zero_tensor_digest(bad)
+    with pytest.raises(checkpoint.CheckpointError, match=f"tensor {re.escape(name)} "):
+        quantpack.load(bad, device="cpu")
+    r = verify(bad, reference=False, device="cpu")
+    assert r.exit_code == 2 and [p.tensor for p in r.problems] == [name], r.problems
