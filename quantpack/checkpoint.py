@@ -61,19 +61,42 @@ class CheckpointError(ValueError):
     """A checkpoint (source or packed) that cannot be used; the message is one line saying what to do."""
 
 
+class _NonFinite(str):
+    """A NaN or infinity met while parsing JSON (which has neither)."""
+
+
+def _non_finite_key(obj, where: str = "") -> str | None:
+    """The key path of the first :class:`_NonFinite` in ``obj``, or None."""
+    if isinstance(obj, _NonFinite):
+        return where or "(top level)"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        found = _non_finite_key(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if found:
+            return found
+    return None
+
+
 def read_config(path) -> dict:
-    """``config.json`` of the checkpoint directory ``path`` as a dict; a missing file, invalid JSON or
+    """``config.json`` of the checkpoint directory ``path`` as a dict; a missing file, invalid JSON,
+    a NaN or infinity anywhere (transformers writes them back as null, which it then cannot read) or
     anything but a JSON object is a one-line :class:`CheckpointError`."""
     f = Path(path) / CONFIG_NAME
     try:
-        config = json.loads(f.read_text(encoding="utf-8"))
+        config = json.loads(f.read_text(encoding="utf-8"), parse_constant=_NonFinite)
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing; a checkpoint needs its model config") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{f}: is a directory, not the model config file; download it again") from None
     except (ValueError, UnicodeDecodeError):
         raise CheckpointError(f"{f}: not valid JSON; download it again") from None
     if not isinstance(config, dict):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(config), "a number")
         raise CheckpointError(f"{f}: holds {kind}, not a JSON object of model settings; download it again")
+    bad = _non_finite_key(config)
+    if bad:
+        raise CheckpointError(f"{f}: {bad.lstrip('.')} is not a finite number; set it to the model's real value "
+                              f"or download the file again")
     return config
 
 
@@ -168,6 +191,10 @@ def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]
     except (ValueError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON); download the file again") from None
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        # the safetensors library refuses such a file: so does quantpack, before anything reads it
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ must map names to strings); "
+                              f"download the file again")
     data_start = 8 + header_len
     infos, spans = {}, []
     for name, entry in header.items():
@@ -246,6 +273,13 @@ class SourceCheckpoint:
     # -- discovery
     def _find_weights(self) -> str:
         p = self.path
+        for name in (SAFE_SINGLE_NAME, SAFE_INDEX_NAME, BIN_SINGLE_NAME, BIN_INDEX_NAME, CONFIG_NAME):
+            if (p / name).exists() and not (p / name).is_file():
+                raise CheckpointError(f"source: {p / name} is a directory, not a file; download the checkpoint again")
+        if (p / SAFE_INDEX_NAME).exists() and (p / SAFE_SINGLE_NAME).exists():
+            # transformers reads the single file; converting the shards would pack other weights than it loads
+            raise CheckpointError(f"source: {p} holds both {SAFE_SINGLE_NAME} and {SAFE_INDEX_NAME} (transformers "
+                                  f"reads {SAFE_SINGLE_NAME}); remove the one that is not the model")
         if (p / SAFE_INDEX_NAME).exists():
             self.index_file = SAFE_INDEX_NAME
             self.weight_files = self._files_from_index(SAFE_INDEX_NAME)
@@ -392,7 +426,33 @@ class SourceCheckpoint:
                 continue
             self._check_inside(rel)  # copied into the output: never a file from elsewhere
             out.append(rel)
+        for rel in out:
+            check_small_file(self.path, rel)
         return out
+
+
+def check_small_file(root: Path, rel: str) -> None:
+    """Refuse (one line naming it) a file to copy that transformers could not read as it reads it:
+    JSON that does not parse, a generation config it rejects, a tokenizer.json tokenizers rejects."""
+    f = Path(root) / rel
+    name = Path(rel).name
+    if not name.endswith(".json"):
+        return
+    try:
+        if name == "tokenizer.json":
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(str(f))
+            return
+        json.loads(f.read_text(encoding="utf-8"))
+        if rel == "generation_config.json":
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_pretrained(root)
+    except Exception as e:  # each reader raises its own kinds; all mean the same: unreadable
+        first = " ".join(str(e).split())[:160] or type(e).__name__
+        raise CheckpointError(f"source: {f} cannot be read as transformers reads it ({first}); fix or remove "
+                              f"it, or download it again") from None
 
 
 # ----------------------------------------------------------------------------------------------

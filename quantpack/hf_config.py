@@ -36,6 +36,7 @@ def auto_config(path, *, trust_remote_code: bool = False, config: dict | None = 
     """``AutoConfig.from_pretrained(path)`` with ``trust_remote_code`` always given, after checking what
     transformers would refuse or ask about; every failure is a one-line :class:`CheckpointError`."""
     import transformers
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import CONFIG_MAPPING, AutoConfig
 
     path = Path(path)
@@ -49,8 +50,9 @@ def auto_config(path, *, trust_remote_code: bool = False, config: dict | None = 
                               f"transformers may know it")
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, TypeError, OSError, ImportError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except (ValueError, KeyError, TypeError, OSError, ImportError, StrictDataclassError) as e:
+        # a field's type error comes on the lines after "Validation error for field ...": keep them
+        first = " ".join(line.strip() for line in str(e).strip().splitlines()[:3]) or type(e).__name__
         raise CheckpointError(f"{where}: transformers {transformers.__version__} cannot read it "
                               f"({first[:200]})") from None
 

@@ -202,6 +202,10 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
             tensor = checkpoint.read_tensor(info, f)
             if name in digests and checkpoint.sha256_of(tensor) != digests[name]:
                 raise digest_mismatch(name, info)
+            # NaN or infinity in a packed layer's scales or zeros turns every output it touches into NaN
+            if name.endswith((".scales", ".zeros", ".weight_scale")) and not bool(torch.isfinite(tensor).all()):
+                raise fail(f"tensor {name} in {info.file.name}: holds NaN or infinite values; the checkpoint is "
+                           f"damaged: download it again or re-convert")
             module = name.rpartition(".")[0]
             if tensor.is_floating_point():
                 to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)

@@ -2,6 +2,7 @@
 loader or verify would refuse, and refuse bad files before anything is written (one line, exit 2)."""
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from quantpack.checkpoint import CheckpointError
 from quantpack.cli import cli
 from quantpack.convert import convert
 from quantpack.verify import verify
+
+from hostile import broken_source, claim_layers
 
 CONFIG_CODE = '''
 import os
@@ -344,3 +347,68 @@ def test_checkpoint_of_the_base_model_under_a_head_name(tiny_encoder_dir, tmp_pa
     report = verify(out, reference=src, device="cpu", max_tokens=64)
     assert report.exit_code == 0, report.format_table()
     assert report.end_to_end["task"] == "encoder"
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("quantization_config_list", "quantization_config is a JSON array, not an object"),
+    ("layers_as_string", "field 'num_hidden_layers'"),
+    ("eps_nan", "config.json: rms_norm_eps is not a finite number"),
+    ("nested_infinity", "config.json: rope_scaling.factor is not a finite number"),
+    ("config_is_a_folder", "config.json is a directory, not a file"),
+    ("single_file_beside_shards", "holds both model.safetensors and model.safetensors.index.json (transformers "
+                                  "reads model.safetensors)"),
+    ("metadata_not_strings", "__metadata__ must map names to strings"),
+    ("generation_config_not_json", "generation_config.json cannot be read as transformers reads it"),
+    ("generation_config_invalid", "generation_config.json cannot be read as transformers reads it"),
+    ("tokenizer_garbage", "tokenizer.json cannot be read as transformers reads it"),
+])
+def test_broken_source_is_one_line_before_anything_is_written(tiny_llama_dir, tmp_path, kind, match):
+    src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
+    broken_source(src, kind)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(out), "--method", "rtn", "--no-progress"])
+    one_line_failure(result, match)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_single_file_source_whose_weights_file_is_a_folder(tiny_llama_tied_dir, tmp_path):
+    src = shutil.copytree(tiny_llama_tied_dir, tmp_path / "src")
+    (src / "model.safetensors").unlink()
+    broken_source(src, "weights_file_is_a_folder")
+    result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "out")])
+    one_line_failure(result, "model.safetensors is a directory, not a file")
+
+
+def test_a_default_output_name_too_long_for_the_file_system(tiny_llama_dir, tmp_path, monkeypatch):
+    src = shutil.copytree(tiny_llama_dir, tmp_path / ("m" * 240))
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["convert", str(src), "--method", "rtn"])
+    one_line_failure(result, "the default output name (from the source's name)")
+    assert "pass a shorter --output" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+
+
+def test_verify_refuses_a_reference_of_another_architecture(tiny_llama_dir, tiny_encoder_dir, tmp_path):
+    out = tmp_path / "out"
+    convert(tiny_llama_dir, out, method="rtn", progress=False)
+    result = CliRunner().invoke(cli, ["verify", str(out), "--reference", str(tiny_encoder_dir), "--device", "cpu"])
+    one_line_failure(result, "has model_type='bert' but")
+
+
+def test_verify_refuses_a_reference_the_safetensors_library_rejects(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    convert(tiny_llama_dir, out, method="rtn", progress=False)
+    ref = shutil.copytree(tiny_llama_dir, tmp_path / "ref")
+    broken_source(ref, "metadata_not_strings")
+    result = CliRunner().invoke(cli, ["verify", str(out), "--reference", str(ref), "--device", "cpu"])
+    one_line_failure(result, "__metadata__ must map names to strings")
+
+
+def test_a_config_claiming_far_more_layers_than_stored_is_refused_fast(tiny_llama_dir, tmp_path):
+    src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
+    claim_layers(src, 100_000)
+    t0 = time.perf_counter()
+    result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "out"), "--method", "rtn"])
+    seconds = time.perf_counter() - t0
+    one_line_failure(result, "num_hidden_layers=100000 but the weights hold only 2 layers")
+    assert seconds < 10, seconds  # building 100,000 layers first took minutes

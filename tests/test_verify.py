@@ -20,6 +20,8 @@ import torch
 from quantpack import checkpoint, checkpoint_writer
 from quantpack.convert import convert
 from quantpack.modules.linear import QuantLinear
+
+from hostile import poison_scales, swap_scales_and_zeros, zero_tensor_digest
 from quantpack.verify import (
     DEFAULT_TEXT, REPORT_SCHEMA, VerifyReport, compare_causal_lm, kernel_errors, verify,
 )
@@ -706,3 +708,41 @@ def test_gpu_uses_fused_kernels_and_passes(ckpt):
     assert r.kernels["path"] == "triton" and r.device.startswith("cuda")
     for item in r.layers["items"]:
         assert item["rel_error"] == pytest.approx(item["manifest_rel_error"], rel=1e-4)
+
+
+def test_a_destroyed_layer_behind_a_consistent_manifest_fails(ckpt, tmp_path):
+    """Scales and zeros of one layer swapped, every digest updated: the files are intact, the layer is
+    not; its error far above the recorded one fails verify (exit 1)."""
+    bad = copy_of(ckpt("q4"), tmp_path)
+    swap_scales_and_zeros(bad, "model.layers.0.mlp.down_proj")
+    r = verify(bad, reference=ckpt("llama"), device="cpu", end_to_end=False)
+    assert not r.problems, r.problems
+    assert r.verdict == "fail" and r.exit_code == 1
+    check = next(c for c in r.checks if c.name == "layer_error_vs_recorded")
+    assert not check.passed and check.value > 100
+    assert any("model.layers.0.mlp.down_proj" in w and "damaged" in w for w in r.warnings)
+    good = verify(ckpt("q4"), reference=ckpt("llama"), device="cpu", end_to_end=False)
+    assert next(c for c in good.checks if c.name == "layer_error_vs_recorded").passed and good.verdict == "pass"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_scales_are_refused_by_load_and_verify(ckpt, tmp_path, value):
+    import quantpack
+
+    bad = copy_of(ckpt("q4"), tmp_path)
+    poison_scales(bad, "model.layers.1.self_attn.q_proj", value)
+    with pytest.raises(checkpoint.CheckpointError, match="model.layers.1.self_attn.q_proj.scales .*NaN or infinite"):
+        quantpack.load(bad, device="cpu")
+    r = verify(bad, reference=False, device="cpu")
+    assert r.exit_code == 2 and any(p.tensor == "model.layers.1.self_attn.q_proj.scales" for p in r.problems)
+
+
+def test_verify_and_load_agree_on_a_zeroed_tensor_digest(ckpt, tmp_path):
+    import quantpack
+
+    bad = copy_of(ckpt("q4"), tmp_path)
+    name = zero_tensor_digest(bad)
+    with pytest.raises(checkpoint.CheckpointError, match=f"tensor {re.escape(name)} "):
+        quantpack.load(bad, device="cpu")
+    r = verify(bad, reference=False, device="cpu")
+    assert r.exit_code == 2 and [p.tensor for p in r.problems] == [name], r.problems

@@ -7,7 +7,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -67,6 +69,24 @@ def resume_state(partial: Path, fingerprint: str, names: list[str], settings: di
     return done
 
 
+def make_partial(partial: Path) -> bool:
+    """Create the partial directory, or take the one an interrupted run left; whether it was created.
+    Anything else at that path (a link, a file) is refused: resuming deletes what it holds."""
+    try:
+        os.mkdir(partial)
+        return True
+    except FileExistsError:
+        pass
+    st = os.lstat(partial)
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"output: {partial} is a symbolic link, not quantpack's partial output; remove it "
+                              f"or choose another --output")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"output: {partial} is not a directory, not quantpack's partial output; remove it "
+                              f"or choose another --output")
+    return False
+
+
 def write_progress(partial: Path, fingerprint: str, done: dict, settings: dict) -> None:
     write_json(partial / PROGRESS_NAME, {"fingerprint": fingerprint, "settings": settings, "shards": done})
 
@@ -83,7 +103,19 @@ class OutputLock:
 
     def __enter__(self):
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link planted at the lock path: it would write into the link's target
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as e:
+                if os.path.islink(self.path):
+                    raise CheckpointError(f"output: {self.path} is a symbolic link, not quantpack's lock; remove "
+                                          f"it or choose another --output") from None
+                raise CheckpointError(f"output: cannot create the lock {self.path}: {e.strerror or e}; choose a "
+                                      f"writable --output") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # a device, a pipe, or a user's file hard-linked
+                os.close(fd)
+                raise CheckpointError(f"output: {self.path} is not quantpack's lock (not a plain file of its own); "
+                                      f"remove it or choose another --output")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -93,12 +125,17 @@ class OutputLock:
                                       f"is writing {self.out_path}; wait for it to finish or choose another "
                                       f"--output") from None
             try:  # the holder before us unlinks the file on release: lock the file at the path, not an old one
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
                 break
             os.close(fd)
+        # A lock left by a killed run holds only its pid; anything else is a file quantpack did not write.
+        if not re.fullmatch(rb"\d*\n?", os.pread(fd, 64, 0)):
+            os.close(fd)
+            raise CheckpointError(f"output: {self.path} is not quantpack's lock (it holds other data); remove it "
+                                  f"or choose another --output")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
@@ -126,12 +163,54 @@ def fsync_dir(path: Path) -> None:
 
 
 def is_quantpack_output(path: Path) -> bool:
-    """Whether ``path`` is a finished quantpack output: its manifest says so."""
+    """Whether ``path`` is a finished quantpack output: its manifest says so and lists the files it wrote."""
+    return written_files(path) is not None
+
+
+def written_files(path: Path) -> set[str] | None:
+    """The files a finished quantpack output at ``path`` lists as written (its manifest among them),
+    or None when ``path`` holds no such manifest."""
     try:
         manifest = read_manifest(path)
     except CheckpointError:
-        return False
-    return isinstance(manifest, dict) and "manifest_version" in manifest and "quantpack_version" in manifest
+        return None
+    if not (isinstance(manifest, dict) and "manifest_version" in manifest and "quantpack_version" in manifest):
+        return None
+    outputs = manifest.get("files", {}).get("outputs") if isinstance(manifest.get("files"), dict) else None
+    if not isinstance(outputs, dict) or not outputs:
+        return None
+    return {str(rel) for rel in outputs} | {MANIFEST_NAME}
+
+
+def foreign_files(path: Path, written: set[str]) -> list[str]:
+    """What under ``path`` quantpack did not write: files and links not in ``written``, and folders
+    holding none of them (relative paths, sorted)."""
+    holders = {str(Path(rel).parent) for rel in written}
+    holders |= {str(p) for rel in holders for p in Path(rel).parents}
+    found = []
+    for root, dirs, files in os.walk(path):  # links are listed, never followed
+        base = Path(root).relative_to(path)
+        for name in files:
+            rel = str(base / name)
+            if rel not in written or os.path.islink(path / rel):
+                found.append(rel)
+        for name in list(dirs):
+            rel = str(base / name)
+            if rel not in holders or os.path.islink(path / rel):
+                found.append(rel + ("" if os.path.islink(path / rel) else "/"))
+                dirs.remove(name)
+    return sorted(found)
+
+
+def check_output_name(out_path: Path, given: bool) -> None:
+    """Refuse an output name the file system cannot hold beside its partial directory's name
+    (``.<name>.qp-partial``), before anything is built."""
+    limit = 255 - len(f".{PARTIAL_SUFFIX}")  # NAME_MAX of common file systems, in bytes
+    size = len(out_path.name.encode())
+    if size > limit:
+        what = "--output" if given else "the default output name (from the source's name)"
+        raise CheckpointError(f"output: {what} {out_path.name[:40]}... is {size} bytes, more than the {limit} a file "
+                              f"name may have here; pass a shorter --output")
 
 
 def check_replaceable_output(out_path: Path, source: Path, overwrite: bool) -> None:
@@ -159,9 +238,15 @@ def check_replaceable_output(out_path: Path, source: Path, overwrite: bool) -> N
         raise CheckpointError(f"output: {out_path} {what}, which quantpack never replaces; choose another --output")
     if not any(out_path.iterdir()):
         return
-    if not is_quantpack_output(out_path):
+    written = written_files(out_path)
+    if written is None:
         raise CheckpointError(f"output: {out_path} already exists and is not a quantpack output (no valid "
                               f"{MANIFEST_NAME}); quantpack replaces only its own outputs: choose another --output")
+    others = foreign_files(out_path, written)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise CheckpointError(f"output: {out_path} holds files quantpack did not write ({shown}); move them out "
+                              f"of it or choose another --output")
     if not overwrite:
         raise CheckpointError(f"output: {out_path} already exists (a finished conversion); pass --overwrite to "
                               f"replace it or choose another --output")
@@ -174,7 +259,10 @@ def publish(partial: Path, out_path: Path, source: Path, overwrite: bool) -> Non
     check_replaceable_output(out_path, source, overwrite)
     if out_path.exists() and any(out_path.iterdir()):
         old = out_path.parent / f".{out_path.name}.qp-old"
-        if old.exists() and is_quantpack_output(old):  # left by a crash between the renames below
+        if os.path.islink(old):
+            raise CheckpointError(f"output: {old} is a symbolic link; remove it or choose another --output")
+        written = written_files(old) if old.is_dir() else None
+        if written is not None and not foreign_files(old, written):  # left by a crash between the renames below
             shutil.rmtree(old)
         os.rename(out_path, old)
         os.rename(partial, out_path)

@@ -34,6 +34,30 @@ class Unit:
         return sum(math.prod(s) * d.itemsize for s, d in self.outputs.values())
 
 
+# Blocks of a decoder or encoder stack, as transformers names them: "model.layers.3.", "transformer.h.3.",
+# "encoder.layer.3.", "encoder.block.3." (every index in a name counts, so nested stacks never undercount)
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?=\.)")
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def check_layer_count(config_dict: dict, path: Path, weight_names) -> None:
+    """Refuse a config that claims more layers than the weights hold, before building the model
+    (a config claiming 100,000 layers would take minutes and gigabytes to build and then fail)."""
+    stored = [int(i) for n in weight_names for i in _BLOCK_INDEX.findall(n)]
+    if not stored:
+        return  # no stack transformers names as above: the later completeness check judges
+    found = max(stored) + 1
+    for cfg in (config_dict, config_dict.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        for key in _LAYER_COUNT_KEYS:
+            claimed = cfg.get(key)
+            if type(claimed) is int and claimed > found:
+                where = key if cfg is config_dict else f"text_config.{key}"
+                raise CheckpointError(f"{path / CONFIG_NAME}: {where}={claimed} but the weights hold only {found} "
+                                      f"layers; the config does not match the weights: download them again")
+
+
 def model_structure(config_dict: dict, path: Path, weight_names, trust_remote_code: bool = False):
     """Build the model on the meta device from its config; return (model, config, head): ``head`` is
     the class name the config asks for when the checkpoint holds only that model's base model
@@ -43,6 +67,7 @@ def model_structure(config_dict: dict, path: Path, weight_names, trust_remote_co
 
     from ..hf_config import auto_config, model_class
 
+    check_layer_count(config_dict, path, weight_names)
     config = auto_config(path, trust_remote_code=trust_remote_code, config=config_dict)
     cls = model_class(config, trust_remote_code=trust_remote_code)
     with torch.device("meta"):

@@ -19,8 +19,8 @@ from ..hub import resolve_source
 from ..modules.linear import linear_dims
 from ..schemes import SCHEMES
 from .options import DEFAULT_GROUP_SIZE, check_arguments, default_output_name, resolve_dtype
-from .output import (PARTIAL_SUFFIX, PROGRESS_NAME, OutputLock, check_replaceable_output, conversion_fingerprint,
-                     fsync_dir, make_manifest, publish, resume_state)
+from .output import (PARTIAL_SUFFIX, PROGRESS_NAME, OutputLock, check_output_name, check_replaceable_output,
+                     conversion_fingerprint, fsync_dir, make_manifest, make_partial, publish, resume_state)
 from .plan import (Unit, plan_linears, canonical_names, check_complete, check_expert_blocks, expert_count,
                    expert_tensors, linear_modules, model_structure, natural_key, nothing_to_quantize, plan_experts,
                    tied_word_embeddings)
@@ -76,6 +76,11 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     held = ExitStack()  # the output lock, once taken
     try:
         config_dict = src.config()
+        if config_dict.get("quantization_config") is not None and not isinstance(config_dict["quantization_config"],
+                                                                                 dict):
+            raise CheckpointError(f"{resolved.path / CONFIG_NAME}: quantization_config is "
+                                  f"a JSON {type(config_dict['quantization_config']).__name__.replace('list', 'array')}, not an object; "
+                                  f"download the checkpoint again")
         if config_dict.get("quantization_config"):
             qm = config_dict["quantization_config"].get("quant_method", "unknown")
             raise CheckpointError(f"source: is already quantized (quant_method={qm!r}); convert from the original "
@@ -93,6 +98,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                     "max_shard_size": shard_limit}
         out_path = Path(output) if output is not None else Path(default_output_name(resolved.name, bits, group_size, scheme))
         out_path = out_path.expanduser().absolute()
+        check_output_name(out_path, given=output is not None)
         summary = ConvertSummary(source=resolved.repo, revision=resolved.revision, output=str(out_path),
                                  dry_run=dry_run, settings={**settings, "device": dev.type})
 
@@ -216,7 +222,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             raise CheckpointError(f"output: {out_path} is inside the source checkpoint {resolved.path}; "
                                   f"choose an --output outside it")
         summary.disk_free = shutil.disk_usage(probe).free
-        already = sum(f.stat().st_size for f in partial.glob("*.safetensors")) if partial.is_dir() else 0
+        already = sum(f.stat().st_size for f in partial.glob("*.safetensors")) \
+            if partial.is_dir() and not partial.is_symlink() else 0
         if summary.disk_free + already < needed:
             raise CheckpointError(f"output: needs about {format_size(needed)} free on {probe} but only "
                                   f"{format_size(summary.disk_free)} is available; free space or choose another --output")
@@ -225,12 +232,12 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             summary.seconds = time.perf_counter() - t0
             return summary
 
-        created = not partial.exists()
+        created = False
         try:
             out_path.parent.mkdir(parents=True, exist_ok=True)
             held.enter_context(OutputLock(out_path))
             check_replaceable_output(out_path, resolved.path, overwrite)  # again: another run may have finished
-            partial.mkdir(exist_ok=True)
+            created = make_partial(partial)
             if not os.access(partial, os.W_OK):
                 raise PermissionError(13, "Permission denied")
         except OSError as e:

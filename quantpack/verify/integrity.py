@@ -271,6 +271,17 @@ def check_integrity(root, *, reference: Path | None = None,
         else:
             problems.append(Problem("checksum", f"file {fname}: sha256 differs from {checkpoint.MANIFEST_NAME}; the file is "
                                                 f"corrupt or modified, download it again{hint}", file=fname))
+    # An intact file whose manifest records other tensor digests: load compares those digests, so
+    # verify must too (one verdict for every folder).
+    for fname, infos in file_tensors.items():
+        entry = outputs.get(fname) if fname not in bad_checksum else None
+        recorded = entry.get("tensors") if isinstance(entry, dict) else None
+        if isinstance(recorded, dict):
+            for tname, why in _changed_by_digest(infos, recorded).items():
+                reported.add(tname)
+                problems.append(Problem("manifest", f"tensor {tname} in {fname}: {why}; {checkpoint.MANIFEST_NAME} "
+                                                    f"is corrupt or modified: download the checkpoint again",
+                                        file=checkpoint.MANIFEST_NAME, tensor=tname))
     for tname, why in nonfinite.items():
         if tname not in reported:
             problems.append(Problem("values", f"tensor {tname} in {tensors[tname].file.name}: {why}",

@@ -150,6 +150,26 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
                        token=token, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
 
 
+# A layer's recomputed relative error may exceed the one recorded at conversion by this factor (plus the
+# slack, for layers recorded as exact) before verify fails: other devices and kernels move it by far less.
+RECORDED_ERROR_MARGIN = 2.0
+RECORDED_ERROR_SLACK = 1e-3
+
+# What makes two configs the same network, as far as comparing their weights and logits goes.
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+              "num_attention_heads", "num_key_value_heads", "n_embd", "n_layer", "n_head")
+
+
+def _check_same_model(root: Path, packed: dict, ref_dir: Path, ref: dict) -> None:
+    """Refuse a reference of another architecture or size (building the packed class from it could
+    allocate a model of the class's default size): bad input, exit 2."""
+    differ = [k for k in SHAPE_KEYS if packed.get(k) != ref.get(k)]
+    if differ:
+        k = differ[0]
+        raise ValueError(f"reference: {ref_dir} has {k}={ref.get(k)!r} but {root} has {k}={packed.get(k)!r}; "
+                         f"pass the checkpoint it was converted from as --reference")
+
+
 def _verify(root: Path, bar, t0: float, *, reference, text, text_desc, dev, max_kl, min_top1, min_cosine,
             max_layer_error, context_length, max_tokens, dtype, end_to_end, token, allow_pickle,
             trust_remote_code) -> VerifyReport:
@@ -180,12 +200,15 @@ def _verify(root: Path, bar, t0: float, *, reference, text, text_desc, dev, max_
     from ..hf_config import check_remote_code
 
     # Refused as bad input (the files may well be intact): running their code needs the user's word.
+    configs = {}
     for where in [root] + ([ref_dir] if ref_dir is not None else []):
         try:
-            config = checkpoint.read_config(where)
+            configs[where] = config = checkpoint.read_config(where)
         except CheckpointError:
             continue  # the integrity check (or loading the reference) reports it
         check_remote_code(where, config, trust_remote_code=trust_remote_code)
+    if ref_dir is not None and len(configs) == 2:
+        _check_same_model(root, configs[root], ref_dir, configs[ref_dir])
     bar.set_postfix_str("integrity")
     summary, report.problems, qc = check_integrity(root, reference=ref_dir, allow_pickle=allow_pickle,
                                                   trust_remote_code=trust_remote_code)
@@ -234,6 +257,17 @@ def _verify(root: Path, bar, t0: float, *, reference, text, text_desc, dev, max_
             report.warnings.append(f"layer {item['name']}: relative error {item['rel_error']:.6g} but "
                                    f"{checkpoint.MANIFEST_NAME} recorded {rec:.6g} at conversion")
             break
+    # A layer far worse than at conversion is damaged (swapped or rewritten scales, with digests to match),
+    # whatever the thresholds: the worst ratio is a check of its own (docs/verify.md).
+    ratios = [(item["rel_error"] / (item["manifest_rel_error"] + RECORDED_ERROR_SLACK), item["name"])
+              for item in report.layers["items"] if item["manifest_rel_error"] is not None]
+    if ratios:
+        ratio, name = max(ratios)
+        report.checks.append(Check("layer_error_vs_recorded", ratio, RECORDED_ERROR_MARGIN, "<=",
+                                   ratio <= RECORDED_ERROR_MARGIN))
+        if ratio > RECORDED_ERROR_MARGIN:
+            report.warnings.append(f"layer {name}: relative error {ratio:.4g}x the one recorded at conversion "
+                                   f"(more than {RECORDED_ERROR_MARGIN:g}x): its packed tensors are damaged")
     if report.layers["missing"]:
         report.warnings.append(f"{len(report.layers['missing'])} quantized layers have no weight in the reference "
                                f"(e.g. {report.layers['missing'][0]})")
