@@ -200,8 +200,8 @@ def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]
                                   f"corrupt or crafted: download it again")
         end, last = stop, name
     if data_start + end != size:
-        what = "truncated" if data_start + end > size else "has trailing bytes"
-        raise CheckpointError(f"{path}: safetensors file is {what} ({size} bytes, header says "
+        what = "is truncated" if data_start + end > size else "has trailing bytes"
+        raise CheckpointError(f"{path}: safetensors file {what} ({size} bytes, header says "
                               f"{data_start + end}); download the file again")
     return infos, metadata
 
