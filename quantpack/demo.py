@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .convert import ConvertSummary, convert, default_output_name
+from .convert.options import resolve_device
 from .tiny import make_tiny_llama
 from .verify import DEFAULT_TEXT, VerifyReport, verify
 
@@ -26,6 +27,7 @@ def run_demo(workdir=None, *, bits: int = 4, group_size: int | None = 32, method
 
     ``workdir`` defaults to a new temporary directory; it must not already hold a demo.
     """
+    resolve_device(device)  # a missing GPU refused before anything is built or created
     workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="quantpack-demo-"))
     source = workdir / "tiny-llama"
     if source.exists():
