@@ -64,6 +64,11 @@ def convert_command(source: str, revision: str | None, settings: dict) -> str:
     return shlex.join(args)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 layer is``, ``2 layers are``."""
+    return f"{n} {noun} is" if n == 1 else f"{n} {noun}s are"
+
+
 def model_card(*, name: str, source: str, revision: str | None, local: bool, settings: dict, quantized: int,
                skipped: list[tuple[str, str]], size_bytes: int, source_bytes: int, source_dir: Path) -> str:
     """The text of the packed checkpoint's README.md."""
@@ -78,8 +83,11 @@ def model_card(*, name: str, source: str, revision: str | None, local: bool, set
         along = "in-features" if settings["axis"] == 1 else "out-features"
         what = (f"{bits}-bit weights ({scheme}), {group} along {along}, {settings['method'].upper()} zero points, "
                 f"scales and zeros in {settings['dtype']}")
+        what += "".join(f"; {b}-bit where `{p}` matches" for p, b in settings.get("bits_for", {}).items())
         quantization = {"scheme": scheme, "bits": bits, "group_size": settings["group_size"], "axis": settings["axis"],
                         "method": settings["method"]}
+    if settings.get("quantize_lm_head"):
+        what += "; the output embeddings (lm_head) quantized too"
     data = ModelCardData(
         base_model=None if local else source,  # a local path is no model id
         base_model_relation=None if local else "quantized",
@@ -97,7 +105,7 @@ def model_card(*, name: str, source: str, revision: str | None, local: bool, set
 # {name}
 
 {origin} quantized by [quantpack](https://pypi.org/project/quantpack/) {__version__}: {what}.
-{quantized} linear layers are quantized; {len(skipped)} are kept as in the source:
+{_count(quantized, "linear layer")} quantized; {_count(len(skipped), "layer")} kept as in the source:
 {skipped_text}
 
 Size: {size_bytes / 2**20:.1f} MiB (the source's weights: {source_bytes / 2**20:.1f} MiB). `quantpack.json` records

@@ -42,3 +42,14 @@ def test_card_of_a_hub_source_names_its_base_model(hub_cache, tmp_path):
     card = (out / "README.md").read_text()
     assert f"quantpack convert {hub_cache.repo_id} --revision {hub_cache.commit} --bits 8 --group-size none" in card
     assert f"(https://huggingface.co/{hub_cache.repo_id}) at revision `{hub_cache.commit}`" in card
+
+
+def test_card_and_summary_name_bits_for_and_the_lm_head(tiny_llama_dir, tmp_path):
+    out = tmp_path / "tiny-qp4"
+    summary = convert(tiny_llama_dir, out, group_size=32, method="rtn", skip=[r"layers\.1\.self_attn\.q_proj"],
+                      bits_for=["down_proj=8"], quantize_lm_head=True, progress=False)
+    card = (out / "README.md").read_text()
+    assert "; 8-bit where `down_proj` matches; the output embeddings (lm_head) quantized too." in card
+    assert "1 layer is kept as in the source:" in card and "linear layers are quantized" in card
+    settings = next(line for line in summary.format_table().splitlines() if line.startswith("settings"))
+    assert settings.endswith(", bits_for down_proj=8, quantize_lm_head=True"), settings

@@ -104,8 +104,10 @@ class ConvertSummary:
 
         rows = [("source", self.source + (f" @ {self.revision[:12]}" if self.revision else "")),
                 ("output", self.output + ("  (dry run: nothing written)" if self.dry_run else "")),
-                ("settings", ", ".join(f"{k}={v}" for k, v in self.settings.items() if k in
-                                       ("scheme", "bits", "group_size", "axis", "method", "dtype", "device"))),
+                ("settings", ", ".join([f"{k}={v}" for k, v in self.settings.items() if k in
+                                        ("scheme", "bits", "group_size", "axis", "method", "dtype", "device")]
+                                       + [f"bits_for {p}={b}" for p, b in self.settings.get("bits_for", {}).items()]
+                                       + ["quantize_lm_head=True"] * bool(self.settings.get("quantize_lm_head")))),
                 ("layers quantized", str(len(self.quantized)))]
         reasons: dict[str, int] = {}
         for layer in self.skipped:
