@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from . import __version__
+from .checkpoint import format_size
 
 CARD_NAME = "README.md"
 
@@ -108,7 +109,7 @@ def model_card(*, name: str, source: str, revision: str | None, local: bool, set
 {_count(quantized, "linear layer")} quantized; {_count(len(skipped), "layer")} kept as in the source:
 {skipped_text}
 
-Size: {size_bytes / 2**20:.1f} MiB (the source's weights: {source_bytes / 2**20:.1f} MiB). `quantpack.json` records
+Size: {format_size(size_bytes)} (the source's weights: {format_size(source_bytes)}). `quantpack.json` records
 the settings, the sha256 of every file and tensor, and each quantized layer's relative weight error.
 
 ## Use

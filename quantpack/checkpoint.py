@@ -97,6 +97,15 @@ def parse_size(size) -> int:
     return value
 
 
+def format_size(n: float) -> str:
+    """Bytes for people, in decimal units as parse_size reads them: 512 B, 354.51 KB, 5.81 GB (the one way
+    quantpack prints a size: the convert summary, the model card and ``info``)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+
+
 def sha256_file(path, chunk_size: int = 1 << 20) -> str:
     h = hashlib.sha256()
     buf = bytearray(chunk_size)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..checkpoint import format_size
+
 
 @dataclass
 class LayerResult:
@@ -131,11 +133,3 @@ class ConvertSummary:
                 rows.append(("throughput", f"{size(self.throughput)}/s of source weights"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def format_size(n: float) -> str:
-    """Bytes for people: 512 B, 354.51 KB, 5.81 GB."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
