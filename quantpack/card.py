@@ -30,6 +30,24 @@ def _source_license(source_dir: Path) -> str | None:
     return license_ if isinstance(license_, (str, list)) else None
 
 
+def _source_prose(source_dir: Path) -> str:
+    """The body of the source's own card (its front matter dropped: the packed card's replaces it), headings one
+    level down so that they sit under the packed card's own section; "" when it has none."""
+    import re
+
+    try:
+        text = (Path(source_dir) / CARD_NAME).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+    match = re.match(r"\A---\r?\n.*?\r?\n---[ \t]*(\r?\n|\Z)", text, flags=re.DOTALL)
+    lines, fenced = [], False
+    for line in text[match.end() if match else 0:].strip().splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        lines.append("#" + line if not fenced and re.match(r"#{1,5} ", line) else line)
+    return "\n".join(lines)
+
+
 def _auto_class(source_dir: Path) -> str:
     import json
 
@@ -138,6 +156,9 @@ model = {auto}.from_pretrained("{name}")
 Check it against the source (integrity, per-layer error, kernels, KL and top-1 agreement):
 `quantpack verify {name}`.
 """
+    prose = _source_prose(source_dir)
+    if prose:
+        body += f"\n## The source model's card\n\n{prose}\n"
     return f"---\n{data.to_yaml()}\n---\n{body}"
 
 
