@@ -188,49 +188,40 @@ class GroupSize(click.ParamType):
         return size
 
 
-class ShardSize(click.ParamType):
-    """``--max-shard-size``: a size such as 5GB, 500MB or 2GiB (kept as written; the library parses it)."""
+class Checked(click.ParamType):
+    """An option value a library function checks (raising ValueError), kept as written; a bad one is refused
+    naming the option (click adds it) with ``problem``, where ``{error}`` stands for the library's reason."""
 
-    name = "size"
+    def __init__(self, name: str, check, problem: str):
+        self.name, self.check, self.problem = name, check, problem
 
     def convert(self, value, param, ctx):
-        from .checkpoint import parse_size
-
         try:
-            parse_size(value)
-        except ValueError:
-            self.fail(f"{value!r} is not a positive size; use e.g. 5GB, 500MB or 2GiB", param, ctx)
+            self.check(value)
+        except ValueError as e:
+            self.fail(f"{value!r} " + self.problem.format(error=e), param, ctx)
         return value
 
 
-class Regex(click.ParamType):
-    """A regular expression option (``--skip``)."""
+def _parse_size(value):
+    from .checkpoint import parse_size
 
-    name = "regex"
-
-    def convert(self, value, param, ctx):
-        import re
-
-        try:
-            re.compile(value)
-        except re.error as e:
-            self.fail(f"{value!r} is not a valid regular expression ({e})", param, ctx)
-        return value
+    parse_size(value)
 
 
-class BitsRule(click.ParamType):
-    """``--bits-for REGEX=BITS``."""
+def _compile_regex(value):
+    import re
 
-    name = "rule"
+    try:
+        re.compile(value)
+    except re.error as e:
+        raise ValueError(f"({e})") from None
 
-    def convert(self, value, param, ctx):
-        from .convert.options import parse_bits_for
 
-        try:
-            parse_bits_for([value])
-        except ValueError:
-            self.fail(f"{value!r} is not REGEX=BITS with a valid REGEX and BITS 4 or 8, e.g. down_proj=8", param, ctx)
-        return value
+def _parse_bits_rule(value):
+    from .convert.options import parse_bits_for
+
+    parse_bits_for([value])
 
 
 @cli.command("convert", short_help="Convert a hub repo or local checkpoint to packed 4/8-bit weights.")
@@ -268,12 +259,16 @@ class BitsRule(click.ParamType):
               help="Dtype of scales, zeros and unquantized tensors (auto: the source's half dtype, else bfloat16).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to quantize (auto: a GPU when present).")
-@click.option("--skip", type=Regex(), multiple=True, metavar="REGEX", help="Leave linear modules matching REGEX unquantized (repeatable).")
-@click.option("--bits-for", type=BitsRule(), multiple=True, metavar="REGEX=BITS", help="Bits for modules matching REGEX, e.g. down_proj=8 (repeatable).")
+@click.option("--skip", type=Checked("regex", _compile_regex, "is not a valid regular expression {error}"),
+              multiple=True, metavar="REGEX", help="Leave linear modules matching REGEX unquantized (repeatable).")
+@click.option("--bits-for", type=Checked("rule", _parse_bits_rule, "is not REGEX=BITS with a valid REGEX and BITS 4 "
+                                                                   "or 8, e.g. down_proj=8"),
+              multiple=True, metavar="REGEX=BITS", help="Bits for modules matching REGEX, e.g. down_proj=8 (repeatable).")
 @click.option("--quantize-lm-head", is_flag=True,
               help="Also quantize the output embeddings (lm_head), unless tied. With --bits-for lm_head=8: 2-4% faster "
                    "decode at no measured quality cost; the vLLM plugin serves only a bf16 lm_head.")
-@click.option("--max-shard-size", type=ShardSize(), default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
+@click.option("--max-shard-size", type=Checked("size", _parse_size, "is not a positive size; use e.g. 5GB, 500MB or 2GiB"),
+              default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and check free disk space; write nothing.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing output directory that is a finished quantpack output (never any other folder).")

@@ -448,25 +448,10 @@ def test_peak_memory_is_bounded_by_tensor_and_shard_not_model(random_llama, tiny
     assert growth < budget, f"peak RSS grew by {growth / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB"
 
 
-def test_ctrl_c_exits_130_and_leaves_a_resumable_partial(random_llama, tmp_path):
-    out = tmp_path / "out"
-    partial = tmp_path / ".out.qp-partial"
-    proc = subprocess.Popen([*SLOW_CLI, "convert", str(random_llama), "-o", str(out), "--method", "rtn",
-                             "--max-shard-size", "1MB", "--no-progress"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None and not (partial / "progress.json").exists():
-        time.sleep(0.01)
-    assert proc.poll() is None, "conversion finished before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    assert "Interrupted: finished shards are kept; re-run the same command to resume." in stderr
-    assert "Traceback" not in stderr
-    assert not out.exists() and json.loads((partial / "progress.json").read_text())["shards"]
-
-
-def test_sigterm_explains_the_resume_and_releases_the_lock(random_llama, tmp_path):
+@pytest.mark.parametrize("signum,word", [(signal.SIGINT, "Interrupted"), (signal.SIGTERM, "Terminated")],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_signal_explains_the_resume_releases_the_lock_and_leaves_a_resumable_partial(random_llama, tmp_path,
+                                                                                        signum, word):
     out = tmp_path / "out"
     partial = tmp_path / ".out.qp-partial"
     proc = subprocess.Popen([*SLOW_CLI, "convert", str(random_llama), "-o", str(out), "--method", "rtn",
@@ -475,13 +460,13 @@ def test_sigterm_explains_the_resume_and_releases_the_lock(random_llama, tmp_pat
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not (partial / "progress.json").exists():
         time.sleep(0.01)
-    assert proc.poll() is None, "conversion finished before it could be terminated"
-    proc.send_signal(signal.SIGTERM)
+    assert proc.poll() is None, "conversion finished before it could be interrupted"
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 143, stderr
-    assert stderr.strip().splitlines() == ["Terminated: finished shards are kept; re-run the same command to resume."]
-    assert json.loads(stdout) == {"error": "Terminated: finished shards are kept; re-run the same command to resume.",
-                                  "exit_code": 143}
+    message = f"{word}: finished shards are kept; re-run the same command to resume."
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr.strip().splitlines() == [message]
+    assert json.loads(stdout) == {"error": message, "exit_code": 128 + signum}
     assert not (tmp_path / ".out.qp-lock").exists()
     assert not out.exists() and json.loads((partial / "progress.json").read_text())["shards"]
 
