@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 from . import __version__
+from .checkpoint import format_size
 
 CARD_NAME = "README.md"
 
@@ -27,6 +28,24 @@ def _source_license(source_dir: Path) -> str | None:
     except Exception:  # front matter that does not parse: leave the field out (the LICENSE files are copied)
         return None
     return license_ if isinstance(license_, (str, list)) else None
+
+
+def _source_prose(source_dir: Path) -> str:
+    """The body of the source's own card (its front matter dropped: the packed card's replaces it), headings one
+    level down so that they sit under the packed card's own section; "" when it has none."""
+    import re
+
+    try:
+        text = (Path(source_dir) / CARD_NAME).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+    match = re.match(r"\A---\r?\n.*?\r?\n---[ \t]*(\r?\n|\Z)", text, flags=re.DOTALL)
+    lines, fenced = [], False
+    for line in text[match.end() if match else 0:].strip().splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        lines.append("#" + line if not fenced and re.match(r"#{1,5} ", line) else line)
+    return "\n".join(lines)
 
 
 def _auto_class(source_dir: Path) -> str:
@@ -64,6 +83,11 @@ def convert_command(source: str, revision: str | None, settings: dict) -> str:
     return shlex.join(args)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 layer is``, ``2 layers are``."""
+    return f"{n} {noun} is" if n == 1 else f"{n} {noun}s are"
+
+
 def model_card(*, name: str, source: str, revision: str | None, local: bool, settings: dict, quantized: int,
                skipped: list[tuple[str, str]], size_bytes: int, source_bytes: int, source_dir: Path) -> str:
     """The text of the packed checkpoint's README.md."""
@@ -78,8 +102,11 @@ def model_card(*, name: str, source: str, revision: str | None, local: bool, set
         along = "in-features" if settings["axis"] == 1 else "out-features"
         what = (f"{bits}-bit weights ({scheme}), {group} along {along}, {settings['method'].upper()} zero points, "
                 f"scales and zeros in {settings['dtype']}")
+        what += "".join(f"; {b}-bit where `{p}` matches" for p, b in settings.get("bits_for", {}).items())
         quantization = {"scheme": scheme, "bits": bits, "group_size": settings["group_size"], "axis": settings["axis"],
                         "method": settings["method"]}
+    if settings.get("quantize_lm_head"):
+        what += "; the output embeddings (lm_head) quantized too"
     data = ModelCardData(
         base_model=None if local else source,  # a local path is no model id
         base_model_relation=None if local else "quantized",
@@ -97,10 +124,10 @@ def model_card(*, name: str, source: str, revision: str | None, local: bool, set
 # {name}
 
 {origin} quantized by [quantpack](https://pypi.org/project/quantpack/) {__version__}: {what}.
-{quantized} linear layers are quantized; {len(skipped)} are kept as in the source:
+{_count(quantized, "linear layer")} quantized; {_count(len(skipped), "layer")} kept as in the source:
 {skipped_text}
 
-Size: {size_bytes / 2**20:.1f} MiB (the source's weights: {source_bytes / 2**20:.1f} MiB). `quantpack.json` records
+Size: {format_size(size_bytes)} (the source's weights: {format_size(source_bytes)}). `quantpack.json` records
 the settings, the sha256 of every file and tensor, and each quantized layer's relative weight error.
 
 ## Use
@@ -129,6 +156,9 @@ model = {auto}.from_pretrained("{name}")
 Check it against the source (integrity, per-layer error, kernels, KL and top-1 agreement):
 `quantpack verify {name}`.
 """
+    prose = _source_prose(source_dir)
+    if prose:
+        body += f"\n## The source model's card\n\n{prose}\n"
     return f"---\n{data.to_yaml()}\n---\n{body}"
 
 

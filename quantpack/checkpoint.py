@@ -120,6 +120,15 @@ def parse_size(size) -> int:
     return value
 
 
+def format_size(n: float) -> str:
+    """Bytes for people, in decimal units as parse_size reads them: 512 B, 354.51 KB, 5.81 GB (the one way
+    quantpack prints a size: the convert summary, the model card and ``info``)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+
+
 def sha256_file(path, chunk_size: int = 1 << 20) -> str:
     h = hashlib.sha256()
     buf = bytearray(chunk_size)
@@ -227,8 +236,8 @@ def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]
                                   f"corrupt or crafted: download it again")
         end, last = stop, name
     if data_start + end != size:
-        what = "truncated" if data_start + end > size else "has trailing bytes"
-        raise CheckpointError(f"{path}: safetensors file is {what} ({size} bytes, header says "
+        what = "is truncated" if data_start + end > size else "has trailing bytes"
+        raise CheckpointError(f"{path}: safetensors file {what} ({size} bytes, header says "
                               f"{data_start + end}); download the file again")
     return infos, metadata
 

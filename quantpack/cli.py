@@ -1,8 +1,11 @@
 """The ``quantpack`` command line: thin commands over the library API; ``--help`` is the documentation."""
 from __future__ import annotations
 
+import json
 import logging
+import signal
 import sys
+import threading
 
 import click
 
@@ -18,25 +21,83 @@ class UsageFailure(click.ClickException):
         click.echo(f"Error: {self.format_message()}", err=True, file=file)
 
 
+class Interrupted(click.ClickException):
+    """Ctrl-C (exit 130) or SIGTERM (exit 143) while a command ran; ``message`` says what was kept."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+    def show(self, file=None):
+        click.echo(self.format_message(), err=True, file=file)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that it unwinds as Ctrl-C does: locks released, partial output
+    kept for a resume."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def _interrupted(message: str, error: KeyboardInterrupt) -> Interrupted:
+    """``message`` as a :class:`Interrupted` for Ctrl-C or SIGTERM, whichever ``error`` was."""
+    signum = signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT
+    return Interrupted(("Terminated" if signum == signal.SIGTERM else "Interrupted") + message, signum)
+
+
+def _wants_json(args) -> bool:
+    """Whether the command line asks for --json (before any ``--``)."""
+    args = list(sys.argv[1:] if args is None else args)
+    return "--json" in (args[:args.index("--")] if "--" in args else args)
+
+
 class OneLineErrors(click.Group):
-    """Click's own usage errors (bad option values, unknown options) as one line, exit 2, like ours."""
+    """Click's own usage errors (bad option values, unknown options) as one line, exit 2, like ours; with
+    --json, also a JSON error object on stdout (``{"error": ..., "exit_code": ...}``) unless the command already
+    printed its JSON report. SIGTERM unwinds as Ctrl-C does."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        global _json_printed
+        _json_printed = False
+        main_thread = threading.current_thread() is threading.main_thread()  # (signal handlers are set only there)
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as e:
             where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-            click.echo(f"Error: {' '.join(e.format_message().split())}{where}", err=True)
-            sys.exit(2)
+            self._fail(args, f"Error: {' '.join(e.format_message().split())}{where}", 2)
+        except Interrupted as e:
+            self._fail(args, e.format_message(), e.exit_code)
         except click.ClickException as e:
-            e.show()
-            sys.exit(e.exit_code)
-        except click.Abort:  # Ctrl-C outside a command's own handling
-            click.echo("Interrupted.", err=True)
-            sys.exit(130)
+            self._fail(args, f"Error: {e.format_message()}", e.exit_code)
+        except (click.Abort, KeyboardInterrupt) as e:  # outside a command's own handling
+            e = _interrupted(".", e if isinstance(e, KeyboardInterrupt) else KeyboardInterrupt())
+            self._fail(args, e.format_message(), e.exit_code)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
         sys.exit(code if isinstance(code, int) else 0)
+
+    @staticmethod
+    def _fail(args, line: str, exit_code: int):
+        click.echo(line, err=True)
+        if _wants_json(args) and not _json_printed:
+            click.echo(json.dumps({"error": line.removeprefix("Error: "), "exit_code": exit_code}))
+        sys.exit(exit_code)
+
+
+_json_printed = False  # whether this process printed a command's JSON report (so that an error adds no second one)
+
+
+def _echo_json(text: str) -> None:
+    """A command's --json report on stdout."""
+    global _json_printed
+    click.echo(text)
+    _json_printed = True
 
 
 @click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -50,6 +111,12 @@ def cli():
       quantpack verify Llama-3.1-8B-qp4g128
       quantpack tune Llama-3.1-8B-qp4g128
     """
+    from .env import EnvError, check_environment
+
+    try:
+        check_environment()
+    except EnvError as e:
+        raise UsageFailure(str(e)) from None
     _show_library_warnings(click.get_current_context())
 
 
@@ -91,8 +158,13 @@ def main(argv=None):
     cli.main(args=argv, prog_name="quantpack")
 
 
+# (format.py's MIN_GROUP_SIZE and MAX_GROUP_SIZE, spelled out so that --help need not import torch; a test holds
+# them equal)
+GROUP_SIZES_HELP = "a power of two from 16 to 1024, or 'none' for per-channel"
+
+
 class GroupSize(click.ParamType):
-    """``--group-size``: a positive integer, or ``none`` (per-channel) -> ``None``."""
+    """``--group-size``: a power of two in format.py's range, or ``none`` (per-channel) -> ``None``."""
 
     name = "group size"
 
@@ -107,7 +179,49 @@ class GroupSize(click.ParamType):
             size = 0
         if size <= 0:  # as a param type, click names the option in the message
             self.fail(f"{value!r} is not a positive integer or 'none'", param, ctx)
+        from .format import check_group_size
+
+        try:
+            check_group_size(size)
+        except ValueError:
+            self.fail(f"{size} is not {GROUP_SIZES_HELP}", param, ctx)
         return size
+
+
+class Checked(click.ParamType):
+    """An option value a library function checks (raising ValueError), kept as written; a bad one is refused
+    naming the option (click adds it) with ``problem``, where ``{error}`` stands for the library's reason."""
+
+    def __init__(self, name: str, check, problem: str):
+        self.name, self.check, self.problem = name, check, problem
+
+    def convert(self, value, param, ctx):
+        try:
+            self.check(value)
+        except ValueError as e:
+            self.fail(f"{value!r} " + self.problem.format(error=e), param, ctx)
+        return value
+
+
+def _parse_size(value):
+    from .checkpoint import parse_size
+
+    parse_size(value)
+
+
+def _compile_regex(value):
+    import re
+
+    try:
+        re.compile(value)
+    except re.error as e:
+        raise ValueError(f"({e})") from None
+
+
+def _parse_bits_rule(value):
+    from .convert.options import parse_bits_for
+
+    parse_bits_for([value])
 
 
 @cli.command("convert", short_help="Convert a hub repo or local checkpoint to packed 4/8-bit weights.")
@@ -115,7 +229,7 @@ class GroupSize(click.ParamType):
 @click.option("-o", "--output", type=click.Path(file_okay=False), help="Output directory [default: <model-name>-qp<bits>g<group>, or <model-name>-qpw8a8].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
 @click.option("--group-size", type=GroupSize(), default="128", show_default=True, metavar="N|none",
-              help="Weights per scale/zero group; 'none' for per-channel.")
+              help=f"Weights per scale/zero group: {GROUP_SIZES_HELP}.")
 @click.option("--axis", type=click.Choice(["1", "0"]), default="1", show_default=True,
               help="1: groups along in-features; 0: along out-features.")
 @click.option("--method", type=click.Choice(["hqq", "rtn", "sinq", "refit", "gptq"]), default="hqq",
@@ -145,12 +259,16 @@ class GroupSize(click.ParamType):
               help="Dtype of scales, zeros and unquantized tensors (auto: the source's half dtype, else bfloat16).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where to quantize (auto: a GPU when present).")
-@click.option("--skip", multiple=True, metavar="REGEX", help="Leave linear modules matching REGEX unquantized (repeatable).")
-@click.option("--bits-for", multiple=True, metavar="REGEX=BITS", help="Bits for modules matching REGEX, e.g. down_proj=8 (repeatable).")
+@click.option("--skip", type=Checked("regex", _compile_regex, "is not a valid regular expression {error}"),
+              multiple=True, metavar="REGEX", help="Leave linear modules matching REGEX unquantized (repeatable).")
+@click.option("--bits-for", type=Checked("rule", _parse_bits_rule, "is not REGEX=BITS with a valid REGEX and BITS 4 "
+                                                                   "or 8, e.g. down_proj=8"),
+              multiple=True, metavar="REGEX=BITS", help="Bits for modules matching REGEX, e.g. down_proj=8 (repeatable).")
 @click.option("--quantize-lm-head", is_flag=True,
               help="Also quantize the output embeddings (lm_head), unless tied. With --bits-for lm_head=8: 2-4% faster "
                    "decode at no measured quality cost; the vLLM plugin serves only a bf16 lm_head.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
+@click.option("--max-shard-size", type=Checked("size", _parse_size, "is not a positive size; use e.g. 5GB, 500MB or 2GiB"),
+              default="5GB", show_default=True, help="Largest output shard, e.g. 5GB, 500MB, 2GiB.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and check free disk space; write nothing.")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing output directory that is a finished quantpack output (never any other folder).")
@@ -168,20 +286,21 @@ def convert_command(source, output, bits, group_size, axis, method, calibration,
                     trust_remote_code, as_json, no_progress, quiet):
     """Convert a Hugging Face checkpoint (hub repo id or local directory) to a packed 4/8-bit checkpoint.
 
-    \b
     Streams tensor by tensor, resumes an interrupted run, and never leaves a half-written output.
     Quantizes every linear layer (nn.Linear, GPT-2's Conv1D) and every expert of a mixture-of-experts
     block (Mixtral, Qwen3-MoE, ...), but not the output embeddings (see --quantize-lm-head) or MoE
-    routers; other tensors are copied.
+    routers; other tensors are copied. Gated hub models need a token (--token or HF_TOKEN).
+
+    \b
     Examples:
       quantpack convert meta-llama/Llama-3.1-8B --group-size 128
       quantpack convert ./my-model --bits 8 --group-size none --dry-run
       quantpack convert ./my-model --scheme w8a8
-      quantpack convert ./my-model --calibration my-text.txt     # GPTQ, calibrated
-      quantpack convert ./my-model --calibration self            # GPTQ on text the model writes (an encoder: weighted refit)
+      # GPTQ calibrated on your text, or on text the model writes itself
+      # (an encoder: a weighted refit):
+      quantpack convert ./my-model --calibration my-text.txt
+      quantpack convert ./my-model --calibration self
     """
-    import json
-
     from click.core import ParameterSource
 
     from .convert import convert
@@ -209,13 +328,12 @@ def convert_command(source, output, bits, group_size, axis, method, calibration,
         raise
     except ValueError as e:  # includes CheckpointError: bad input, already one line
         raise UsageFailure(" ".join(str(e).split())) from None
-    except KeyboardInterrupt:
-        click.echo("Interrupted: finished shards are kept; re-run the same command to resume.", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        raise _interrupted(": finished shards are kept; re-run the same command to resume.", e) from None
     if as_json:
         from .checkpoint import finite_or_none
 
-        click.echo(json.dumps(finite_or_none(summary.to_dict()), indent=2, allow_nan=False))
+        _echo_json(json.dumps(finite_or_none(summary.to_dict()), indent=2, allow_nan=False))
     elif not quiet:
         if dry_run:
             click.echo(summary.format_plan() + "\n")
@@ -226,16 +344,18 @@ def convert_command(source, output, bits, group_size, axis, method, calibration,
 @cli.command("demo", short_help="Build a small Llama, convert it and verify it, offline.")
 @click.option("--workdir", type=click.Path(file_okay=False), help="Where to build the model and its packed copy [default: a new temporary directory].")
 @click.option("--bits", type=click.Choice(["4", "8"]), default="4", show_default=True, help="Bits per weight.")
-@click.option("--group-size", type=GroupSize(), default="32", show_default=True, metavar="N|none", help="Weights per group; 'none' for per-channel.")
+@click.option("--group-size", type=GroupSize(), default="32", show_default=True, metavar="N|none",
+              help=f"Weights per group: {GROUP_SIZES_HELP}.")
 @click.option("--method", type=click.Choice(["hqq", "rtn"]), default="hqq", show_default=True, help="Quantization method.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True, help="Where to quantize and run.")
 def demo_command(workdir, bits, group_size, method, device):
     """Run the whole job offline: build a small real Llama, convert it, verify it.
 
-    \b
     The model (2 layers, hidden size 128, a trained BPE tokenizer, sharded safetensors) is fitted for
-    a few steps to the built-in passage so that its predictions are peaked, then converted with the
-    same code as `quantpack convert` and checked with `quantpack verify`. Nothing is downloaded.
+    a few steps to the built-in passage, then converted with the same code as `quantpack convert` and
+    checked with `quantpack verify`. Nothing is downloaded. So brief a fit leaves its predictions too
+    flat for the top-1 check (it reports n/a over 0 confident positions): the KL check judges the
+    model; the integrity, per-layer and kernel checks run as on any checkpoint.
     Exit code: as `quantpack verify`.
     """
     from .demo import run_demo
@@ -267,7 +387,6 @@ def demo_command(workdir, bits, group_size, method, device):
 def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet):
     """Tune the fused kernels for one packed model on this machine's GPU, once, ahead of use.
 
-    \b
     quantpack ships configs tuned on an H100 and an H200 for common layer shapes. On another GPU, or
     for other shapes, each call takes the nearest tuned config untimed (or, with QUANTPACK_AUTOTUNE=1,
     is timed on first use: a pause of seconds per layer shape). This command loads SOURCE (a packed
@@ -275,10 +394,13 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet
     gate/up included, at each batch size the tables lack. The picks go to this machine's config cache
     ($QUANTPACK_CACHE_DIR, else ~/.cache/quantpack), which every later run reads. Expect minutes
     the first time on a machine: every candidate kernel compiles once (Triton caches them).
+
+    \b
     Examples:
       quantpack tune Llama-3.1-8B-qp4g128
       quantpack tune ./my-model-qp4g128 --batch-sizes 1,8,32,512 --device cuda:1
-      quantpack tune ./my-model-qp4g128 --batch-sizes 2048 --backward     # LoRA training at 2048 tokens
+      # LoRA training at 2048 tokens:
+      quantpack tune ./my-model-qp4g128 --batch-sizes 2048 --backward
     """
     from .tune import parse_batch_sizes, tune
 
@@ -288,7 +410,7 @@ def tune_command(source, batch_sizes, device, backward, revision, as_json, quiet
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
     if as_json or not quiet:
-        click.echo(report.to_json() if as_json else report.format_table())
+        (_echo_json if as_json else click.echo)(report.to_json() if as_json else report.format_table())
 
 
 @cli.command("verify", short_help="Check packed checkpoints' files and accuracy against their source.")
@@ -315,19 +437,18 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
                    context_length, max_tokens, device, allow_pickle, trust_remote_code, as_json, no_progress, quiet):
     """Check a packed checkpoint's files and measure what quantization cost against the original.
 
-    \b
     Integrity (checksums, index, shapes, dtypes, layout version), per-layer weight error, the
     kernels against float32, and both models on the same text (perplexity, KL, top-1 agreement;
     cosine similarity for encoders). Exit code 0: pass; 1: a check failed; 2: problems in the files.
     Several PACKED checkpoints of one source are each verified, then compared in one table (method,
     bits, group size, KL, top-1, perplexity ratio, worst layer error); the exit code is the worst.
+
+    \b
     Examples:
       quantpack verify Llama-3.1-8B-qp4g128
-      quantpack verify ./out --reference ./Llama-3.1-8B --text-file wiki.txt --json
+      quantpack verify ./out --reference ./Llama-3.1-8B --text-file wiki.txt
       quantpack verify ./out-hqq ./out-sinq ./out-gptq --text-file wiki.txt
     """
-    import json
-
     from .verify import verify
 
     if no_reference and reference:
@@ -348,11 +469,11 @@ def verify_command(packed, reference, no_reference, text_file, max_kl, min_top1,
     if len(reports) == 1:
         report = reports[0]
         if as_json or not quiet:
-            click.echo(report.to_json() if as_json else report.format_table())
+            (_echo_json if as_json else click.echo)(report.to_json() if as_json else report.format_table())
     elif as_json:
         from .verify.compare import comparison_rows
 
-        click.echo(json.dumps({"reports": [r.to_dict() for r in reports], "comparison": comparison_rows(reports)},
+        _echo_json(json.dumps({"reports": [r.to_dict() for r in reports], "comparison": comparison_rows(reports)},
                               indent=2, allow_nan=False))
     elif not quiet:
         from .verify.compare import format_comparison
@@ -402,19 +523,18 @@ def _check_one_source(packed) -> None:
 def info_command(packed, revision, as_json):
     """Show a packed checkpoint's quantization settings, source, layers and size.
 
-    \b
     Reads quantpack.json and config.json only: no tensor data is read and nothing is checked
     (`quantpack verify` does that).
+
+    \b
     Examples:
       quantpack info Llama-3.1-8B-qp4g128
       quantpack info ./out --json
     """
-    import json
-
     from .info import format_info, info
 
     try:
         doc = info(packed, revision=revision)
     except ValueError as e:
         raise UsageFailure(" ".join(str(e).split())) from None
-    click.echo(json.dumps(doc, indent=2, allow_nan=False) if as_json else format_info(doc))
+    (_echo_json if as_json else click.echo)(json.dumps(doc, indent=2, allow_nan=False) if as_json else format_info(doc))

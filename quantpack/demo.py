@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .convert import ConvertSummary, convert, default_output_name
+from .convert.options import resolve_device
 from .tiny import make_tiny_llama
 from .verify import DEFAULT_TEXT, VerifyReport, verify
 
-DEMO_TRAIN_STEPS = 40  # enough for peaked next-token distributions, so KL and top-1 mean something
+DEMO_TRAIN_STEPS = 40  # moves KL off the random model's; too few for the confident positions top-1 needs (a CPU
+# fit long enough for those took minutes)
 
 
 @dataclass
@@ -26,6 +28,7 @@ def run_demo(workdir=None, *, bits: int = 4, group_size: int | None = 32, method
 
     ``workdir`` defaults to a new temporary directory; it must not already hold a demo.
     """
+    resolve_device(device)  # a missing GPU refused before anything is built or created
     workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="quantpack-demo-"))
     source = workdir / "tiny-llama"
     if source.exists():

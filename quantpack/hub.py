@@ -2,7 +2,8 @@
 
 Hub sources go through ``huggingface_hub.snapshot_download`` with the normal cache, ``--revision``,
 ``--token``/``HF_TOKEN`` and ``HF_HUB_OFFLINE``, downloading only the files a conversion needs
-(safetensors weights and index, JSON configs, tokenizer files, chat template, license, readme).
+(the safetensors weights the index names, JSON configs, tokenizer files, chat template, license, readme; the
+checkpoint's code only with ``trust_remote_code``).
 Every failure is a one-line :class:`~quantpack.checkpoint.CheckpointError`.
 """
 from __future__ import annotations
@@ -14,10 +15,11 @@ from pathlib import Path
 
 from .checkpoint import CheckpointError
 
-# What a conversion reads or copies; weights in other formats (.bin unless allowed, .pth, .gguf,
-# onnx, flax) are never downloaded.
-ALLOW_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py", "*.md",
-                  "LICENSE*", "NOTICE*", "USE_POLICY*"]
+# What a conversion reads or copies besides the weights, fetched first; then only the safetensors files the index
+# names (else model.safetensors), as transformers reads them: never a consolidated.safetensors or other weight
+# formats beside them (.bin unless allowed, .pth, .gguf, onnx, flax), and code only with trust_remote_code.
+ALLOW_PATTERNS = ["*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.md", "LICENSE*", "NOTICE*", "USE_POLICY*"]
+CODE_PATTERNS = ["*.py"]
 PICKLE_PATTERNS = ["pytorch_model*.bin"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
@@ -40,7 +42,7 @@ def looks_like_path(source: str) -> bool:
 
 
 def resolve_source(source, *, revision: str | None = None, token: str | None = None,
-                   allow_pickle: bool = False) -> ResolvedSource:
+                   allow_pickle: bool = False, trust_remote_code: bool = False) -> ResolvedSource:
     """Return where the checkpoint files of ``source`` are on disk (downloading from the hub if needed)."""
     source = str(source)
     path = Path(source).expanduser()
@@ -55,22 +57,46 @@ def resolve_source(source, *, revision: str | None = None, token: str | None = N
     if path.parent != Path(".") and path.parent.is_dir():  # `dir/name` with a local `dir`: a path, mistyped
         raise CheckpointError(f"source: no such directory: {source} ({path.parent} exists but holds no {path.name}); "
                               f"check the path")
-    return _download(source, revision=revision, token=token, allow_pickle=allow_pickle)
+    return _download(source, revision=revision, token=token, allow_pickle=allow_pickle,
+                     trust_remote_code=trust_remote_code)
 
 
-def _download(repo_id: str, *, revision, token, allow_pickle) -> ResolvedSource:
+def _weight_files(folder: Path) -> list[str]:
+    """The safetensors files transformers reads from a snapshot holding the small files: the index's shards, else
+    model.safetensors (a broken index is left for SourceCheckpoint to report)."""
+    import glob
+    import json
+
+    from .checkpoint import SAFE_INDEX_NAME, SAFE_SINGLE_NAME
+
+    try:
+        weight_map = json.loads((folder / SAFE_INDEX_NAME).read_text())["weight_map"]
+    except FileNotFoundError:
+        return [SAFE_SINGLE_NAME]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+    names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+    return sorted(glob.escape(n) for n in names if isinstance(n, str) and n.endswith(".safetensors"))
+
+
+def _download(repo_id: str, *, revision, token, allow_pickle, trust_remote_code) -> ResolvedSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
     )
 
-    patterns = ALLOW_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    patterns = ALLOW_PATTERNS + (CODE_PATTERNS if trust_remote_code else [])
     try:
         # local_files_only under HF_HUB_OFFLINE: some huggingface_hub 1.x releases otherwise list the repo
         # tree online for an explicit commit even when offline
         folder = snapshot_download(repo_id, revision=revision, token=token, allow_patterns=patterns,
                                    local_files_only=bool(constants.HF_HUB_OFFLINE))
+        weights = _weight_files(Path(folder)) + (PICKLE_PATTERNS if allow_pickle else [])
+        if weights:  # the same commit as the small files
+            commit = Path(folder).name if Path(folder).parent.name == "snapshots" else revision
+            folder = snapshot_download(repo_id, revision=commit, token=token, allow_patterns=weights,
+                                       local_files_only=bool(constants.HF_HUB_OFFLINE))
     except GatedRepoError:
         raise CheckpointError(f"source: {repo_id} is gated; accept its license on huggingface.co and pass --token "
                               f"or set HF_TOKEN") from None

@@ -19,8 +19,8 @@ def info(packed, *, revision: str | None = None, token: str | None = None) -> di
     Keys: ``path``, ``quantpack_version``, ``layout_version``, ``scheme``, ``bits``, ``group_size``,
     ``axis``, ``method``, ``dtype``, ``bits_overrides``, ``source`` (``repo``, ``revision``,
     ``local``), ``architecture``, ``model_layers`` (``num_hidden_layers``), ``quantized_layers``,
-    ``skipped_layers`` (``name``, ``reason``), ``size_bytes`` (the checkpoint's files on disk),
-    ``source_bytes``, ``verify`` (``None``: no verify result is recorded in the checkpoint).
+    ``skipped_layers`` (``name``, ``reason``), ``size_bytes`` (the weight shards, as convert's summary counts them),
+    ``source_bytes``. Nothing is checked (``quantpack verify`` does that; its results are not stored).
     Raises :class:`~quantpack.checkpoint.CheckpointError` (one line) when ``packed`` is not a packed
     checkpoint.
     """
@@ -46,7 +46,11 @@ def info(packed, *, revision: str | None = None, token: str | None = None) -> di
     settings = manifest.get("settings") or {}
     source = manifest.get("source") or {}
     outputs = (manifest.get("files") or {}).get("outputs") or {}
-    size = sum((root / rel).stat().st_size for rel in outputs if (root / rel).is_file())
+    totals = manifest.get("totals") or {}
+    size = totals.get("output_bytes")  # the shards, as convert's summary and the model card count them
+    if not isinstance(size, int):
+        size = sum((root / rel).stat().st_size for rel in outputs
+                   if rel.endswith(".safetensors") and (root / rel).is_file())
     return {
         "path": str(root),
         "quantpack_version": manifest.get("quantpack_version"),
@@ -64,13 +68,12 @@ def info(packed, *, revision: str | None = None, token: str | None = None) -> di
         "quantized_layers": len(manifest.get("layers") or []),
         "skipped_layers": [{"name": s.get("name"), "reason": s.get("reason")} for s in manifest.get("skipped") or []],
         "size_bytes": size,
-        "source_bytes": (manifest.get("totals") or {}).get("source_bytes"),
-        "verify": None,
+        "source_bytes": totals.get("source_bytes"),
     }
 
 
-def _mib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+def _size(n: int | None) -> str:
+    return "unknown" if n is None else checkpoint.format_size(n)
 
 
 def format_info(doc: dict) -> str:
@@ -93,8 +96,8 @@ def format_info(doc: dict) -> str:
         f"skipped         {len(doc['skipped_layers'])}",
     ]
     lines += [f"  {s['name']}: {s['reason']}" for s in doc["skipped_layers"]]
-    ratio = f" (source {_mib(doc['source_bytes'])})" if doc["source_bytes"] else ""
-    lines.append(f"size on disk    {_mib(doc['size_bytes'])}{ratio}")
+    ratio = f" (the source's weights: {_size(doc['source_bytes'])})" if doc["source_bytes"] else ""
+    lines.append(f"size            {_size(doc['size_bytes'])}{ratio}")
     lines.append(f"layout          version {doc['layout_version']}, written by quantpack {doc['quantpack_version']}")
-    lines.append("verify          not recorded in the checkpoint; run `quantpack verify` to check it")
+    lines.append(f"checked         nothing (info reads JSON only): `quantpack verify {doc['path']}` checks it")
     return "\n".join(lines)

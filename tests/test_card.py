@@ -12,11 +12,15 @@ from quantpack.convert import convert
 
 def test_card_describes_the_packed_checkpoint_not_the_source(tiny_llama_dir, tmp_path):
     src = shutil.copytree(tiny_llama_dir, tmp_path / "src")
-    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# The original model\nIts own description.\n")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\ntags: [original]\n---\n# The original model\n"
+                                   "Its own description.\n\n```\n# a comment, not a heading\n```\n")
     out = tmp_path / "tiny-qp4"
     convert(src, out, group_size=32, method="rtn", skip=[r"layers\.1\.mlp"], progress=False)
     card = (out / "README.md").read_text()
-    assert "The original model" not in card and card.startswith("---\n")
+    assert card.startswith("---\n") and "original" not in card.split("\n---\n")[0]  # its own front matter
+    # the source card's prose follows quantpack's own section, its headings one level down
+    assert card.endswith("\n## The source model's card\n\n## The original model\nIts own description.\n\n```\n"
+                         "# a comment, not a heading\n```\n")
     meta = metadata_load(out / "README.md")
     assert meta["license"] == "apache-2.0" and "base_model" not in meta  # a local path is no model id
     assert meta["tags"] == ["quantpack", "4-bit", "w4a16", "quantized"] and meta["library_name"] == "transformers"
@@ -42,3 +46,14 @@ def test_card_of_a_hub_source_names_its_base_model(hub_cache, tmp_path):
     card = (out / "README.md").read_text()
     assert f"quantpack convert {hub_cache.repo_id} --revision {hub_cache.commit} --bits 8 --group-size none" in card
     assert f"(https://huggingface.co/{hub_cache.repo_id}) at revision `{hub_cache.commit}`" in card
+
+
+def test_card_and_summary_name_bits_for_and_the_lm_head(tiny_llama_dir, tmp_path):
+    out = tmp_path / "tiny-qp4"
+    summary = convert(tiny_llama_dir, out, group_size=32, method="rtn", skip=[r"layers\.1\.self_attn\.q_proj"],
+                      bits_for=["down_proj=8"], quantize_lm_head=True, progress=False)
+    card = (out / "README.md").read_text()
+    assert "; 8-bit where `down_proj` matches; the output embeddings (lm_head) quantized too." in card
+    assert "1 layer is kept as in the source:" in card and "linear layers are quantized" in card
+    settings = next(line for line in summary.format_table().splitlines() if line.startswith("settings"))
+    assert settings.endswith(", bits_for down_proj=8, quantize_lm_head=True"), settings

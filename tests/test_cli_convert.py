@@ -159,6 +159,13 @@ def test_bad_truncated_safetensors(src, tmp_path):
     assert_usage_failure(run_cli(src, "-o", out), "safetensors file is truncated", out=out)
 
 
+def test_bad_safetensors_with_trailing_bytes(src, tmp_path):
+    shard = src / shard_name(2, 2)
+    shard.write_bytes(shard.read_bytes() + b"extra")
+    out = tmp_path / "out"
+    assert_usage_failure(run_cli(src, "-o", out), "safetensors file has trailing bytes (", out=out)
+
+
 def test_bad_corrupt_safetensors(src, tmp_path):
     shard = src / shard_name(1, 2)
     data = bytearray(shard.read_bytes())
@@ -294,11 +301,17 @@ def test_overwrite_replaces_a_previous_output_and_an_empty_folder_is_used(tiny_l
 
 def test_bad_options_are_one_line(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"
-    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--bits-for", "down_proj=5"), "bits must be 4 or 8", out=out)
-    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--skip", "(oops"), "not a valid regular expression",
+    # each names the command-line option, never the library argument behind it
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--bits-for", "down_proj=5"),
+                         "Invalid value for '--bits-for': 'down_proj=5' is not REGEX=BITS with a valid REGEX and BITS "
+                         "4 or 8", out=out)
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--skip", "(oops"),
+                         "Invalid value for '--skip': '(oops' is not a valid regular expression", out=out)
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--max-shard-size", "huge"),
+                         "Invalid value for '--max-shard-size': 'huge' is not a positive size", out=out)
+    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--group-size", "48"),
+                         "Invalid value for '--group-size': 48 is not a power of two from 16 to 1024, or 'none'",
                          out=out)
-    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--max-shard-size", "huge"), "is not a size", out=out)
-    assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--group-size", "48"), "power of two", out=out)
     assert_usage_failure(run_cli(tiny_llama_dir, "-o", out, "--revision", "v1"), "applies to hub repos", out=out)
 
 
@@ -435,21 +448,26 @@ def test_peak_memory_is_bounded_by_tensor_and_shard_not_model(random_llama, tiny
     assert growth < budget, f"peak RSS grew by {growth / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB"
 
 
-def test_ctrl_c_exits_130_and_leaves_a_resumable_partial(random_llama, tmp_path):
+@pytest.mark.parametrize("signum,word", [(signal.SIGINT, "Interrupted"), (signal.SIGTERM, "Terminated")],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_signal_explains_the_resume_releases_the_lock_and_leaves_a_resumable_partial(random_llama, tmp_path,
+                                                                                        signum, word):
     out = tmp_path / "out"
     partial = tmp_path / ".out.qp-partial"
     proc = subprocess.Popen([*SLOW_CLI, "convert", str(random_llama), "-o", str(out), "--method", "rtn",
-                             "--max-shard-size", "1MB", "--no-progress"], stdout=subprocess.PIPE,
+                             "--max-shard-size", "1MB", "--no-progress", "--json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not (partial / "progress.json").exists():
         time.sleep(0.01)
     assert proc.poll() is None, "conversion finished before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    assert "Interrupted: finished shards are kept; re-run the same command to resume." in stderr
-    assert "Traceback" not in stderr
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=60)
+    message = f"{word}: finished shards are kept; re-run the same command to resume."
+    assert proc.returncode == 128 + signum, stderr
+    assert stderr.strip().splitlines() == [message]
+    assert json.loads(stdout) == {"error": message, "exit_code": 128 + signum}
+    assert not (tmp_path / ".out.qp-lock").exists()
     assert not out.exists() and json.loads((partial / "progress.json").read_text())["shards"]
 
 

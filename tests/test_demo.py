@@ -34,3 +34,23 @@ def test_demo_names_the_packed_copy_as_convert_does(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "verify", lambda packed, **kw: None)
     result = demo.run_demo(tmp_path, bits=8, group_size=None, progress=False)
     assert result.packed == calls["packed"] == tmp_path / "tiny-llama-qp8pc"  # was tiny-llama-qp8gch
+
+
+def test_demo_on_cuda_without_a_gpu_refuses_before_building(tmp_path, monkeypatch):
+    import tempfile
+
+    import torch
+
+    import quantpack.demo as demo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built a model before checking the device")
+    monkeypatch.setattr(demo, "make_tiny_llama", no_build)
+    result = CliRunner().invoke(cli, ["demo", "--device", "cuda"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "Error: device='cuda' but no CUDA GPU is available; use --device cpu or auto"]
+    assert list(tmp_path.iterdir()) == []  # no temporary folder left behind

@@ -85,3 +85,13 @@ def test_no_kernels_doc_table_cell_is_a_wall_of_text():
     for line in (ROOT / "docs" / "kernels.md").read_text().splitlines():
         if line.startswith("|"):
             assert max(len(cell) for cell in line.split("|")) <= 300, line[:80]
+
+
+def test_readme_installs_before_its_first_command_and_shows_the_user_install_first():
+    readme = (ROOT / "README.md").read_text()
+    first_command = readme.index("quantpack convert")
+    assert readme.index("pip install .") < first_command
+    assert readme.index("HF_TOKEN") < first_command  # the first example is a gated model
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    installs = re.findall(r"pip install [^\n#]*", setup)
+    assert installs[0].strip() == "pip install ." and any("-e" in line for line in installs[1:]), installs

@@ -28,8 +28,10 @@ def test_info_json_describes_the_checkpoint(packed_mixed, tiny_llama_dir, monkey
     assert doc["architecture"] == "LlamaForCausalLM" and doc["model_layers"] == 2
     assert doc["quantized_layers"] == len(manifest["layers"]) == 13
     assert {s["name"] for s in doc["skipped_layers"]} == {"model.layers.1.self_attn.o_proj", "lm_head"}
-    assert doc["size_bytes"] == sum(p.stat().st_size for p in packed_mixed.iterdir() if p.name != "quantpack.json")
-    assert doc["source_bytes"] == manifest["totals"]["source_bytes"] and doc["verify"] is None
+    # the shards, the size convert's summary and the model card report
+    assert doc["size_bytes"] == manifest["totals"]["output_bytes"] == sum(
+        p.stat().st_size for p in packed_mixed.glob("*.safetensors"))
+    assert doc["source_bytes"] == manifest["totals"]["source_bytes"] and "verify" not in doc
 
 
 def test_info_table(packed_mixed):
@@ -39,7 +41,10 @@ def test_info_table(packed_mixed):
     assert "w4a16, 4-bit, group size per-channel, axis 0, method rtn" in out
     assert "model           LlamaForCausalLM, 2 layers" in out and "quantized       13 linear layers" in out
     assert "skipped         2\n" in out and "\n  model.layers.1.self_attn.o_proj: matches --skip" in out
-    assert "size on disk    " in out and "verify          not recorded" in out
+    size = checkpoint.format_size(checkpoint.read_manifest(packed_mixed)["totals"]["output_bytes"])
+    assert f"size            {size} (the source's weights: " in out
+    assert (packed_mixed / "README.md").read_text().count(f"Size: {size} (the source's weights: ") == 1
+    assert "checked         nothing (info reads JSON only): `quantpack verify " in out and "not recorded" not in out
 
 
 def test_info_on_something_else_is_one_line_exit_2(tiny_llama_dir, tmp_path):

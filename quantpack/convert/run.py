@@ -71,7 +71,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         args.shard_limit, args.device
     w8a8 = scheme == "w8a8"
 
-    resolved = resolve_source(source, revision=revision, token=token, allow_pickle=allow_pickle)
+    resolved = resolve_source(source, revision=revision, token=token, allow_pickle=allow_pickle,
+                              trust_remote_code=trust_remote_code)
     src = SourceCheckpoint(resolved.path, allow_pickle=allow_pickle)
     held = ExitStack()  # the output lock, once taken
     try:

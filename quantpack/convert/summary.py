@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..checkpoint import format_size
+
 
 @dataclass
 class LayerResult:
@@ -104,8 +106,10 @@ class ConvertSummary:
 
         rows = [("source", self.source + (f" @ {self.revision[:12]}" if self.revision else "")),
                 ("output", self.output + ("  (dry run: nothing written)" if self.dry_run else "")),
-                ("settings", ", ".join(f"{k}={v}" for k, v in self.settings.items() if k in
-                                       ("scheme", "bits", "group_size", "axis", "method", "dtype", "device"))),
+                ("settings", ", ".join([f"{k}={v}" for k, v in self.settings.items() if k in
+                                        ("scheme", "bits", "group_size", "axis", "method", "dtype", "device")]
+                                       + [f"bits_for {p}={b}" for p, b in self.settings.get("bits_for", {}).items()]
+                                       + ["quantize_lm_head=True"] * bool(self.settings.get("quantize_lm_head")))),
                 ("layers quantized", str(len(self.quantized)))]
         reasons: dict[str, int] = {}
         for layer in self.skipped:
@@ -129,11 +133,3 @@ class ConvertSummary:
                 rows.append(("throughput", f"{size(self.throughput)}/s of source weights"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def format_size(n: float) -> str:
-    """Bytes for people: 512 B, 354.51 KB, 5.81 GB."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import warnings
 from dataclasses import replace
 
@@ -13,10 +12,11 @@ import torch
 import triton.testing
 
 from .. import reference
+from ..env import switch
 from ..format import PackedWeight
 from .configs import KernelConfig, config_key, config_table, device_key, m_bucket, remember
 from .dequant import cdiv
-from .dispatch import (AUTOTUNE_ENV, MMA_MAX_M, WGMMA_MAX_M, Flags, device_props, fill_split, pick_config, read_env,
+from .dispatch import (MMA_MAX_M, WGMMA_MAX_M, Flags, device_props, fill_split, pick_config,
                        wgmma_device)
 from .mma_gemv import mma_depth, mma_grid
 
@@ -165,8 +165,8 @@ TUNE_MAX_ERR = 1e-2  # relative error above which the autotuner drops a candidat
 def tunes_on_first_use(x2: torch.Tensor, transposed: bool, bits: int, n: int, k: int) -> bool:
     """Whether a call with ``x2`` autotunes its key first: ``QUANTPACK_AUTOTUNE=1``, on a GPU, outside CUDA-graph
     capture, and the table (shipped, cached or tuned in this process) lacks the key. (Every untuned call asks:
-    the switch is read first, from the dict behind os.environ, and the key built only when it is on.)"""
-    if not (x2.is_cuda and read_env()[AUTOTUNE_ENV] in ("1", b"1")):
+    the switch is read first, parsed once per environment, and the key built only when it is on.)"""
+    if not (x2.is_cuda and Flags.from_env().autotune):
         return False
     return (not torch.cuda.is_current_stream_capturing()
             and config_key(transposed, bits, n, k, x2.shape[0]) not in config_table(device_key(x2.device)))
@@ -203,7 +203,7 @@ def sweep(fields: tuple, device: torch.device, candidates: list[KernelConfig], r
         weight_copies = copies_past_l2(tensors, device)
     copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(weight_copies - 1)]
     checked = set()
-    verbose = os.environ.get("QUANTPACK_TUNE_VERBOSE")
+    verbose = switch("QUANTPACK_TUNE_VERBOSE")
 
     def time_config(cfg) -> float:
         try:

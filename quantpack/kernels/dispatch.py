@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..env import parse_switch
 from .configs import KernelConfig, config_key, config_table, m_bucket, nearest, normalized_name
 from .dequant import cdiv, interpreting
 from .mma_gemv import MAX_M as MMA_MAX_M, mma_layout_fits
@@ -57,7 +58,6 @@ DECODE_WAVES_M = 8  # heuristic: up to here, split-K until about 8 programs per 
 
 _ENV_NAMES = ("QUANTPACK_MMA", "QUANTPACK_WGMMA", "QUANTPACK_PDL", "QUANTPACK_AUTOTUNE", "TRITON_INTERPRET",
               "QUANTPACK_W4A8", "QUANTPACK_LAUNCH_PLANS")
-AUTOTUNE_ENV = _ENV_NAMES.index("QUANTPACK_AUTOTUNE")  # (index into read_env()'s values)
 # (a planned call reads these: os.environ.get costs about 0.8 us a name, mostly the KeyError of an unset one, so they
 # are looked up in CPython's dict behind os.environ, 0.05 us each, where there is one)
 _ENVIRON = os.environ
@@ -78,47 +78,51 @@ def read_env() -> tuple:
 def launch_plans_enabled(env: tuple | None = None) -> bool:
     """Whether ``mixed_mm(plans=...)`` records and replays launch plans (``QUANTPACK_LAUNCH_PLANS=0`` turns them off:
     every call then does its host-side work again, as without a PlanCache). ``env``: :func:`read_env`'s values."""
-    value = (env if env is not None else read_env())[-1]
-    return value not in ("0", b"0")
-
-
-def _text(value) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
+    return Flags.from_env(env).launch_plans
 
 
 @dataclass(frozen=True)
 class Flags:
-    """The environment switches a decision reads: ``mma`` (QUANTPACK_MMA not 0), ``wgmma`` (QUANTPACK_WGMMA not 0),
-    ``pdl`` (QUANTPACK_PDL=1), ``interpret`` (TRITON_INTERPRET set: Triton's CPU interpreter) and ``w4a8``
-    (QUANTPACK_W4A8: ``"off"`` for 0, ``"force"`` for force, ``"on"`` for any other value; :data:`W4A8_DEFAULT`
-    while unset)."""
+    """The environment switches a decision reads (parsed by quantpack.env): ``mma`` (QUANTPACK_MMA, on by default),
+    ``wgmma`` (QUANTPACK_WGMMA, on), ``pdl`` (QUANTPACK_PDL, off), ``interpret`` (TRITON_INTERPRET set: Triton's
+    CPU interpreter), ``w4a8`` (QUANTPACK_W4A8: ``"on"``, ``"off"`` or ``"force"``; :data:`W4A8_DEFAULT` while
+    unset), ``autotune`` (QUANTPACK_AUTOTUNE, off) and ``launch_plans`` (QUANTPACK_LAUNCH_PLANS, on)."""
 
     mma: bool = True
     wgmma: bool = True
     pdl: bool = False
     interpret: bool = False
     w4a8: str = W4A8_DEFAULT
+    autotune: bool = False
+    launch_plans: bool = True
 
     @classmethod
     def from_env(cls, env: tuple | None = None) -> "Flags":
-        """The switches as the environment (or ``env``, :func:`read_env`'s values) sets them now."""
+        """The switches as the environment (or ``env``, :func:`read_env`'s values) sets them now (parsed once per
+        set of raw values; a value a switch does not take raises :class:`quantpack.env.EnvError`)."""
         env = env if env is not None else read_env()
         flags = _flags.get(env)
         if flags is None:
-            mma, wgmma, pdl, _, interpret, w4a8, _ = map(_text, env)
-            flags = _flags[env] = cls(mma=(mma or "1") != "0", wgmma=(wgmma or "1") != "0", pdl=(pdl or "0") == "1",
-                                      interpret=(interpret or "0") not in ("", "0"), w4a8=w4a8_mode(w4a8))
+            mma, wgmma, pdl, autotune, interpret, w4a8, plans = env
+            interpret = interpret.decode() if isinstance(interpret, bytes) else interpret
+            flags = _flags[env] = cls(mma=parse_switch("QUANTPACK_MMA", mma),
+                                      wgmma=parse_switch("QUANTPACK_WGMMA", wgmma),
+                                      pdl=parse_switch("QUANTPACK_PDL", pdl),
+                                      interpret=(interpret or "0") not in ("", "0"), w4a8=w4a8_mode(w4a8),
+                                      autotune=parse_switch("QUANTPACK_AUTOTUNE", autotune),
+                                      launch_plans=parse_switch("QUANTPACK_LAUNCH_PLANS", plans))
         return flags
 
 
 _flags: dict = {}
 
 
-def w4a8_mode(value: str | None) -> str:
+def w4a8_mode(value: str | bytes | None) -> str:
     """QUANTPACK_W4A8's value as a :attr:`Flags.w4a8` mode."""
-    if value is None or value == "":
+    mode = parse_switch("QUANTPACK_W4A8", value)
+    if value is None or value in ("", b""):
         return W4A8_DEFAULT
-    return {"0": "off", "force": "force"}.get(value.strip().lower(), "on")
+    return mode if isinstance(mode, str) else "on" if mode else "off"
 
 
 def w4a8_forced(env: tuple | None = None) -> bool:

@@ -11,16 +11,16 @@ layer ``i`` holds that count (``cumulative_length``) for the keys and values it 
 and value are not those tensors of that cache takes sdpa, and so does any call outside :func:`decoding` (prefills,
 which that module runs eagerly, included).
 
-``QUANTPACK_DECODE_ATTENTION=0`` sends every call to sdpa (read per call: a step captured afterwards follows it).
+``QUANTPACK_DECODE_ATTENTION=0`` (or off) sends every call to sdpa (read per call: a step captured afterwards follows it).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
 import torch
 
+from ..env import switch
 from ..kernels import decode_attention as _k
 
 NAME = "quantpack_decode"
@@ -29,8 +29,8 @@ _CACHE = contextvars.ContextVar("quantpack_decode_attention_cache", default=None
 
 
 def enabled() -> bool:
-    """Whether ``QUANTPACK_DECODE_ATTENTION`` leaves the kernel on (anything but ``0``; on while unset)."""
-    return os.environ.get("QUANTPACK_DECODE_ATTENTION", "1").strip() != "0"
+    """Whether ``QUANTPACK_DECODE_ATTENTION`` leaves the kernel on (on while unset; quantpack.env parses it)."""
+    return bool(switch("QUANTPACK_DECODE_ATTENTION"))
 
 
 @contextlib.contextmanager

@@ -42,7 +42,8 @@ def _check_threshold(name: str, value, *, low=None, high=None) -> None:
         raise ValueError(f"{name}={value!r} must be {rng}")
 
 
-def _resolve_reference(reference, manifest: dict | None, *, revision=None, token=None, allow_pickle: bool = False):
+def _resolve_reference(reference, manifest: dict | None, *, revision=None, token=None, allow_pickle: bool = False,
+                       trust_remote_code: bool = False):
     """(directory, description) of the reference checkpoint: ``reference`` or the manifest's source."""
     from ..hub import resolve_source
 
@@ -56,7 +57,8 @@ def _resolve_reference(reference, manifest: dict | None, *, revision=None, token
     else:
         repo = what = str(reference)
     try:
-        resolved = resolve_source(repo, revision=revision, token=token, allow_pickle=allow_pickle)
+        resolved = resolve_source(repo, revision=revision, token=token, allow_pickle=allow_pickle,
+                                   trust_remote_code=trust_remote_code)
     except CheckpointError as e:
         message = str(e).removeprefix("source: ")
         raise ValueError(f"reference: {what} is not available: {message}"
@@ -147,7 +149,8 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         return _verify(root, bar, t0, reference=reference, text=text, text_desc=text_desc, dev=dev, max_kl=max_kl,
                        min_top1=min_top1, min_cosine=min_cosine, max_layer_error=max_layer_error,
                        context_length=context_length, max_tokens=max_tokens, dtype=dtype, end_to_end=end_to_end,
-                       token=token, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+                       token=token, allow_pickle=allow_pickle,
+                                   trust_remote_code=trust_remote_code)
 
 
 # A layer's recomputed relative error may exceed the one recorded at conversion by this factor (plus the
@@ -192,7 +195,8 @@ def _verify(root: Path, bar, t0: float, *, reference, text, text_desc, dev, max_
     ref_dir, ref_error = None, None
     if reference is not False:
         try:
-            ref_dir, report.reference = _resolve_reference(reference, manifest, token=token, allow_pickle=allow_pickle)
+            ref_dir, report.reference = _resolve_reference(reference, manifest, token=token, allow_pickle=allow_pickle,
+                                                           trust_remote_code=trust_remote_code)
         except ValueError as e:
             if reference is not None:
                 raise
