@@ -296,3 +296,19 @@ def test_compile_caches_kept_under_quantpacks_cache_directory(packed_llama, tmp_
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     assert err.count("\n") == 1 and "cannot keep torch.compile's caches" in err and "QUANTPACK_CACHE_DIR" in err
     assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_a_transformers_without_deferred_stop_check_says_so_once(packed_llama, monkeypatch, capsys):
+    """Before 5.17 transformers has no DeferredStopCheck: the default path still generates, and says once, in one
+    line, that each step waits for the GPU."""
+    monkeypatch.setattr(generation, "defer_stop_checks", lambda: False)  # (what it answers there)
+    monkeypatch.setattr(generation, "_SAID", set())
+    monkeypatch.setattr(generation, "on_cuda", lambda model: True)
+    model = quantpack.load(packed_llama, device="cpu", decode="eager")
+    fast = generation.StaticCacheGenerate(model.generate, keep_cache=False)
+    ids = _prompt(model, batch=1)
+    for _ in range(2):
+        assert fast(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, disable_compile=True).shape[1] == \
+            ids.shape[1] + 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "stop check" in line]
+    assert len(lines) == 1 and "5.17" in lines[0], lines
