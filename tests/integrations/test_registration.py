@@ -92,7 +92,7 @@ def test_a_transformers_without_loading_attribute_types_registers_and_says_once_
     checksums stay on."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import transformers.quantizers.auto as auto
-        del auto.LOADING_ATTRIBUTES_CONFIG_TYPES
+        vars(auto).pop("LOADING_ATTRIBUTES_CONFIG_TYPES", None)
         import quantpack
         from quantpack.integrations.transformers import QuantpackConfig
         assert auto.AUTO_QUANTIZATION_CONFIG_MAPPING["quantpack"] is QuantpackConfig
