@@ -12,12 +12,18 @@ _QUANTIZER_MODULE = __name__.rpartition(".")[0] + ".integrations.transformers"
 
 
 def _register_from_hook() -> None:
-    module = sys.modules.get(_QUANTIZER_MODULE)
-    if module is None:
-        importlib.import_module(_QUANTIZER_MODULE)  # registers itself on import
-    elif hasattr(module, "register"):
-        module.register()
-    # else: the quantizer module's own import loaded the registry; it registers itself when it finishes
+    try:
+        module = sys.modules.get(_QUANTIZER_MODULE)
+        if module is None:
+            importlib.import_module(_QUANTIZER_MODULE)  # registers itself on import
+        elif hasattr(module, "register"):
+            module.register()
+        # else: the quantizer module's own import loaded the registry; it registers itself when it finishes
+    except Exception as e:  # noqa: BLE001 (whatever a transformers version lacks must not break transformers)
+        sys.modules.pop(_QUANTIZER_MODULE, None)  # (a half-imported module; a later direct import shows the error)
+        print(f"quantpack: cannot register with this transformers ({type(e).__name__}: {e}); from_pretrained "
+              f"cannot load quantpack checkpoints, quantpack.load can (see README, Supported versions)",
+              file=sys.stderr, flush=True)
 
 
 class _RegisterAfterExec(importlib.abc.Loader):

@@ -19,7 +19,7 @@ Modes (``quantpack.load(..., decode=...)``):
 
 A single call opts out too: ``model.generate(..., disable_compile=True)`` runs that call eagerly.
 
-In the first two modes the host also stops waiting for the GPU after every token: transformers (from 5.2x, as
+In the first two modes the host also stops waiting for the GPU after every token: transformers (from 5.17, as
 ``DeferredStopCheck``) can read "have all sequences finished?" one step late, running one step too many and undoing
 it, but turns that on only for Apple GPUs. Without it each step ends in a sync, and the next step's host work (its
 inputs, mask and launches: about 0.7 ms on an H100 host) runs while the GPU idles; with it that work overlaps the
@@ -55,6 +55,16 @@ def _progress(message: str) -> None:
     logging.ERROR)`` silences it."""
     if logging.getLogger("quantpack").isEnabledFor(logging.WARNING):
         print(f"quantpack: {message}", file=sys.stderr, flush=True)
+
+
+_SAID: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """:func:`_progress`, once per process: for a feature that this version of a dependency lacks."""
+    if message not in _SAID:
+        _SAID.add(message)
+        _progress(message)
 
 
 def enable(model, mode: str = "graphs") -> None:
@@ -118,6 +128,11 @@ class StaticCacheGenerate:
                          for c in (gen_config, own_config)))
         if chosen or not on_cuda(model):
             return self.generate(*args, **kwargs)
+        if not defer_stop_checks():
+            import transformers
+
+            say_once(f"transformers {transformers.__version__} cannot defer generate()'s stop check (5.17 and "
+                     f"later can): each decode step waits for the GPU; upgrade transformers for faster decode")
         cache = self._kept_cache(model, args, kwargs, gen_config or own_config) if self.keep_cache else None
         if cache is None:
             kwargs["cache_implementation"] = "static"

@@ -319,6 +319,7 @@ class _HostEvent:
         pass
 
 
+@pytest.mark.skipif(not generation.defer_stop_checks(), reason="transformers before 5.17 has no DeferredStopCheck")
 def test_stop_flag_read_a_step_late_gives_the_same_tokens(packed_llama, monkeypatch):
     """On the default path the stop flag is read one step late (no host wait per token): a call stopped by EOS runs
     one step more and undoes it, a call stopped by max_new_tokens stops on time; the tokens are the eager ones. Calls
@@ -485,3 +486,19 @@ def test_default_generate_on_cuda_runs_the_split_kv_kernel(packed_llama, monkeyp
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.logits, b.logits):
         torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+
+
+def test_a_transformers_without_deferred_stop_check_says_so_once(packed_llama, monkeypatch, capsys):
+    """Before 5.17 transformers has no DeferredStopCheck: the default path still generates, and says once, in one
+    line, that each step waits for the GPU."""
+    monkeypatch.setattr(generation, "defer_stop_checks", lambda: False)  # (what it answers there)
+    monkeypatch.setattr(generation, "_SAID", set())
+    monkeypatch.setattr(generation, "on_cuda", lambda model: True)
+    model = quantpack.load(packed_llama, device="cpu", decode="eager")
+    fast = generation.StaticCacheGenerate(model.generate, keep_cache=False)
+    ids = _prompt(model, batch=1)
+    for _ in range(2):
+        assert fast(ids, max_new_tokens=2, do_sample=False, pad_token_id=0, disable_compile=True).shape[1] == \
+            ids.shape[1] + 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "stop check" in line]
+    assert len(lines) == 1 and "5.17" in lines[0], lines

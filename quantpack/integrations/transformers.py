@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 import torch
+import transformers
 # Submodules, not the `transformers.quantizers` package: this module is imported right after
 # `transformers.quantizers.auto` executes, possibly while the package's __init__ is still running.
 import transformers.quantizers.auto as auto
@@ -69,6 +70,10 @@ class QuantpackConfig(QuantizationConfigMixin):
             raise checkpoint.CheckpointError(f"config.json: quantization_config has unknown field {extra[0]!r}; "
                                              f"this quantpack does not know it: upgrade quantpack")
         self._stored = dict(fields)  # serialized back exactly as read
+        if not verify and not fields and not passes_loading_options():
+            generation.say_once("QuantpackConfig(verify=False) needs transformers >= 5.4 to reach the checkpoint (this is "
+                      f"{transformers.__version__}): checksums stay on; use quantpack.load(path, verify=False) "
+                      "or upgrade transformers to skip them")
         # With no fields this is only a carrier of loading options (QuantpackConfig(verify=False)); transformers
         # copies those onto the checkpoint's own config (get_loading_attributes), which is validated.
         self.validated = self._validate() if fields else None
@@ -202,9 +207,17 @@ def register() -> None:
     AUTO_QUANTIZATION_CONFIG_MAPPING[QUANT_METHOD] = QuantpackConfig
     AUTO_QUANTIZER_MAPPING[QUANT_METHOD] = QuantpackHfQuantizer
     # Lets from_pretrained(..., quantization_config=QuantpackConfig(verify=False)) pass the loading option on
-    # (transformers copies get_loading_attributes() only for the config types this tuple lists).
-    if QuantpackConfig not in auto.LOADING_ATTRIBUTES_CONFIG_TYPES:
-        auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*auto.LOADING_ATTRIBUTES_CONFIG_TYPES, QuantpackConfig)
+    # (transformers copies get_loading_attributes() only for the config types this tuple lists; before 5.4 the
+    # tuple did not exist and the list was fixed: QuantpackConfig then says so when asked to skip checksums).
+    types = getattr(auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+    if types is not None and QuantpackConfig not in types:
+        auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*types, QuantpackConfig)
+
+
+def passes_loading_options() -> bool:
+    """Whether this transformers hands a ``quantization_config`` argument's loading options (``verify``) on to
+    the checkpoint's config (5.4 and later)."""
+    return hasattr(auto, "LOADING_ATTRIBUTES_CONFIG_TYPES")
 
 
 register()  # importing this module registers it (the import hook relies on that)

@@ -84,3 +84,38 @@ def test_save_pretrained_refusal_says_why(packed_llama, tmp_path, caplog):
         model.save_pretrained(tmp_path / "resaved")
     assert "quantpack convert" in caplog.text and "manifest" in caplog.text
     assert not (tmp_path / "resaved").exists() or not any((tmp_path / "resaved").iterdir())
+
+
+def test_a_transformers_without_loading_attribute_types_registers_and_says_once_that_verify_false_needs_5_4():
+    """Before 5.4 transformers had no LOADING_ATTRIBUTES_CONFIG_TYPES: registering must not need it (loading
+    through such a transformers is what the floors CI job runs), and asking for verify=False says in one line that
+    checksums stay on."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import transformers.quantizers.auto as auto
+        vars(auto).pop("LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+        import quantpack
+        from quantpack.integrations.transformers import QuantpackConfig
+        assert auto.AUTO_QUANTIZATION_CONFIG_MAPPING["quantpack"] is QuantpackConfig
+        QuantpackConfig(verify=False); QuantpackConfig(verify=False); QuantpackConfig()
+        print("ok")
+    """)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "verify=False" in line]
+    assert len(lines) == 1 and "transformers >= 5.4" in lines[0] and "quantpack.load" in lines[0], proc.stderr
+
+
+def test_the_import_hook_never_breaks_transformers():
+    """Whatever fails in quantpack's registration (here: its quantizer module cannot be imported), transformers
+    still loads its models, and one line says what quantpack cannot do."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        import quantpack
+        sys.modules["quantpack.integrations.transformers"] = None  # (its import now raises)
+        from transformers import LlamaConfig, LlamaForCausalLM
+        LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+        print("ok")
+    """)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("quantpack:")]
+    assert len(lines) == 1 and "cannot register" in lines[0] and "quantpack.load" in lines[0], proc.stderr
