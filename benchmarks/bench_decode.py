@@ -45,7 +45,8 @@ the short ``--prompt-len`` prompt); each (batch, context) cell runs unless batch
 
 Every row carries the memory-bandwidth limit it is measured against: ``bytes_per_token``, the bytes a decode step
 reads divided by the batch (every weight: packed linears with their scales and zeros, the bf16 lm_head, norms, plus
-one embedding row per sequence and the valid part of the KV cache, at the mean length of the timed steps);
+one embedding row per sequence and the valid part of the KV cache, at the mean length of the timed steps; of a
+mixture-of-experts block only the experts that ``batch`` tokens hit on average with even top-k routing);
 ``copy_tb_s``, a device-to-device copy's bandwidth measured in the same run (bytes read + written); ``limit_tok_s``
 = copy_tb_s / bytes_per_token, and ``limit_fraction`` = tok_s / limit_tok_s.
 
@@ -182,7 +183,27 @@ def bytes_per_token(model, batch: int, kv_positions: float) -> float:
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * embed.element_size() * kv_positions
     step = weight_bytes(model) - embed.numel() * embed.element_size() + batch * (embed[0].numel() * embed.element_size()
                                                                                  + kv)
-    return step / batch
+    return (step - unread_expert_bytes(model, batch)) / batch
+
+
+def unread_expert_bytes(model, batch: int) -> float:
+    """The bytes of experts a decode step of ``batch`` tokens does not read, on average: each layer's experts are
+    tensors of the experts block with one row per expert (bf16 3-D parameters, or QuantExperts' stacked buffers);
+    with top-k routing spread evenly, ``E (1 - (1 - k/E)^batch)`` of the ``E`` are hit (random weights route about
+    evenly)."""
+    config = model.config.get_text_config()
+    experts = next((getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(config, k, None)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return 0.0
+    total = 0
+    for module in model.modules():
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t.dim() == 3 and t.shape[0] == experts:
+                total += t.numel() * t.element_size()
+    hit = experts * (1 - (1 - top_k / experts) ** batch)
+    return total * (1 - hit / experts)
 
 
 def weight_bytes(model) -> int:

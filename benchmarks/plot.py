@@ -56,10 +56,14 @@ def load(path: Path) -> list[dict]:
             row = json.loads(text)
         except json.JSONDecodeError as e:
             raise ResultsError(f"{path}:{number} is not JSON ({e.msg}); fix or remove that line") from None
-        missing = [f for f in need if f not in row] if isinstance(row, dict) else list(need)
+        if isinstance(row, dict) and path.stem == "decode" and row.get("path") == "ttft":
+            need_here = PROVENANCE + ("batch", "model", "path", "ttft_ms")  # (a time to first token, not a rate)
+        else:
+            need_here = need
+        missing = [f for f in need_here if f not in row] if isinstance(row, dict) else list(need_here)
         if missing:
             raise ResultsError(f"{path}:{number} lacks {', '.join(missing)}; every {path.stem} line needs "
-                               f"{', '.join(need)}")
+                               f"{', '.join(need_here)}")
         rows.append(row)
     return rows
 
@@ -135,6 +139,26 @@ def plot_kernels(rows, out: Path, plt) -> list[Path]:
 
 
 def plot_decode(rows, out: Path, plt) -> list[Path]:
+    """decode.png: the 8B shape at a short prompt; decode_context.png: the 8B shape after long prompts;
+    decode_moe.png: the mixture-of-experts shapes (short prompts). Decode rates only (time-to-first-token rows are
+    in the tables)."""
+    rows = [r for r in rows if r["path"] != "ttft"]
+    experts = lambda r: (r.get("shape") or {}).get("model") if isinstance(r.get("shape"), dict) and \
+        (r.get("shape") or {}).get("experts") else None  # noqa: E731
+    dense = [r for r in rows if experts(r) is None]
+    made = _decode_bars([r for r in dense if not r.get("context")], out / "decode.png", plt,
+                        lambda r: f"{r['path']}\nbatch {r['batch']}",
+                        "End-to-end decode, Llama-3.1-8B shape, 4-bit g128")
+    made += _decode_bars([r for r in dense if r.get("context")], out / "decode_context.png", plt,
+                         lambda r: f"{r['path']}\nbatch {r['batch']}\ncontext {r['context']}",
+                         "Decode after a long prompt, Llama-3.1-8B shape, 4-bit g128")
+    made += _decode_bars([r for r in rows if experts(r) and not r.get("context")], out / "decode_moe.png", plt,
+                         lambda r: f"{experts(r)}\n{r['path']}\nbatch {r['batch']}",
+                         "End-to-end decode, mixture-of-experts shapes, 4-bit g128")
+    return made
+
+
+def _decode_bars(rows, path: Path, plt, group_of, title: str) -> list[Path]:
     def label(r):
         name = r["model"]
         if str(r.get("projections", "")).startswith("merged"):
@@ -143,11 +167,11 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
             name += " no plans"
         return name
 
-    # One run per GPU and path, its newest: bars of one group come from one process (same-run ratios).
-    last_run = {(r["device"], r["path"]): r["commit"] for r in rows}
-    rows = [r for r in rows if r["commit"] == last_run[r["device"], r["path"]]]
-    cells = newest(rows, lambda r: (r["device"], r["path"], r["batch"], label(r)))
-    groups = sorted({(r["device"], r["path"], r["batch"]) for r in cells}, key=lambda g: (g[1], g[0], g[2]))
+    # One run per GPU and group, its newest: bars of one group come from one process (same-run ratios).
+    last_run = {(r["device"], group_of(r)): r["commit"] for r in rows}
+    rows = [r for r in rows if r["commit"] == last_run[r["device"], group_of(r)]]
+    cells = newest(rows, lambda r: (r["device"], group_of(r), label(r)))
+    groups = sorted({(r["device"], group_of(r)) for r in cells}, key=lambda g: (g[1], g[0]))
     labels = sorted({label(r) for r in cells}, key=lambda s: (s != "bf16", s))
     if not groups:
         return []
@@ -156,21 +180,19 @@ def plot_decode(rows, out: Path, plt) -> list[Path]:
     for i, name in enumerate(labels):
         xs, ys = [], []
         for g, group in enumerate(groups):
-            r = next((r for r in cells if (r["device"], r["path"], r["batch"]) == group and label(r) == name), None)
+            r = next((r for r in cells if (r["device"], group_of(r)) == group and label(r) == name), None)
             if r:
                 xs.append(g + (i - (len(labels) - 1) / 2) * width)
                 ys.append(r["tok_s"])
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"{m}\nbatch {b}\n{d.replace('NVIDIA ', '').split()[0]} {last_run[d, m]}" for d, m, b in groups],
-                       fontsize=7)
+    ax.set_xticklabels([f"{g}\n{d.replace('NVIDIA ', '').split()[0]} {last_run[d, g]}" for d, g in groups], fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s (log)", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title("End-to-end decode, Llama-3.1-8B shape, 4-bit g128", fontsize=9)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    path = out / "decode.png"
     save(fig, path)
     plt.close(fig)
     return [path]
