@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 
 from . import __version__
-from .checkpoint import format_size
+from .sizes import format_size
 
 CARD_NAME = "README.md"
 

@@ -204,7 +204,7 @@ class Checked(click.ParamType):
 
 
 def _parse_size(value):
-    from .checkpoint import parse_size
+    from .sizes import parse_size
 
     parse_size(value)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from . import checkpoint
 from .checkpoint import CheckpointError
+from .sizes import format_size
 
 
 def _fail(message: str) -> CheckpointError:
@@ -73,7 +74,7 @@ def info(packed, *, revision: str | None = None, token: str | None = None) -> di
 
 
 def _size(n: int | None) -> str:
-    return "unknown" if n is None else checkpoint.format_size(n)
+    return "unknown" if n is None else format_size(n)
 
 
 def format_info(doc: dict) -> str:

@@ -293,7 +293,8 @@ def make_random_checkpoint(path, config, *, dtype: torch.dtype = torch.bfloat16,
     """
     import transformers
 
-    from .checkpoint import SHARD_METADATA, parse_size
+    from .checkpoint import SHARD_METADATA
+    from .sizes import parse_size
     from .checkpoint_writer import make_index, shard_name, write_json, write_safetensors
 
     path = Path(path)

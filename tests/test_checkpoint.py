@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from quantpack.checkpoint import (SHARD_METADATA, CheckpointError, PackedCheckpoint, SourceCheckpoint, parse_size,
+from quantpack.sizes import parse_size
+from quantpack.checkpoint import (SHARD_METADATA, CheckpointError, PackedCheckpoint, SourceCheckpoint,
                                   read_quantization_config, read_safetensors_header, sha256_file, sha256_tensor_data)
 from quantpack.checkpoint_writer import make_quantization_config, safetensors_size, shard_name, write_safetensors
 

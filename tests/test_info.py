@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from quantpack import checkpoint
 from quantpack.cli import cli
 from quantpack.info import info
+from quantpack.sizes import format_size
 from test_loader import packed_mixed  # noqa: F401 (fixture)
 
 
@@ -41,7 +42,7 @@ def test_info_table(packed_mixed):
     assert "w4a16, 4-bit, group size per-channel, axis 0, method rtn" in out
     assert "model           LlamaForCausalLM, 2 layers" in out and "quantized       13 linear layers" in out
     assert "skipped         2\n" in out and "\n  model.layers.1.self_attn.o_proj: matches --skip" in out
-    size = checkpoint.format_size(checkpoint.read_manifest(packed_mixed)["totals"]["output_bytes"])
+    size = format_size(checkpoint.read_manifest(packed_mixed)["totals"]["output_bytes"])
     assert f"size            {size} (the source's weights: " in out
     assert (packed_mixed / "README.md").read_text().count(f"Size: {size} (the source's weights: ") == 1
     assert "checked         nothing (info reads JSON only): `quantpack verify " in out and "not recorded" not in out

@@ -9,7 +9,7 @@ import torch
 
 from ..calibration import CalibrationText, SelfCalibration, read_calibration
 from ..checkpoint import W8A8_CONFIG, SourceCheckpoint, weight_only_scheme
-from ..checkpoint import parse_size
+from ..sizes import parse_size
 from ..format import SUPPORTED_AXES, SUPPORTED_BITS, check_group_size
 from ..quantize import METHODS
 from ..schemes import SCHEMES

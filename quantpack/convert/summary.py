@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..checkpoint import format_size
+from ..sizes import format_size
 
 
 @dataclass

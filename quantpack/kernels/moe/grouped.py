@@ -50,7 +50,6 @@ def grouped_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     experts = gate_up.num_experts
-    inter = gate_up.shape[0] // 2
     ids = topk_ids.reshape(-1).to(torch.int64)
     key = torch.where((ids >= 0) & (ids < experts), ids, experts)  # unused slots sort last
     order = torch.argsort(key, stable=True)
