@@ -230,6 +230,9 @@ def generate_decode(model, prompt, new_tokens: int, repeats: int = 3, **generate
     timed(4)  # warm-up: kernels compiled, caches allocated
     t1 = min(timed(1) for _ in range(repeats))
     tn = min(timed(new_tokens) for _ in range(repeats))
+    if tn <= t1:  # (a noisy host can make N - 1 short steps vanish in the prefill's spread)
+        raise RuntimeError(f"{new_tokens - 1} decode steps took no measurable time beyond the prefill's "
+                           f"({tn:.4f} s against {t1:.4f} s); time more steps (--new-tokens)")
     return prompt.shape[0] * (new_tokens - 1) / (tn - t1)
 
 

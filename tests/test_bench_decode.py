@@ -16,7 +16,7 @@ def test_cpu_smoke_run_records_context_cells_limits_and_ttft(tmp_path):
     results = tmp_path / "decode.jsonl"
     out = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--layers", "1", "--hidden", "128",
                           "--intermediate", "256", "--vocab", "320", "--batch-sizes", "1", "2", "--context", "0", "40",
-                          "--max-kv-tokens", "40", "--new-tokens", "3", "--modes", "default", "--ttft-prompt", "24",
+                          "--max-kv-tokens", "40", "--new-tokens", "12", "--modes", "default", "--ttft-prompt", "24",
                           "--results", str(results), "--commit", "test"],
                          capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode == 0, out.stderr[-2000:]
