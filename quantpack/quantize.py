@@ -174,6 +174,10 @@ def quantize(weight: torch.Tensor, *, bits: int = 4, group_size: int | None = 12
         from hqq.core.optimize import optimize_weights_proximal
 
         start = (inv_scale, zero)
+        if bits == 4:
+            # the hqq library starts 4-bit groups from an integer zero; the proximal search from the
+            # fractional one settles in worse minima (measured: higher weight and KL error on real models)
+            zero = torch.where(floored, zero, torch.round(zero))
         _, inv_scale, zero = optimize_weights_proximal(tensor=wg, scale=inv_scale, zero=zero,
                                                         min_max=[0, qmax], axis=1, device=wg.device)
         inv_scale, zero = inv_scale.float(), zero.float()
