@@ -21,8 +21,8 @@ def _hqq_library_error(w, bits, group_size, dtype):
     from hqq.core.quantize import Quantizer
 
     wq, meta = Quantizer.quantize(w, nbits=bits, group_size=group_size, axis=1, optimize=True, bitpack=False,
-                                  compute_dtype=dtype, device="cpu")
-    # HQQLinear stores scale and zero in the compute dtype, as a quantpack checkpoint does
+                                  round_zero=bits == 4, compute_dtype=dtype, device="cpu")
+    # HQQLinear (BaseQuantizeConfig) rounds the zero at 4 bits and stores scale and zero in the compute dtype
     meta.update(scale=meta["scale"].to(dtype), zero=meta["zero"].to(dtype), compute_dtype=torch.float32)
     return _rel(Quantizer.dequantize(wq.float(), meta).reshape(w.shape).float(), w)
 
