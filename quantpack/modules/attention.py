@@ -11,7 +11,8 @@ layer ``i`` holds that count (``cumulative_length``) for the keys and values it 
 and value are not those tensors of that cache takes sdpa, and so does any call outside :func:`decoding` (prefills,
 which that module runs eagerly, included).
 
-``QUANTPACK_DECODE_ATTENTION=0`` (or off) sends every call to sdpa (read per call: a step captured afterwards follows it).
+``QUANTPACK_DECODE_ATTENTION=0`` (or off) sends every call to sdpa (read per call: a step captured afterwards
+follows it).
 """
 from __future__ import annotations
 
