@@ -57,7 +57,7 @@ def _valid_length(module, key, value) -> torch.Tensor | None:
     layer = layers[index]
     if type(layer) is not StaticLayer or getattr(layer, "keys", None) is not key or layer.values is not value:
         return None
-    return layer.cumulative_length
+    return getattr(layer, "cumulative_length", None)  # (older transformers keep no such count there: sdpa)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
