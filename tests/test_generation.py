@@ -75,7 +75,7 @@ def _prompt(model, batch=2, length=5):
     return torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
 
 
-def _graph_generate(model, ids, new_tokens, runner):
+def _graph_generate(model, ids, new_tokens, runner, **kwargs):
     """generate() as on a GPU: static cache, decode steps through ``runner`` (transformers only auto-compiles on
     accelerators, so the CPU is allowed here through its compile config)."""
     from transformers import CompileConfig
@@ -84,7 +84,7 @@ def _graph_generate(model, ids, new_tokens, runner):
     config._compile_all_devices = True
     model.get_compiled_call = lambda compile_config=None: runner.session()
     return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                          compile_config=config, pad_token_id=0)
+                          compile_config=config, pad_token_id=0, **kwargs)
 
 
 def test_graph_replayed_decode_gives_the_eager_tokens_and_logits(packed_llama):
@@ -94,13 +94,7 @@ def test_graph_replayed_decode_gives_the_eager_tokens_and_logits(packed_llama):
                            output_logits=True, return_dict_in_generate=True)
     runner = generation.DecodeGraphs(model, graph_cls=RerunGraph)
     RerunGraph.replays = 0
-    from transformers import CompileConfig
-
-    config = CompileConfig()
-    config._compile_all_devices = True
-    model.get_compiled_call = lambda compile_config=None: runner.session()
-    graphed = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
-                             compile_config=config, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    graphed = _graph_generate(model, ids, 6, runner, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(graphed.sequences, eager.sequences)
     for a, b in zip(graphed.logits, eager.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -125,13 +119,7 @@ def test_a_step_that_cannot_be_captured_decodes_eagerly_from_then_on(packed_llam
     # The failed capture ran the first layer (writing its keys and values) before it failed: the cache is put back,
     # so the tokens and logits are the eager ones.
     for _ in range(2):
-        from transformers import CompileConfig
-
-        config = CompileConfig()
-        config._compile_all_devices = True
-        model.get_compiled_call = lambda compile_config=None: runner.session()
-        out = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="static",
-                             compile_config=config, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        out = _graph_generate(model, ids, 6, runner, output_logits=True, return_dict_in_generate=True)
         assert torch.equal(out.sequences, eager.sequences)
         for a, b in zip(out.logits, eager.logits):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
