@@ -652,6 +652,9 @@ def main(argv=None) -> int:
     from quantpack.modules import fused
 
     results["fused_norms"] = fused.apply(model)  # (as quantpack.load does: RMSNorm, rotary as one kernel each)
+    from quantpack.modules.experts import use_mma_layouts
+
+    results["mma_experts_blocks"] = use_mma_layouts(model)  # (as quantpack.load does on a GPU)
     short = prompts[min(cells(args))]
     results["kernel_vs_reference_rel_err"] = kernel_vs_reference(model, short[:, :16])
     print(json.dumps({k: v for k, v in results.items() if k != "rows"}), flush=True)

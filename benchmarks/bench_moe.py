@@ -6,8 +6,10 @@
 
 Shapes: Qwen3-30B-A3B's experts (128 experts, top-8, hidden 2048, width 768) and Mixtral-8x7B's (8, top-2, 4096,
 14336), 4-bit, group size 128, bf16 activations, random non-zero data and router-like routing (softmax top-k).
-For each token count: gate_up (activation fused), down (top-k weight fused, slots summed) and the whole block
-(``fused_experts``, routing included), against the same steps in bf16 with ``torch._grouped_mm`` on the
+For each token count: the whole block (``fused_experts``, routing included) with the experts as ``quantpack.load``
+keeps them on a GPU (the mma layout, ``layout`` in the row), the same in the checkpoint's layout
+(``fused_experts_rows``) and its two projections (gate_up, activation fused; down, top-k weight fused, slots summed),
+against the same steps in bf16 with ``torch._grouped_mm`` on the
 dequantized weights (tokens sorted by expert as transformers does it), and against transformers' own experts module
 with its ``grouped_mm`` implementation (whole block). Where the pairs average ``GROUPED_PER_EXPERT`` or more per expert, also
 ``grouped_dequant``: the prefill path fused_experts takes outside CUDA-graph capture (experts dequantized, torch's
@@ -36,6 +38,7 @@ from quantpack.format import PackedExperts  # noqa: E402
 from quantpack.kernels.moe import choose, fused_experts  # noqa: E402
 from quantpack.kernels.moe.dispatch import GROUPED_PER_EXPERT  # noqa: E402
 from quantpack.kernels.moe.grouped import grouped_experts  # noqa: E402
+from quantpack.kernels.moe.mma_experts import MmaExperts, mma_experts_fit  # noqa: E402
 from quantpack.kernels.dispatch import device_props  # noqa: E402
 from timing import graph_time, median_ms, record  # noqa: E402  (benchmarks/timing.py)
 
@@ -159,6 +162,10 @@ def bench_model(model, token_counts, bw, l2, out_dir):
     n_rep = max(2, min(16, math.ceil(4 * l2 / (min(hits.values()) * per_expert))))
     blocks = [random_block(experts, hidden, inter, torch.bfloat16, 1 + i, dev) for i in range(n_rep)]
     dense_w = [(dense(gu), dense(d)) for gu, d in blocks]
+    # what quantpack.load keeps on a GPU: the experts in the mma layout where they fit it (the checkpoint's layout,
+    # ``rows``, otherwise)
+    mma = all(mma_experts_fit(pe, torch.bfloat16) for pe in blocks[0])
+    loaded = [tuple(MmaExperts.from_packed(pe) for pe in b) for b in blocks] if mma else blocks
     log(f"{model}: E={experts} top-{top_k} H={hidden} I={inter}, {n_rep} weight replicas, "
         f"{per_expert / 1e6:.2f} MB per expert (packed)")
     rows = []
@@ -169,9 +176,11 @@ def bench_model(model, token_counts, bw, l2, out_dir):
         hit = len(torch.unique(routes[0][0]))
         floor_us = hit * per_expert / bw * 1e6
         d = choose(device_props(torch.device(dev)), tokens, top_k, experts, hidden, inter, GS)
+        d_loaded = choose(device_props(torch.device(dev)), tokens, top_k, experts, hidden, inter, GS, mma=mma)
         gu0, d0 = blocks[0]
         want = reference.experts(xs[0], gu0, d0, *routes[0])
-        check("fused_experts", fused_experts(xs[0], gu0, d0, *routes[0]), want)
+        check("fused_experts", fused_experts(xs[0], *loaded[0], *routes[0]), want)
+        check("fused_experts (rows)", fused_experts(xs[0], gu0, d0, *routes[0]), want)
         grouped = [Grouped(*dense_w[i], *routes[i]) for i in range(n_rep_t)]
         check("grouped_mm bf16", grouped[0](xs[0]), want, BASELINE_TOL)
         tf = transformers_experts(model, *dense_w[0])
@@ -189,11 +198,13 @@ def bench_model(model, token_counts, bw, l2, out_dir):
         base_parts = [(g, *g.sort(xs[i])) for i, g in enumerate(grouped)]
         base_h = [g.gate_up(xsort, offs) for g, xsort, _, offs in base_parts]
         timings = {
-            ("block", "fused_experts"): [lambda i=i: fused_experts(xs[i], *blocks[i], *routes[i])
+            ("block", "fused_experts"): [lambda i=i: fused_experts(xs[i], *loaded[i], *routes[i])
                                          for i in range(n_rep_t)],
+            ("block", "fused_experts_rows"): [lambda i=i: fused_experts(xs[i], *blocks[i], *routes[i])
+                                              for i in range(n_rep_t)],
             ("block", "grouped_mm_bf16"): [lambda i=i: grouped[i](xs[i]) for i in range(n_rep_t)],
-            ("gate_up", "fused_experts"): [p[0] for p in ours_parts],
-            ("down", "fused_experts"): [p[1] for p in ours_parts],
+            ("gate_up", "fused_experts_rows"): [p[0] for p in ours_parts],
+            ("down", "fused_experts_rows"): [p[1] for p in ours_parts],
             ("gate_up", "grouped_mm_bf16"): [lambda p=p: p[0].gate_up(p[1], p[3]) for p in base_parts],
             ("down", "grouped_mm_bf16"): [lambda p=p, h=h: p[0].down(h, p[2], p[3], tokens)
                                           for p, h in zip(base_parts, base_h)],
@@ -205,8 +216,8 @@ def bench_model(model, token_counts, bw, l2, out_dir):
         times = {key: graph_time(calls, warmup=10, rep=60) for key, calls in timings.items()}
         if tokens * top_k / experts >= GROUPED_PER_EXPERT:  # the prefill path fused_experts takes outside capture:
             # it reads the pairs per expert on the host, so it is timed eagerly (prefill is never captured)
-            check("grouped_dequant", grouped_experts(xs[0], gu0, d0, *routes[0]), want)
-            calls = [lambda i=i: grouped_experts(xs[i], *blocks[i], *routes[i]) for i in range(n_rep_t)]
+            check("grouped_dequant", grouped_experts(xs[0], *loaded[0], *routes[0]), want)
+            calls = [lambda i=i: grouped_experts(xs[i], *loaded[i], *routes[i]) for i in range(n_rep_t)]
             times[("block", "grouped_dequant")] = (median_ms(lambda: [c() for c in calls], 5, 30) / n_rep_t,
                                                    "eager")
         for (op, impl), (ms, mode) in times.items():
@@ -217,9 +228,11 @@ def bench_model(model, token_counts, bw, l2, out_dir):
                    "M": tokens, "bits": BITS, "group_size": GS, "dtype": "bf16", "time_us": round(us, 2),
                    "mode": mode, "ratio_to_cublas": None, "ratio_to_bf16": round(base / us, 3), "experts_hit": hit,
                    "replicas": n_rep_t}
-            if impl == "fused_experts":
-                row["config"] = str(d.gate_up if op == "gate_up" else d.down if op == "down" else d.path)
-                if op == "block":
+            if impl.startswith("fused_experts"):
+                dd = d_loaded if impl == "fused_experts" else d
+                row["layout"] = "mma" if impl == "fused_experts" and mma else "rows"
+                row["config"] = str(dd.gate_up if op == "gate_up" else dd.down if op == "down" else dd.path)
+                if op == "block" and impl == "fused_experts":
                     row["floor_us"] = round(floor_us, 2)
                     row["floor_fraction"] = round(floor_us / us, 3)
                     row["copy_GBps"] = round(bw / 1e9, 1)
@@ -315,6 +328,12 @@ def dry_run():
                     reference.experts(x, gate_up, down, ids, w.float()))
         d = choose(device_props(torch.device("cpu")), tokens, 2, 8, 128, 128, GS)
         log(f"dry run: T={tokens} top-2 of 8 experts, {d.path}: relative error {err:.2e}")
+        gate_up, down = random_block(8, 128, 128, torch.float16, 0, "cpu")
+        x = x.half()
+        err = check("fused_experts (mma layout)", fused_experts(x, *(MmaExperts.from_packed(pe) for pe in
+                                                                     (gate_up, down)), ids, w.float()),
+                    reference.experts(x, gate_up, down, ids, w.float()), 2e-3)
+        log(f"dry run: T={tokens}, the mma layout: relative error {err:.2e}")
 
 
 def main(argv=None) -> int:

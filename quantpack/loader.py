@@ -25,6 +25,7 @@ from .integrity import (check_manifest_layers, check_tensors, digest_mismatch, e
 from .modules.experts import ExpertMatrix
 from .modules.linear import QuantLinear
 from .modules import fused
+from .modules.experts import use_mma_layouts
 from .modules.merged import merge_projections
 from .modules.replace import linear_modules_to_convert, replace_linear_layers
 from .schemes import read_quantization_config
@@ -243,6 +244,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         merge_projections(model)
     if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each; the rotary replacement is process-wide)
         fused.apply(model)
+        use_mma_layouts(model)  # (experts in the tensor-core decode layout, where they fit it)
     generation.enable(model, decode)
     return model.eval()
 

@@ -39,6 +39,7 @@ from ..integrity import (check_manifest_layers, check_tensors, check_tensor_dige
 from ..modules.experts import ExpertMatrix
 from ..modules.linear import QuantLinear
 from ..modules import fused
+from ..modules.experts import use_mma_layouts
 from ..modules.merged import merge_projections
 from ..modules.replace import linear_modules_to_convert, replace_linear_layers
 from ..schemes import read_quantization_config
@@ -145,6 +146,7 @@ class QuantpackHfQuantizer(HfQuantizer):
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
         if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each)
             fused.apply(model)
+            use_mma_layouts(model)  # (experts in the tensor-core decode layout, where they fit it)
         generation.enable(model)  # (and generate() replays its decode steps from CUDA graphs)
         return model
 

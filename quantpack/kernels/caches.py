@@ -12,7 +12,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import reference
 from ..format import PackedWeight
 from .dequant import cdiv, interpreting
-from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid, mma_pack
+from .mma_gemv import MAX_M as MMA_MAX_M, launch_mma_gemv, mma_grid
+from .mma_layout import mma_pack
 
 
 def tensor_version(t: torch.Tensor) -> int:

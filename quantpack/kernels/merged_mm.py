@@ -26,7 +26,7 @@ from .autotune import reference_product, tunes_on_first_use
 from .caches import mma_copies, mma_self_check, outside_graph_pools, tensor_version
 from .dispatch import MMA_MAX_M, mma_config
 from .mixed_mm import autotune_mma, call_key, mixed_mm, mma_mm
-from .mma_gemv import CHUNK, mma_pack
+from .mma_layout import CHUNK, mma_pack
 
 
 class MergedWeights(NamedTuple):

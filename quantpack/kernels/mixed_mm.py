@@ -43,7 +43,8 @@ from .dispatch import (MMA_MAX_M, PDL_MAX_M, WGMMA_MAX_M, Flags, choose, device_
                        heuristic_config, launch_plans_enabled, mma_config, mma_decision, pick_config, read_env,
                        w4a8_reference, without_mma)
 from .launcher import launch
-from .mma_gemv import CHUNK, mma_usable
+from .mma_gemv import mma_usable
+from .mma_layout import CHUNK
 from .wgmma_mm import wgmma_usable
 from .. import reference
 from ..format import PackedWeight

@@ -4,7 +4,7 @@
 The CUDA-core ``gemv`` spends about 3.4 instructions per weight on unpacking and multiply-adds;
 here the tensor cores do the multiply-adds and the unpacking is one shift + one LOP3 per two
 weights. For that every lane must hold exactly its MMA fragment, so the weight is repacked once
-(:func:`mma_pack`, kept alongside the checkpoint's layout) into the order the fragments are read:
+(:func:`~quantpack.kernels.mma_layout.mma_pack`, kept alongside the checkpoint's layout) into the order the fragments are read:
 
 * ``(N/16, K/64, 32, 4)`` int32: for each 16-row tile of N and 64-in-feature chunk of K, lane ``l``
   reads one 16-byte vector; word ``j`` is its A fragment for k-step ``j`` of the chunk (8 nibbles:
@@ -42,148 +42,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import launch_plan
 from .dequant import cdiv
+from .mma_layout import CHUNK
+from .mma_ptx import chunk_asm, hold_asm, ksum_asm
 
-CHUNK = 64  # in-features per packed chunk (4 MMA k-steps)
 MAX_M = 64  # rows of x: blocks of 16 (two 8-row B fragments each)
 MAX_BLOCKS = 2  # 16-row blocks of x per program (four measured 1.4-1.8x slower)
 PRELOAD_CHUNKS = 8  # the most chunks a depth-0 program loads before its first MMA (registers)
-
-
-def mma_pack(qweight: torch.Tensor, n: int, k: int, bits: int = 4) -> torch.Tensor:
-    """The packed weight repacked for :func:`launch_mma_gemv` (same byte count). 4-bit: the (K/2, N)
-    uint8 layout (even k in the low nibble) becomes (N/16, K/64, 32, 4) int32; 8-bit: the (K, N)
-    layout becomes (N/8, K/64, 32, 4), tile 2t holding the high nibbles of rows 16t.. 16t + 15 and
-    tile 2t + 1 their low nibbles. Needs N % 16 == 0 and K % 64 == 0."""
-    if n % 16 or k % CHUNK:
-        raise ValueError(f"mma layout needs N % 16 == 0 and K % {CHUNK} == 0, got N={n} K={k}")
-    if bits == 8:
-        planes = [qweight >> 4, qweight & 15]  # (K, N) each
-        planes = [mma_pack(p[0::2] | (p[1::2] << 4), n, k) for p in planes]  # as 4-bit (K/2, N) weights
-        return torch.stack(planes, dim=1).reshape(n // 8, k // CHUNK, 32, 4)
-    # nibbles as uint8 (one byte per weight: this runs once per weight, possibly on a full GPU)
-    q = torch.stack([qweight & 15, qweight >> 4], dim=1).reshape(k, n).t()  # (N, K), q[n, k]
-    # n = 16t + 8h + g, k = 64kc + 16c + 8kh + 2j + e  ->  word[t, kc, 4g + c, j], nibble at 4(h + 2kh) + 16e
-    # (MMA row 2c + e + 8kh of k-step j is in-feature 16c + 8kh + 2j + e: each lane's first and
-    # second B registers over a chunk are then 4 consecutive words of x each, one 16-byte load apiece)
-    q = q.reshape(n // 16, 2, 8, k // CHUNK, 4, 2, 4, 2)  # (t, h, g, kc, c, kh, j, e)
-    q = q.permute(0, 3, 2, 4, 6, 5, 1, 7).reshape(-1, 4, 2)  # (t, kc, g, c, j) x (r = h + 2kh) x e
-    shift = 4 * torch.arange(4, device=q.device, dtype=torch.int32)
-    lo = (q[..., 0].to(torch.int32) << shift).sum(-1, dtype=torch.int32)  # e = 0: bits 4r
-    hi = (q[..., 1].to(torch.int32) << shift).sum(-1, dtype=torch.int32)  # e = 1: bits 16 + 4r
-    words = lo.to(torch.int64) | (hi.to(torch.int64) << 16)
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    return words.reshape(n // 16, k // CHUNK, 32, 4).contiguous()
-
-
-def _hold_asm(outputs: int, inputs: int) -> tuple[str, str]:
-    """PTX for :func:`_hold` (``pack=4``): output tensor i is input tensor i xor'ed with (all inputs xor'ed
-    together) and the last input (zero): the result is the first inputs, after every input has arrived."""
-    ins = [f"${4 * outputs + i}" for i in range(4 * inputs)]
-    s = "{ .reg .b32 t; " + f"mov.b32 t, {ins[0]};"
-    rest = ins[1:-4]
-    for i in range(0, len(rest) - 1, 2):
-        s += f" lop3.b32 t, t, {rest[i]}, {rest[i + 1]}, 0x96;"
-    if len(rest) % 2:
-        s += f" xor.b32 t, t, {rest[-1]};"
-    s += f" and.b32 t, t, {ins[-4]};"
-    s += "".join(f" xor.b32 ${i}, {ins[i]}, t;" for i in range(4 * outputs))
-    return s + " }", ",".join(["=r"] * (4 * outputs) + ["r"] * (4 * inputs))
-
-
-def _ksum_asm(count: int, kwarps: int, rows: int) -> tuple[str, str]:
-    """PTX for :func:`_ksum` (``pack=4``): each thread stores its row of ``count`` (32 x warps, 4) accumulators to shared
-    memory, one barrier, then sums the rows of its tile slot over the ``kwarps`` K parts (``rows`` = 32 x warps along N
-    apart), in the same order in every warp. Operands: outputs (4 f32 per accumulator), the accumulators, the row index."""
-    outs = [f"${i}" for i in range(4 * count)]
-    ins = [f"${4 * count + i}" for i in range(4 * count)]
-    row = f"${8 * count}"
-    pitch = 16 * count  # bytes of one row's accumulators
-    s = ("{ .reg .b32 a, b, r; .reg .f32 t0, t1, t2, t3, u0, u1, u2, u3; "
-         f".shared .align 16 .b8 ksum[{pitch * rows * kwarps}]; mov.u32 a, ksum; mad.lo.u32 b, {row}, {pitch}, a;")
-    for i in range(count):
-        s += f" st.shared.v4.f32 [b+{16 * i}], {{{', '.join(ins[4 * i:4 * i + 4])}}};"
-    s += f" bar.sync 0; and.b32 r, {row}, {rows - 1}; mad.lo.u32 b, r, {pitch}, a;"
-    for i in range(count):
-        s += f" ld.shared.v4.f32 {{t0, t1, t2, t3}}, [b+{16 * i}];"
-        for p in range(1, kwarps):
-            s += f" ld.shared.v4.f32 {{u0, u1, u2, u3}}, [b+{p * rows * pitch + 16 * i}];"
-            s += "".join(f" add.f32 t{e}, t{e}, u{e};" for e in range(4))
-        s += "".join(f" mov.f32 {outs[4 * i + e]}, t{e};" for e in range(4))
-    return s + " }", ",".join(["=f"] * (4 * count) + ["f"] * (4 * count) + ["r"] * 4)
-
-
-MODES = ("zero", "raw_sum", "raw")
-
-
-def _chunk_asm(fp16: bool, frags: int, mode: str) -> str:
-    """PTX for one 64-in-feature chunk on each lane's fragments (one row of a (32*W, 4) tensor per
-    lane, ``pack=4``): per k-step j, unpack word j of A (shift + LOP3 to ``q + offset``) and run
-    ``d[f] += A . B[f]`` for each 8-row fragment f of x (one unpack serves them all). ``mode``:
-
-    * ``zero``: A becomes ``q - z`` first (two adds: exact, then rounded to x's dtype, as
-      dequantizing rounds): 15 integer/half2 instructions and one MMA per k-step and fragment;
-    * ``raw_sum``: A stays ``q + offset`` (7 instructions) and a second MMA with an all-ones A gives
-      ``sx[f] += sum(x)`` in the accumulator layout, for the per-group ``s (d - (z + offset) sx)``;
-    * ``raw``: as ``raw_sum`` without the sums (a warp's second tile reuses its first tile's).
-
-    Operands in order: outputs ``d[f]`` (4 f32 each), then ``sx[f]`` (raw_sum); inputs: A words (4),
-    per fragment the first and second B registers (4 + 4), ``-z`` of rows g and g + 8 as 16-bit pairs
-    (2, zero), ``d[f]`` in, ``sx[f]`` in (raw_sum). Inputs are copied to local registers first so
-    no output can alias an input that is still to be read."""
-    assert mode in MODES
-    magic, offset, one, ty = (("0x64006400", "0xE400E400", "0x3C003C00", "f16") if fp16 else
-                              ("0x43004300", "0xC300C300", "0x3F803F80", "bf16"))
-    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
-    sums = mode == "raw_sum"
-    regs = iter(range(1024))
-
-    def take(count):
-        return [f"${next(regs)}" for _ in range(count)]
-    d_out = [take(4) for _ in range(frags)]
-    sx_out = [take(4) for _ in range(frags)] if sums else []
-    words = take(4)
-    b = [(take(4), take(4)) for _ in range(frags)]
-    nz = take(2) if mode == "zero" else []
-    d_in = [take(4) for _ in range(frags)]
-    sx_in = [take(4) for _ in range(frags)] if sums else []
-    acc = [[f"d{f}_{i}" for i in range(4)] for f in range(frags)]
-    acc_sx = [[f"e{f}_{i}" for i in range(4)] for f in range(frags)] if sums else []
-    s = "{ .reg .b32 q0, q1, q2, q3, t, z0, z1, off, one; .reg .f32 " + ", ".join(sum(acc + acc_sx, [])) + ";"
-    if mode == "zero":
-        s += f" mov.b32 z0, {nz[0]}; mov.b32 z1, {nz[1]}; mov.b32 off, {offset};"
-    if sums:
-        s += f" mov.b32 one, {one};"
-    s += "".join(f" mov.f32 {r}, {v};" for regs_, vals in zip(acc + acc_sx, d_in + sx_in)
-                 for r, v in zip(regs_, vals))
-    for j, w in enumerate(words):
-        for r in range(4):  # register r = h + 2 kh: nibbles at bits 4r and 16 + 4r
-            if r:
-                s += f" shr.b32 t, {w}, {4 * r};"
-            s += f" lop3.b32 q{r}, {w if r == 0 else 't'}, 0x000F000F, {magic}, 0xEA;"
-            if mode == "zero":
-                s += f" add.{ty}x2 q{r}, q{r}, off; add.{ty}x2 q{r}, q{r}, z{r % 2};"
-        for f in range(frags):
-            frag_b = f"{{{b[f][0][j]}, {b[f][1][j]}}}"
-            d = ", ".join(acc[f])
-            s += f" {mma} {{{d}}}, {{q0, q1, q2, q3}}, {frag_b}, {{{d}}};"
-            if sums:
-                e = ", ".join(acc_sx[f])
-                s += f" {mma} {{{e}}}, {{one, one, one, one}}, {frag_b}, {{{e}}};"
-    s += "".join(f" mov.f32 {v}, {r};" for regs_, vals in zip(acc + acc_sx, d_out + sx_out)
-                 for r, v in zip(regs_, vals))
-    return s + " }"
-
-
-def _chunk_constraints(frags: int, mode: str) -> str:
-    sums = 2 if mode == "raw_sum" else 1
-    return ",".join(["=f"] * (4 * frags * sums) + ["r"] * (4 + 8 * frags + (2 if mode == "zero" else 0))
-                    + ["f"] * (4 * frags * sums))
-
-
-@functools.cache
-def chunk_asm(dtype: torch.dtype, frags: int, mode: str) -> tuple[str, str]:
-    """The chunk's PTX and its operand constraints for x's dtype, ``frags`` 8-row fragments of x and ``mode``."""
-    return _chunk_asm(dtype == torch.float16, frags, mode), _chunk_constraints(frags, mode)
 
 
 @triton.jit
@@ -426,32 +290,57 @@ def _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_
 
 
 @triton.jit
-def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-                     M, N, K, stride_xm, stride_om,
+def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, ids_ptr,
+                     M, N, K, stride_xm, stride_om, E, XDIV,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
                      RAWQ: tl.constexpr, FRAGS: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
                      PDL: tl.constexpr, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, KW: tl.constexpr,
-                     KSUM: tl.constexpr, KSUM_CONS: tl.constexpr):
+                     KSUM: tl.constexpr, KSUM_CONS: tl.constexpr, EXPERTS: tl.constexpr = 0):
     # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
     # A program takes ROWS rows of x as FRAGS 8-row B fragments, all multiplied with each A fragment it
     # unpacks; with more rows than that, the programs of a column tile are adjacent, so the weight tile
     # they all read is in L2 for the later ones.
+    # Experts (EXPERTS 1 or 2): each block of rows has its own weight, block b's expert ids[b] of E (one outside
+    # [0, E) skips the block); the experts' layouts, scales and zeros are stacked. EXPERTS 1: M (token, slot) pairs,
+    # a block of one row each, x's row b // XDIV, out's row b; EXPERTS 2: blocks of ROWS rows of x and out. Their
+    # split-K partials stay in the workspace (SPLIT x M x N, out itself when SPLIT is 1) for the next kernel to sum.
     ROWS: tl.constexpr = 16 if FRAGS <= 2 else 8 * FRAGS
-    blocks = (M + ROWS - 1) // ROWS
+    if EXPERTS == 1:
+        blocks = M
+    else:
+        blocks = (M + ROWS - 1) // ROWS
     pid_m = tl.program_id(0) % blocks
     pid_n = tl.program_id(0) // blocks
     pid_s = tl.program_id(1)
-    x_ptr += pid_m * ROWS * stride_xm
-    out_ptr += pid_m * ROWS * stride_om
     WS_SPLIT = M * N  # (workspace: SPLIT x M x N partials)
-    ws_ptr += pid_m * ROWS * N
-    M = tl.minimum(M - pid_m * ROWS, ROWS)  # rows of this program
+    if EXPERTS == 0:
+        x_ptr += pid_m * ROWS * stride_xm
+        out_ptr += pid_m * ROWS * stride_om
+        ws_ptr += pid_m * ROWS * N
+        M = tl.minimum(M - pid_m * ROWS, ROWS)  # rows of this program
+    else:
+        e = tl.load(ids_ptr + pid_m).to(tl.int64)
+        if (e < 0) | (e >= E):
+            return
+        qm_ptr += e * (N // 16) * (K // 64) * 128
+        s_ptr += e * (K // G) * N
+        z_ptr += e * (K // G) * N
+        if EXPERTS == 1:
+            x_ptr += (pid_m // XDIV) * stride_xm
+            out_ptr += pid_m * stride_om
+            ws_ptr += pid_m * N
+            M = 1
+        else:
+            x_ptr += pid_m * ROWS * stride_xm
+            out_ptr += pid_m * ROWS * stride_om
+            ws_ptr += pid_m * ROWS * N
+            M = ROWS
     CPG: tl.constexpr = G // 64  # chunks per group
     STEPS: tl.constexpr = GROUPS * CPG
     OFFSET: tl.constexpr = 1024.0 if FP16 else 128.0
-    # chunk modes (see _chunk_asm): zeros subtracted in A, or raw q with x's sums taken by the first tile
+    # chunk modes (see mma_ptx.chunk_asm): zeros subtracted in A, or raw q with x's sums taken by the first tile
     MODE1: tl.constexpr = 1 if RAWQ else 0
     MODE2: tl.constexpr = 2 if RAWQ else 0
     row = tl.arange(0, 32 * WARPS)  # (warp, lane): one row of every (32 * WARPS, 4) tensor per lane
@@ -570,7 +459,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         for f in tl.static_range(FRAGS):
             _finish(acc[ti * FRAGS + f], m_c + 8 * f, n_c + 16 * ti, M, N, pid_s, bias_ptr, out_ptr, stride_om, ws_ptr,
                     WS_SPLIT, HAS_BIAS, SPLIT)
-    if SPLIT > 1:
+    if SPLIT > 1 and EXPERTS == 0:
         # partials published: count arrivals; the last program of this column tile sums them all
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
@@ -659,11 +548,35 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     assert (depth in (1, 2) or mma_depth(grid, group_size, depth) == 0) and 1 <= m <= MAX_M and bits in (4, 8)
     launch_plan.launch(
         _mma_gemv_kernel, (grid.programs * grid.row_programs(m), grid.split),
-        x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters,
-        m, n, k, x2.stride(0), out.stride(0),
+        x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters, counters,
+        m, n, k, x2.stride(0), out.stride(0), 0, 1,
         **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=bits,
                             has_bias=bias is not None, use_asm=use_asm, pdl=pdl),
         num_warps=grid.warps * grid.kwarps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
+
+
+def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool, x_div: int, n: int, k: int,
+                       group_size: int, grid: MmaGrid, depth: int, rawq: bool, use_asm: bool) -> None:
+    """Mixture-of-experts blocks of rows, each times its own expert's 4-bit weight: ``words`` (E, N/16, K/64, 32,
+    4) stacks the experts' :func:`~quantpack.kernels.mma_layout.mma_pack` layouts, ``scales``/``zeros`` (E, K/g,
+    N). ``per_row``: row b of ``partials`` is x's row ``b // x_div`` times expert ``ids[b]`` (decode: one (token,
+    slot) pair a row); else ``x2``'s rows are blocks of 16, block b times expert ``ids[b]`` (pairs sorted by
+    expert). An id outside [0, E) leaves its rows unwritten. ``partials`` (grid.split, rows, N) float32 receives
+    each split's partial sums, for the next kernel to add. ``grid`` from :func:`mma_grid` (one 16-row block per
+    program)."""
+    assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, 4, 1, grid.kwarps), \
+        "grid must come from mma_grid"
+    rows = partials.shape[1]
+    assert partials.shape == (grid.split, rows, n) and partials.dtype == torch.float32 and partials.is_contiguous()
+    assert per_row or rows == 16 * ids.numel()
+    m = 1 if per_row else 16
+    launch_plan.launch(
+        _mma_gemv_kernel, (grid.programs * ids.numel(), grid.split),
+        x2, words, scales, zeros, partials, partials, partials, ids, ids,
+        rows, n, k, x2.stride(0), n, words.shape[0], x_div,
+        **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=4,
+                            has_bias=False, use_asm=use_asm), EXPERTS=1 if per_row else 2,
+        num_warps=grid.warps * grid.kwarps, num_stages=1)
 
 
 def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: int, depth: int, rawq: bool,
@@ -686,7 +599,7 @@ def _ksum_constexprs(grid: MmaGrid, frags: int) -> dict:
     """:func:`_ksum`'s PTX for a program whose warps split its K range, else nothing."""
     if grid.kwarps == 1:
         return dict(KSUM="", KSUM_CONS="")
-    asm, cons = _ksum_asm(grid.tiles_per_warp * frags, grid.kwarps, 32 * grid.warps)
+    asm, cons = ksum_asm(grid.tiles_per_warp * frags, grid.kwarps, 32 * grid.warps)
     return dict(KSUM=asm, KSUM_CONS=cons)
 
 
@@ -696,5 +609,5 @@ def _hold_constexprs(grid: MmaGrid, group_size: int, frags: int, planes: int, de
         return dict(HOLD="", HOLD_CONS="")
     nt = grid.tiles_per_warp * planes
     steps = grid.groups * group_size // CHUNK
-    asm, cons = _hold_asm(nt, steps * (nt + 2 * frags) + 2 * grid.groups * grid.tiles_per_warp + 1)
+    asm, cons = hold_asm(nt, steps * (nt + 2 * frags) + 2 * grid.groups * grid.tiles_per_warp + 1)
     return dict(HOLD=asm, HOLD_CONS=cons)

@@ -152,6 +152,7 @@ class QuantExperts(nn.Module):
                                  if bias else None)
         for proj in PROJECTIONS:
             setattr(self, proj, ExpertMatrices(ExpertMatrix(self, proj, e) for e in range(num_experts)))
+        self.layout = "rows"  # "mma" once use_mma_layout() has repacked the qweights (see there)
 
     @classmethod
     @torch.no_grad()
@@ -197,9 +198,17 @@ class QuantExperts(nn.Module):
     def down(self) -> PackedExperts:
         return self._stack("down")
 
-    def _stack(self, stack: str) -> PackedExperts:
-        n, k = ((2 * self.intermediate_dim, self.hidden_dim) if stack == "gate_up"
+    def _dims(self, stack: str) -> tuple[int, int]:
+        return ((2 * self.intermediate_dim, self.hidden_dim) if stack == "gate_up"
                 else (self.hidden_dim, self.intermediate_dim))
+
+    def _stack(self, stack: str):
+        n, k = self._dims(stack)
+        if self.layout == "mma":
+            from ..kernels.moe.mma_experts import MmaExperts
+
+            return MmaExperts(getattr(self, f"{stack}_qweight"), getattr(self, f"{stack}_scales"),
+                              getattr(self, f"{stack}_zeros"), self.group_sizes[stack], (n, k))
         return PackedExperts(getattr(self, f"{stack}_qweight"), getattr(self, f"{stack}_scales"),
                              getattr(self, f"{stack}_zeros"), self.bits, self.group_sizes[stack], (n, k),
                              getattr(self, f"{stack}_bias"))
@@ -212,6 +221,10 @@ class QuantExperts(nn.Module):
         if t is None:
             return None
         t = t[e]
+        if field == "qweight" and self.layout == "mma":  # (a copy in the checkpoint's layout)
+            from ..kernels.mma_layout import mma_unpack
+
+            t = mma_unpack(t, *self._dims(stack))
         i = self.intermediate_dim
         if proj == "gate_proj":
             return t[..., :i]
@@ -236,6 +249,36 @@ class QuantExperts(nn.Module):
         if (value.dtype == torch.uint8) != (target.dtype == torch.uint8):
             raise ValueError(f"{proj}.{e}.{field}: dtype {value.dtype}, expected {target.dtype}")
         target.copy_(value.detach())  # (buffers and a detached value: nothing for autograd to record)
+        if field == "qweight" and self.layout == "mma":  # (target was a copy: the expert repacked from it)
+            from ..kernels.mma_layout import mma_pack
+
+            n, k = self._dims(stack)
+            full = target if proj == "down_proj" else target._base if target._base is not None else target
+            buf[e] = mma_pack(full, n, k)
+
+    @torch.no_grad()
+    def use_mma_layout(self) -> bool:
+        """Keep the experts' 4-bit weights in the tensor-core decode layout (kernels/moe/mma_experts.py) in place of
+        the checkpoint's, same bytes, where the block is on a GPU (or the CPU under TRITON_INTERPRET=1), fits that
+        layout, QUANTPACK_MMA is on, and the kernel passed its self-check there; returns whether it does. Decode then runs the dense ``mma`` GEMV per expert; the state
+        dict still gives (and takes) the checkpoint's layout, converted per expert."""
+        if self.layout == "mma":
+            return True
+        from ..env import switch
+        from ..kernels.caches import mma_self_check
+        from ..kernels.dequant import interpreting, triton_usable
+        from ..kernels.moe.mma_experts import MmaExperts, mma_experts_fit
+
+        gate_up, down = self.gate_up, self.down
+        if (not triton_usable(gate_up.scales) or self.weight_on_input or not switch("QUANTPACK_MMA")
+                or not all(mma_experts_fit(pe, pe.scales.dtype) for pe in (gate_up, down))
+                or not (interpreting() or mma_self_check(gate_up.qweight.device))):
+            return False
+        for stack, pe in (("gate_up", gate_up), ("down", down)):
+            self._buffers[f"{stack}_qweight"] = MmaExperts.from_packed(pe).words
+            del pe
+        self.layout = "mma"
+        return True
 
     # -- forward -----------------------------------------------------------------------------------------------
 
@@ -243,9 +286,9 @@ class QuantExperts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         x = hidden_states.reshape(-1, self.hidden_dim)
         run = reference.experts
-        if x.is_cuda:
+        if x.is_cuda or self.layout == "mma":
             try:
-                from ..kernels.moe import fused_experts as run
+                from ..kernels.moe import fused_experts as run  # (the reference where Triton cannot run)
             except ImportError:  # (a build without the fused expert kernels: the reference, which syncs)
                 pass
         out = run(x, self.gate_up, self.down, top_k_index.reshape(x.shape[0], -1),
@@ -255,4 +298,10 @@ class QuantExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
-                f"bits={self.bits}, group_size={self.group_sizes['gate_up']}, activation={self.activation}")
+                f"bits={self.bits}, group_size={self.group_sizes['gate_up']}, activation={self.activation}"
+                + (", layout=mma" if self.layout == "mma" else ""))
+
+
+def use_mma_layouts(model: nn.Module) -> int:
+    """:meth:`QuantExperts.use_mma_layout` on every experts block of ``model``; returns how many now use it."""
+    return sum(m.use_mma_layout() for m in model.modules() if isinstance(m, QuantExperts))

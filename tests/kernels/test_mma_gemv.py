@@ -9,7 +9,8 @@ import torch
 from oracles import packed_weight as packed, rel_err  # tests/oracles.py
 from quantpack.kernels import mixed_mm
 from quantpack.kernels.mixed_mm import KernelConfig
-from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_depth, mma_grid, mma_pack
+from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_depth, mma_grid
+from quantpack.kernels.mma_layout import mma_pack, mma_unpack
 
 mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
 configs_mod = importlib.import_module("quantpack.kernels.configs")

@@ -7,6 +7,7 @@ import torch
 from oracles import random_experts, rel_err  # tests/oracles.py
 from quantpack import reference
 from quantpack.kernels.moe import fused_experts
+from quantpack.kernels.moe.mma_experts import MmaExperts
 
 pytestmark = pytest.mark.gpu
 SHAPES = {"qwen3-moe": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}
@@ -69,3 +70,36 @@ def test_cuda_graph_replays_with_new_routing(name, tokens):
         graph.replay()
         want = reference.experts(x, gate_up, down, ids, w)
         assert rel_err(out, want.float()) < BF16_TOL
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 3, 16, 64, 2048])
+def test_mma_layout_matches_the_reference(poisoned_outputs, name, tokens):
+    """The experts as quantpack.load keeps them on a GPU (the mma layout): a block per pair, sorted blocks of 16,
+    and the grouped prefill from that layout."""
+    gate_up, down, experts, top_k, hidden = block(name)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(tokens, experts, top_k, tokens + 5)
+    ids[0, -1] = -1  # an unused slot
+    got = fused_experts(x, MmaExperts.from_packed(gate_up), MmaExperts.from_packed(down), ids, w)
+    assert rel_err(got, reference.experts(x, gate_up, down, ids, w).float()) < BF16_TOL
+
+
+@pytest.mark.parametrize("name,tokens", [("qwen3-moe", 1), ("qwen3-moe", 16), ("mixtral", 1), ("mixtral", 16)])
+def test_mma_layout_graph_replays_with_new_routing(name, tokens):
+    gate_up, down, experts, top_k, hidden = block(name)
+    mg, md = MmaExperts.from_packed(gate_up), MmaExperts.from_packed(down)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(tokens, experts, top_k, 1)
+    fused_experts(x, mg, md, ids, w)  # (compiles the kernels outside the capture)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, mg, md, ids, w)
+    for seed in (2, 3):
+        new_ids, new_w = routing(tokens, experts, top_k, seed)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert rel_err(out, reference.experts(x, gate_up, down, ids, w).float()) < BF16_TOL

@@ -17,7 +17,7 @@ from quantpack.kernels.merged_mm import _merged, merged_mm_op, merged_path
 from quantpack.kernels import KernelConfig
 from quantpack.kernels.caches import mma_copies
 from quantpack.kernels.dispatch import mma_config
-from quantpack.kernels.mma_gemv import mma_pack
+from quantpack.kernels.mma_layout import mma_pack
 from quantpack.loader import load
 from quantpack.modules.linear import QuantLinear
 from quantpack.modules.merged import MERGE_MAX_M, merge_projections, unmerge_projections

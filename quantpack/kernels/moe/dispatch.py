@@ -8,6 +8,8 @@
 * ``grouped``: many pairs per expert, bf16, a GPU where torch has a grouped GEMM (sm_90+), outside CUDA-graph
   capture: the experts are dequantized a range at a time and multiplied by ``torch._grouped_mm`` (grouped.py); the
   GEMMs are compute-bound there, so tensor-core GEMMs at bf16 speed beat dequantizing in registers.
+* ``mma``: experts kept in the mma layout (what a GPU block gets where it fits, mma_experts.py) run the dense
+  tensor-core decode GEMV per expert in place of ``pairs`` (``block_m`` 1) and ``sorted`` (blocks of 16).
 
 :func:`choose` decides from the call's shape alone (no tuned table yet); :func:`explain` words it.
 """
@@ -19,6 +21,8 @@ import torch
 
 from ..dequant import cdiv, interpreting
 from ..dispatch import DeviceProps, device_props
+from .mma_experts import mma_experts_grid
+from .routing import max_blocks
 
 __all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_EXPERT", "PAIRS_MAX",
            "GROUPED_PER_EXPERT"]
@@ -89,12 +93,20 @@ def _sorted_config(pairs: int, experts: int, n: int, k: int, group_size: int) ->
                          num_warps=4, num_stages=3)
 
 
+def _mma_config(blocks: int, rows: int, n: int, k: int, group_size: int, sms: int) -> ExpertsConfig:
+    grid = mma_experts_grid(blocks, n, k, group_size, sms)
+    return ExpertsConfig("mma", rows, 16 * grid.warps * grid.tiles_per_warp, 0, num_warps=grid.warps, num_stages=1,
+                         split=grid.split)
+
+
 def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-           group_size: int, *, grouped: bool = False) -> ExpertsDecision:
+           group_size: int, *, grouped: bool = False, mma: bool = False) -> ExpertsDecision:
     """The kernels and tiles of a fused-experts call: ``tokens`` rows of x, ``top_k`` slots each, ``num_experts``
     experts of hidden size ``hidden`` and expert width ``inter`` (gate_up is (2 inter, hidden), down (hidden,
     inter)), groups of ``group_size`` along K. ``grouped``: whether the grouped path could run for this call
-    (grouped.grouped_usable, and not inside CUDA-graph capture)."""
+    (grouped.grouped_usable, and not inside CUDA-graph capture); ``mma``: the experts are in the mma layout
+    (mma_experts.py), whose ``mma`` configs replace ``pairs`` and ``sorted`` (``block_m`` 1: a block per pair;
+    16: sorted blocks of 16)."""
     pairs = tokens * top_k
     per_expert = pairs / num_experts
     if grouped and per_expert >= GROUPED_PER_EXPERT:
@@ -106,8 +118,20 @@ def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden
     if pairs <= PAIRS_MAX and per_expert <= PAIRS_PER_EXPERT:
         why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.2g} per expert <= "
                f"{PAIRS_PER_EXPERT}, and <= {PAIRS_MAX} pairs): one program per pair and column tile, no sorting")
+        if mma:
+            return ExpertsDecision(_mma_config(pairs, 1, 2 * inter, hidden, group_size, props.sms),
+                                   _mma_config(pairs, 1, hidden, inter, group_size, props.sms),
+                                   why + ", tensor-core GEMV on the experts' mma layout")
         return ExpertsDecision(_pairs_config(pairs, inter, hidden, group_size, props.sms),
                                _pairs_config(pairs, hidden, inter, group_size, props.sms), why)
+    if mma:
+        blocks = max_blocks(pairs, num_experts, 16)
+        why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.3g} per expert"
+               + (f" > {PAIRS_PER_EXPERT}" if per_expert > PAIRS_PER_EXPERT else f", but > {PAIRS_MAX} pairs")
+               + "): pairs sorted into blocks of 16 per expert on the GPU, tensor-core GEMV on the experts' mma "
+               "layout, each hit expert read once a block")
+        return ExpertsDecision(_mma_config(blocks, 16, 2 * inter, hidden, group_size, props.sms),
+                               _mma_config(blocks, 16, hidden, inter, group_size, props.sms), why)
     why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.3g} per expert"
            + (f" > {PAIRS_PER_EXPERT}" if per_expert > PAIRS_PER_EXPERT else f", but > {PAIRS_MAX} pairs")
            + "): pairs sorted into per-expert blocks on the GPU, tensor-core tiles read each hit expert once a block")
@@ -117,9 +141,10 @@ def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden
 
 def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, bits: int = 4,
             group_size: int = 128, dtype: torch.dtype = torch.bfloat16,
-            device: torch.device | str | DeviceProps | None = None) -> str:
+            device: torch.device | str | DeviceProps | None = None, mma: bool = False) -> str:
     """One paragraph: which expert kernels and tiles ``fused_experts`` runs for this call shape on ``device``
-    (default: the current GPU; a :class:`~quantpack.kernels.dispatch.DeviceProps` to ask about another), and why."""
+    (default: the current GPU; a :class:`~quantpack.kernels.dispatch.DeviceProps` to ask about another), and why;
+    ``mma``: for experts in the mma layout (what ``quantpack.load`` gives a block that fits it on a GPU)."""
     if isinstance(device, DeviceProps):
         props = device
     else:
@@ -132,11 +157,14 @@ def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, 
         props = device_props(device)
     d = choose(props, tokens, top_k, num_experts, hidden, inter, group_size,
                grouped=bool(props.gpu and props.capability and props.capability[0] >= 9
-                            and dtype == torch.bfloat16))
+                            and dtype == torch.bfloat16), mma=mma)
     where = props.name if props.gpu else "Triton's CPU interpreter"
     shape = (f"T={tokens}, top-{top_k} of E={num_experts} experts, hidden {hidden}, expert width {inter}, {bits}-bit, "
              f"group size {group_size}, {str(dtype).replace('torch.', '')}")
     if d.path == "grouped":
         return f"On {where}, fused experts with {shape} run dequantize + torch._grouped_mm, because {d.reason}."
+    if d.path == "mma":
+        return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up}, the activation, down as "
+                f"{d.down}, and the top-k weighted sum over slots (float32), because {d.reason}.")
     return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up} (activation fused) and down as "
             f"{d.down} (top-k weight fused, slots summed in float32), because {d.reason}.")

@@ -26,29 +26,11 @@ from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, dequant_pair_tile, interpreting, on_device, triton_usable
 from ..dispatch import device_props
+from .activation import ACTIVATIONS, expert_activation
 from .dispatch import ExpertsConfig, choose
 from .grouped import grouped_experts, grouped_usable
+from .mma_experts import MmaExperts, mma_experts, reference_experts
 from .routing import align_block_size
-
-ACTIVATIONS = {name: i for i, name in enumerate(reference.EXPERT_ACTIVATIONS)}  # the kernel's ACT codes
-
-
-@triton.jit
-def _activation(g, u, ACT: tl.constexpr, alpha, limit):
-    """``h`` from the gate and up accumulators (float32), as reference.expert_activation."""
-    if ACT == 0:  # silu
-        h = g * tl.sigmoid(g) * u
-    elif ACT == 1:  # gelu (erf)
-        h = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
-    elif ACT == 2:  # gelu (tanh), tanh(v) = 2 sigmoid(2v) - 1
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        h = 0.5 * g * (2.0 * tl.sigmoid(2.0 * inner)) * u
-    else:  # swiglu_oai: clamped gate and up
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = (u + 1.0) * g * tl.sigmoid(alpha * g)
-    return h
-
 
 @triton.jit
 def _mac(acc, ae, ao, lo, hi, DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -76,7 +58,7 @@ def _activated_rows(a_rows, k, mask, split_stride, K, A_SPLIT: tl.constexpr, ACT
     for s in tl.static_range(A_SPLIT):
         g += tl.load(a_rows + s * split_stride + k[None, :], mask=mask, other=0.0)
         u += tl.load(a_rows + s * split_stride + K + k[None, :], mask=mask, other=0.0)
-    return _activation(g, u, ACT, alpha, limit)
+    return expert_activation(g, u, ACT, alpha, limit)
 
 
 @triton.jit
@@ -185,7 +167,7 @@ def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr
         tl.store(out + N, acc_u, mask=out_mask)
     else:
         if GATED:
-            res = _activation(acc_g, acc_u, ACT, alpha, limit)
+            res = expert_activation(acc_g, acc_u, ACT, alpha, limit)
         else:
             res = acc_g
         if SCALE_OUTPUT:
@@ -228,7 +210,7 @@ def check_experts(x, gate_up: PackedExperts, down: PackedExperts, topk_ids, topk
         raise ValueError(f"activation={activation!r}: use one of {', '.join(reference.EXPERT_ACTIVATIONS)}")
     if gate_up.group_size > gate_up.shape[1] or down.group_size > down.shape[1]:
         raise ValueError("gate_up/down: group size larger than the in-features")
-    for t in (gate_up.qweight, down.qweight, topk_ids, topk_weights):
+    for t in (gate_up.scales, down.scales, topk_ids, topk_weights):
         if t.device != x.device:
             raise ValueError(f"x on {x.device}, but the experts' tensors or the routing on {t.device}; move them "
                              f"to one device")
@@ -271,8 +253,11 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
     a prefill, the grouped path of grouped.py runs instead, with one host sync). ``config`` forces (gate_up, down)
     launch configs (tests, benchmarks); by default :func:`quantpack.kernels.moe.dispatch.choose` picks them."""
     check_experts(x, gate_up, down, topk_ids, topk_weights, activation)
+    mma = isinstance(gate_up, MmaExperts)
+    if mma and (weight_on_input or not isinstance(down, MmaExperts)):
+        raise ValueError("experts in the mma layout: both projections in it, and weights on the output")
     if not triton_usable(x):
-        return reference.experts(x, gate_up, down, topk_ids, topk_weights, activation=activation, alpha=alpha,
+        return reference_experts(x, gate_up, down, topk_ids, topk_weights, activation=activation, alpha=alpha,
                                  limit=limit, weight_on_input=weight_on_input)
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -282,15 +267,21 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
     x = x.contiguous()
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
+    props = device_props(x.device)
     if config is None:
         grouped = (x.device.type == "cuda" and grouped_usable(x) and not torch.cuda.is_current_stream_capturing())
-        d = choose(device_props(x.device), tokens, top_k, gate_up.num_experts, hidden, inter, gate_up.group_size,
-                   grouped=grouped)
+        d = choose(props, tokens, top_k, gate_up.num_experts, hidden, inter, gate_up.group_size, grouped=grouped,
+                   mma=mma)
         config = (d.gate_up, d.down)
     cfg_gu, cfg_d = config
     if cfg_gu.path == "grouped":
         return grouped_experts(x, gate_up, down, topk_ids, topk_weights, activation=activation, alpha=alpha,
                                limit=limit, weight_on_input=weight_on_input)
+    if mma != (cfg_gu.path == "mma"):
+        raise ValueError(f"config {cfg_gu}: the experts are {'' if mma else 'not '}in the mma layout")
+    if mma:
+        return mma_experts(x, gate_up, down, topk_ids, topk_weights, per_row=cfg_gu.block_m == 1, sms=props.sms,
+                           activation=activation, alpha=alpha, limit=limit)
     with on_device(x):
         routes = {cfg: route(topk_ids, gate_up.num_experts, cfg) for cfg in config}
         h = gate_up_stage(x, gate_up, topk_ids, topk_weights, cfg_gu, routes[cfg_gu], activation=activation,

@@ -35,6 +35,8 @@ def _dense_range(pe: PackedExperts, e0: int, e1: int, dtype: torch.dtype) -> tor
     in one launch to (N, E' K), viewed back per expert."""
     n, k = pe.shape
     count = e1 - e0
+    if not isinstance(pe, PackedExperts):  # (the mma layout: the range's checkpoint layout back first)
+        pe, e0, e1 = pe.rows(e0, e1), 0, count
     dense = dequantize(pe.qweight[e0:e1].reshape(-1, n), pe.scales[e0:e1].reshape(-1, n),
                        pe.zeros[e0:e1].reshape(-1, n), group_size=pe.group_size, bits=pe.bits, out_dtype=dtype)
     return dense.view(n, count, k).permute(1, 2, 0)

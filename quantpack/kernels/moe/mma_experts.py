@@ -1,0 +1,192 @@
+"""Mixture-of-experts blocks on the tensor-core decode layout: the dense decode GEMV (``mma_gemv.py``) run per expert.
+
+A block whose experts fit it (4-bit, groups of a multiple of 64, widths of a multiple of 16, no bias, 16-bit
+activations) keeps each projection's experts as :class:`MmaExperts`: the experts'
+:func:`~quantpack.kernels.mma_layout.mma_pack` layouts stacked, in place of the checkpoint's (K/2, N) layout (same
+bytes; modules/experts.py converts a block once its tensors are on a GPU). Each projection is then one launch of the
+``mma`` kernel over blocks of rows, each block with its own expert:
+
+* decode, few pairs per expert (:data:`~quantpack.kernels.moe.dispatch.PAIRS_PER_EXPERT`): one block per (token,
+  slot) pair, x's row read in place (no sorting);
+* more pairs per expert: pairs sorted into blocks of 16 per expert on the GPU (routing.py), x's rows gathered;
+* prefill, many pairs per expert: grouped.py dequantizes ranges of experts (from this layout, :meth:`MmaExperts.rows`)
+  for ``torch._grouped_mm``.
+
+Between the projections one small kernel sums gate_up's split-K partials and applies the activation; after down one
+sums its partials and each token's slots with their top-k weights, in float32, rounded once. No host sync: a decode
+step is captured in a CUDA graph and replayed with new routing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import reference
+from ...format import PackedExperts
+from .. import dequant
+from ..dequant import cdiv, interpreting, on_device
+from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
+from ..mma_layout import CHUNK, mma_pack, mma_unpack
+from .activation import ACTIVATIONS, expert_activation
+from .routing import align_block_size
+
+BLOCK_ROWS = 16  # rows of a sorted block (one 16-row block of the mma kernel)
+PROGRAMS_PER_SM = 8  # two-warp programs per SM the launch aims at (column tiles, then K split)
+ACT_BLOCK = 512  # columns per program of the activation kernel
+SUM_BLOCK = 1024  # columns per program of the final sum
+PACK_EXPERTS = 16  # experts repacked per step (the repack's transient tensors are about 16x their packed bytes)
+
+
+@dataclass(frozen=True)
+class MmaExperts:
+    """One projection's experts in the ``mma`` layout: ``words`` (E, N/16, K/64, 32, 4) int32, expert ``e``'s
+    :func:`~quantpack.kernels.mma_layout.mma_pack` of its 4-bit (K/2, N) weight; ``scales``/``zeros`` (E, K/g, N)
+    as in :class:`~quantpack.format.PackedExperts`."""
+
+    words: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+    shape: tuple[int, int]  # (N, K) of each expert's matrix
+    bits: int = 4
+    bias: None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.words.shape[0]
+
+    @classmethod
+    def from_packed(cls, pe: PackedExperts) -> "MmaExperts":
+        """``pe``'s experts repacked (PACK_EXPERTS at a time: the transient tensors are theirs)."""
+        if not mma_experts_fit(pe, pe.scales.dtype):
+            raise ValueError(f"experts of shape {pe.shape}, {pe.bits}-bit, group size {pe.group_size}: not a shape "
+                             f"the mma layout holds")
+        n, k = pe.shape
+        words = torch.empty((pe.num_experts, n // 16, k // CHUNK, 32, 4), dtype=torch.int32, device=pe.qweight.device)
+        for e in range(0, pe.num_experts, PACK_EXPERTS):
+            words[e:e + PACK_EXPERTS] = mma_pack(pe.qweight[e:e + PACK_EXPERTS], n, k)
+        return cls(words, pe.scales, pe.zeros, pe.group_size, pe.shape)
+
+    def rows(self, e0: int = 0, e1: int | None = None) -> PackedExperts:
+        """Experts ``e0 .. e1 - 1`` in the checkpoint's (K/2, N) layout (a copy)."""
+        e1 = self.num_experts if e1 is None else e1
+        n, k = self.shape
+        return PackedExperts(mma_unpack(self.words[e0:e1], n, k), self.scales[e0:e1], self.zeros[e0:e1], 4,
+                             self.group_size, self.shape)
+
+
+def mma_experts_fit(pe: PackedExperts, dtype: torch.dtype) -> bool:
+    """Whether experts ``pe`` (run on activations of ``dtype``) fit the mma layout and kernel."""
+    n, k = pe.shape
+    return (pe.bits == 4 and pe.bias is None and pe.group_size % CHUNK == 0 and k % pe.group_size == 0
+            and n % 16 == 0 and dtype in (torch.float16, torch.bfloat16) and pe.scales.dtype == dtype)
+
+
+def mma_experts_grid(blocks: int, n: int, k: int, group_size: int, sms: int):
+    """The mma grid for ``blocks`` blocks of rows over an (N, K) expert: two-warp programs, one 16-row tile of N per
+    warp, K split until the GPU has about PROGRAMS_PER_SM programs per SM (a decode GEMV is latency-bound: the
+    more loads in flight, the nearer the copy bandwidth)."""
+    along_n = max(1, n // 32)
+    split = max(1, cdiv(PROGRAMS_PER_SM * sms, blocks * along_n))
+    return mma_grid(n, k, group_size, 2, split, 1, 4)
+
+
+@triton.jit
+def _activate_kernel(p_ptr, h_ptr, R, I, SPLIT, alpha, limit, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """h[r] = act(sum_s gate[s, r], sum_s up[s, r]) in h's dtype: ``p`` (SPLIT, R, 2I) float32, gate then up."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.zeros((BLOCK,), dtype=tl.float32)
+    u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        row = p_ptr + (s * R + r) * 2 * I
+        g += tl.load(row + cols, mask=mask, other=0.0)
+        u += tl.load(row + I + cols, mask=mask, other=0.0)
+    h = expert_activation(g, u, ACT, alpha, limit)
+    tl.store(h_ptr + r * I + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weighted_sum_kernel(y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, TOPK, H, R, SPLIT, E, HAS_POS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """out[t] = sum over slots j with an expert in [0, E) of w[t, j] * sum_s y[s, row(t, j)], float32, rounded
+    once; row(t, j) is pos[t * TOPK + j] (sorted blocks) or the pair index itself."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(ids_ptr + p)
+        ok = (e >= 0) & (e < E)
+        w = tl.load(w_ptr + p).to(tl.float32)
+        if HAS_POS:
+            row = tl.load(pos_ptr + p).to(tl.int64)
+        else:
+            row = p
+        y = tl.zeros((BLOCK,), dtype=tl.float32)
+        m = mask & ((tl.zeros_like(cols) + ok.to(tl.int32)) != 0)  # (a block mask: the interpreter's & with a
+        # scalar flag is not one)
+        for s in range(SPLIT):
+            y += tl.load(y_ptr + (s * R + row) * H + cols, mask=m, other=0.0)
+        acc += tl.where(ok, w, 0.0) * y
+    tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, sms: int) -> torch.Tensor:
+    """One projection: (split, rows, N) float32 partial sums (see launch_mma_experts)."""
+    n, k = pe.shape
+    blocks = ids.numel()
+    grid = mma_experts_grid(blocks, n, k, pe.group_size, sms)
+    partials = dequant._alloc((grid.split, rows, n), torch.float32, x2.device)
+    launch_mma_experts(x2, pe.words, pe.scales, pe.zeros, partials, ids, per_row=per_row, x_div=x_div, n=n, k=k,
+                       group_size=pe.group_size, grid=grid, depth=mma_depth(grid, pe.group_size, 0),
+                       rawq=True, use_asm=not interpreting())  # (zeros applied in float32)
+    return partials
+
+
+def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, *, per_row: bool, sms: int, activation: str = "silu",
+                alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """:func:`quantpack.reference.experts`'s semantics (no bias, weights on the output) on the mma layout, for
+    contiguous ``x`` (T, H), ``topk_ids`` and ``topk_weights`` (T, k): ``per_row``, one block per (token, slot) pair;
+    else pairs sorted into blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid
+    sizing)."""
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    pairs = tokens * top_k
+    inter = gate_up.shape[0] // 2
+    with on_device(x):
+        if per_row:
+            ids, rows, pos = topk_ids.reshape(-1), pairs, None
+            xg, x_div = x, top_k
+        else:
+            sorted_pairs, ids = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS)
+            rows = sorted_pairs.numel()
+            valid = sorted_pairs < pairs
+            token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
+            xg = torch.where(valid[:, None], x.index_select(0, token), 0)
+            x_div = 1
+            pos = torch.zeros(pairs + 1, dtype=torch.int32, device=x.device)
+            pos.scatter_(0, sorted_pairs.to(torch.int64), torch.arange(rows, dtype=torch.int32, device=x.device))
+        gu = _project(xg, gate_up, ids, per_row=per_row, x_div=x_div, rows=rows, sms=sms)
+        h = dequant._alloc((rows, inter), x.dtype, x.device)
+        _activate_kernel[(rows, cdiv(inter, ACT_BLOCK))](gu, h, rows, inter, gu.shape[0], float(alpha), float(limit),
+                                                         ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, num_warps=4)
+        y = _project(h, down, ids, per_row=per_row, x_div=1, rows=rows, sms=sms)
+        out = dequant._alloc((tokens, hidden), x.dtype, x.device)
+        _weighted_sum_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](
+            y, pos if pos is not None else ids, topk_ids, topk_weights, out, top_k, hidden, rows, y.shape[0],
+            gate_up.num_experts, HAS_POS=pos is not None, BLOCK=SUM_BLOCK, num_warps=4)
+    return out
+
+
+def reference_experts(x, gate_up, down, topk_ids, topk_weights, **kwargs) -> torch.Tensor:
+    """:func:`quantpack.reference.experts` for experts in either layout."""
+    if isinstance(gate_up, MmaExperts):
+        gate_up, down = gate_up.rows(), down.rows()
+    return reference.experts(x, gate_up, down, topk_ids, topk_weights, **kwargs)
