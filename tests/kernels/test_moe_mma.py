@@ -126,3 +126,19 @@ def test_a_block_switched_to_the_layout_computes_and_loads_the_same():
     assert torch.equal(fresh.gate_up_qweight, block.gate_up_qweight)
     assert torch.equal(fresh.down_qweight, block.down_qweight)
     assert rel_err(fresh(x, ids, w), want.float()) < TOL[torch.float16]
+
+
+def test_prefill_dequantizes_straight_from_the_layout(poisoned_outputs):
+    from quantpack.kernels.moe.grouped import grouped_experts, grouped_usable
+    from quantpack.kernels.moe.mma_experts import mma_dequantize
+
+    gate_up, down, x, ids, w = case(6, 2, 40, 320, 64, 64, torch.bfloat16)
+    mg = MmaExperts.from_packed(gate_up)
+    got = mma_dequantize(mg, 2, 5, torch.float32)
+    assert got.shape == (3, 320, 128)
+    assert torch.equal(got, torch.stack([reference.dequantize(gate_up.expert(e), torch.float32).t()
+                                         for e in (2, 3, 4)]))
+    if grouped_usable(x):
+        out = grouped_experts(x, mg, MmaExperts.from_packed(down), ids, w, scratch_bytes=200_000)  # (several ranges)
+        want = grouped_experts(x, gate_up, down, ids, w, scratch_bytes=200_000)  # (the checkpoint's layout)
+        assert rel_err(out, want.float()) < 1e-3

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,7 @@ def _mma_config(blocks: int, rows: int, n: int, k: int, group_size: int, sms: in
                          split=grid.split)
 
 
+@functools.lru_cache(maxsize=1024)  # (pure; eager decode asks once a layer and step)
 def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
            group_size: int, *, grouped: bool = False, mma: bool = False) -> ExpertsDecision:
     """The kernels and tiles of a fused-experts call: ``tokens`` rows of x, ``top_k`` slots each, ``num_experts``

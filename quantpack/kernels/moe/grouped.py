@@ -35,8 +35,10 @@ def _dense_range(pe: PackedExperts, e0: int, e1: int, dtype: torch.dtype) -> tor
     in one launch to (N, E' K), viewed back per expert."""
     n, k = pe.shape
     count = e1 - e0
-    if not isinstance(pe, PackedExperts):  # (the mma layout: the range's checkpoint layout back first)
-        pe, e0, e1 = pe.rows(e0, e1), 0, count
+    if not isinstance(pe, PackedExperts):  # (the mma layout: its own dequantization kernel)
+        from .mma_experts import mma_dequantize
+
+        return mma_dequantize(pe, e0, e1, dtype)
     dense = dequantize(pe.qweight[e0:e1].reshape(-1, n), pe.scales[e0:e1].reshape(-1, n),
                        pe.zeros[e0:e1].reshape(-1, n), group_size=pe.group_size, bits=pe.bits, out_dtype=dtype)
     return dense.view(n, count, k).permute(1, 2, 0)

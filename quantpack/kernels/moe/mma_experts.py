@@ -185,6 +185,50 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
     return out
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, G, CHUNKS: tl.constexpr):
+    """One expert's 16 rows of N by CHUNKS x 64 in-features, dequantized from the mma layout into out (E, N, K):
+    each element gathers its word (lane 4g + c, word j) and nibble (bits 4(h + 2kh) + 16e) as mma_pack placed it,
+    so the stores run along K."""
+    e = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    kc0 = tl.program_id(2) * CHUNKS
+    nn = tl.arange(0, 16)[:, None]
+    kk = tl.arange(0, 64 * CHUNKS)[None, :]
+    kc = kc0 + kk // 64
+    kin = kk % 64  # (16c + 8kh + 2j + e within the chunk)
+    lane = 4 * (nn % 8) + kin // 16
+    word = (kin % 8) // 2
+    shift = 4 * (nn // 8 + 2 * ((kin % 16) // 8)) + 16 * (kin % 2)
+    k = kc * 64 + kin
+    ok = (k < K) & (nn < 16)
+    chunks_per_row = K // 64
+    w = tl.load(w_ptr + e * (N // 16) * chunks_per_row * 128 + (t * chunks_per_row + kc) * 128 + lane * 4 + word,
+                mask=ok, other=0)
+    q = ((w >> shift) & 15).to(tl.float32)
+    n = t * 16 + nn
+    meta = e * (K // G) * N + (k // G) * N + n
+    s = tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + meta, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (e * N + n) * K + k, ((q - z) * s).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+DEQUANT_CHUNKS = 4  # 64-in-feature chunks per program of the dequantization
+
+
+def mma_dequantize(pe: MmaExperts, e0: int, e1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Experts ``e0 .. e1 - 1`` dense, (e1 - e0, K, N) in ``dtype`` (a view of an (e1 - e0, N, K) tensor): one launch
+    straight from the mma layout (grouped.py's prefill)."""
+    n, k = pe.shape
+    count = e1 - e0
+    out = dequant._alloc((count, n, k), dtype, pe.words.device)
+    with on_device(out):
+        _dequantize_kernel[(count, n // 16, cdiv(k // CHUNK, DEQUANT_CHUNKS))](
+            pe.words[e0:e1], pe.scales[e0:e1], pe.zeros[e0:e1], out, n, k, pe.group_size, CHUNKS=DEQUANT_CHUNKS,
+            num_warps=4)
+    return out.transpose(1, 2)
+
+
 def reference_experts(x, gate_up, down, topk_ids, topk_weights, **kwargs) -> torch.Tensor:
     """:func:`quantpack.reference.experts` for experts in either layout."""
     if isinstance(gate_up, MmaExperts):
