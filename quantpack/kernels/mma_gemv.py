@@ -579,6 +579,7 @@ def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool
         num_warps=grid.warps * grid.kwarps, num_stages=1)
 
 
+@functools.lru_cache(maxsize=4096)  # (pure; building the PTX strings costs more than a launch: callers never mutate it)
 def kernel_constexprs(dtype: torch.dtype, m: int, grid: MmaGrid, *, group_size: int, depth: int, rawq: bool,
                       bits: int, has_bias: bool, use_asm: bool, pdl: bool = False) -> dict:
     """The compile-time arguments of :func:`_mma_gemv_kernel` for ``m`` rows of x of ``dtype`` on ``grid``

@@ -26,7 +26,7 @@ from .mma_experts import mma_experts_grid
 from .routing import max_blocks
 
 __all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_EXPERT", "PAIRS_MAX",
-           "GROUPED_PER_EXPERT"]
+           "GROUPED_PER_EXPERT", "GROUPED_PER_EXPERT_MMA"]
 
 PAIRS_PER_EXPERT = 2  # the pairs path runs while the pairs average at most this many per expert (beyond, sorting
 # into blocks reads each hit expert's weights once instead of once per pair)
@@ -35,6 +35,8 @@ PAIRS_WAVES = 4  # programs per SM the pairs path aims at (column tiles, then K 
 MIN_SPLIT_STEPS = 4  # K steps a split program runs at least
 GROUPED_PER_EXPERT = 32  # the grouped path runs from this many pairs per expert on average (measured on an H200:
 # at 32 and more the sorted kernel ran at 0.12-0.36x bf16's grouped GEMM, bound by its tensor-core tiles)
+GROUPED_PER_EXPERT_MMA = 256  # ... from this many with the experts in the mma layout (H200: its sorted blocks of 16
+# ran 1.4-3.0x faster than dequantize + grouped GEMM at 128 pairs per expert, 2.0x slower at 512)
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,9 @@ def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden
     16: sorted blocks of 16)."""
     pairs = tokens * top_k
     per_expert = pairs / num_experts
-    if grouped and per_expert >= GROUPED_PER_EXPERT:
+    if grouped and per_expert >= (GROUPED_PER_EXPERT_MMA if mma else GROUPED_PER_EXPERT):
         why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.3g} per expert >= "
-               f"{GROUPED_PER_EXPERT}): compute-bound, so each range of experts is dequantized to 16 bits and "
+               f"{GROUPED_PER_EXPERT_MMA if mma else GROUPED_PER_EXPERT}): compute-bound, so each range of experts is dequantized to 16 bits and "
                f"multiplied by torch's grouped GEMM")
         grouped_cfg = ExpertsConfig("grouped", 0, 0, 0)
         return ExpertsDecision(grouped_cfg, grouped_cfg, why)
