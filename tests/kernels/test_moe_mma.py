@@ -81,9 +81,9 @@ def test_dispatch_and_explain():
     assert d.gate_up.path == d.down.path == "mma" and d.gate_up.block_m == 1 and d.gate_up.split > 1
     d = choose(h200, 16, 2, 8, 4096, 14336, 128, mma=True)  # (4 pairs per expert: sorted blocks of 16)
     assert d.gate_up.path == "mma" and d.gate_up.block_m == 16
-    # prefill: sorted blocks up to 255 pairs per expert, dequantize + grouped GEMM from 256
-    assert choose(h200, 2048, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "mma"
-    assert choose(h200, 2048, 2, 8, 4096, 14336, 128, grouped=True, mma=True).path == "grouped"
+    # prefill: sorted blocks up to 127 pairs per expert, dequantize + grouped GEMM from 128
+    assert choose(h200, 512, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "mma"
+    assert choose(h200, 2048, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "grouped"
     text = explain(1, 8, 128, 2048, 768, device=h200, mma=True)
     assert "mma layout" in text and "top-k weighted sum" in text
     with pytest.raises(ValueError, match="not in the mma layout"):
