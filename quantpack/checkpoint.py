@@ -166,7 +166,7 @@ def read_safetensors_header(path) -> tuple[dict[str, TensorInfo], dict[str, str]
 
 def read_tensor(info: TensorInfo, handle=None) -> torch.Tensor:
     """Read one tensor from its file into a fresh CPU tensor (positioned read, no mmap)."""
-    out = torch.empty(info.nbytes, dtype=torch.uint8)
+    out = torch.empty(info.nbytes, dtype=torch.uint8, device="cpu")  # (also under a meta-device context)
     view = memoryview(out.numpy()) if info.nbytes else memoryview(b"")
     f = handle or open(info.file, "rb", buffering=0)
     try:
