@@ -242,10 +242,11 @@ def _check_shards(checked: Checked, shard_files: list[str], weight_map: dict[str
             # The digests cover every data byte; the header's names, shapes and dtypes are checked against the
             # model, and its metadata must be what convert wrote: a changed header is caught without hashing
             # the whole file.
-            if meta != checkpoint.SHARD_METADATA and version in (None, str(LAYOUT_VERSION)) and meta.get("format") == "pt":
-                checked.add("checksum", f"file {fname}: its header's metadata {json.dumps(meta, sort_keys=True)} is not "
-                                        f"what quantpack wrote ({json.dumps(checkpoint.SHARD_METADATA, sort_keys=True)}); "
-                                        f"the file was modified: download it again", file=fname)
+            if meta != checkpoint.SHARD_METADATA and meta.get("format") == "pt" and version in (None, str(LAYOUT_VERSION)):
+                wrote = json.dumps(checkpoint.SHARD_METADATA, sort_keys=True)
+                checked.add("checksum", f"file {fname}: its header's metadata {json.dumps(meta, sort_keys=True)} is "
+                                        f"not what quantpack wrote ({wrote}); the file was modified: download it again",
+                            file=fname)
             for tname in sorted(set(infos) ^ set(recorded)):
                 where = "is in the file but not" if tname in infos else "is missing from the file but listed"
                 checked.add("checksum", f"tensor {tname} in {fname}: {where} in {checkpoint.MANIFEST_NAME}; the file is "
@@ -266,14 +267,6 @@ def _check_shards(checked: Checked, shard_files: list[str], weight_map: dict[str
 
 # ----------------------------------------------------------------------------------------------
 # The model the config describes
-
-
-def tied_targets(model) -> set[str]:
-    """Parameters that ``tie_weights`` points at another parameter (e.g. ``lm_head.weight``)."""
-    keys = getattr(model, "all_tied_weights_keys", None)
-    if keys is None and hasattr(model, "get_expanded_tied_weights_keys"):
-        keys = model.get_expanded_tied_weights_keys(all_submodels=True)
-    return set(keys or {})
 
 
 def expected_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -336,11 +329,13 @@ def use_model(checked: Checked, model: nn.Module, converted: list[str]) -> None:
     """Check against ``model`` (its layers ``converted`` already swapped), one built elsewhere (transformers')."""
     from .modules.experts import ExpertMatrix
     from .modules.linear import QuantLinear
+    from .modules.replace import tied_targets
 
     checked.model = model
     checked.expected, aliases = expected_tensors(model)
     checked.tied = aliases | tied_targets(model)
-    checked.quantized = set(converted) | {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, ExpertMatrix))}
+    checked.quantized = set(converted) | {n for n, m in model.named_modules()
+                                          if isinstance(m, (QuantLinear, ExpertMatrix))}
 
 
 def check_model(checked: Checked) -> None:
@@ -375,11 +370,12 @@ def check_model(checked: Checked) -> None:
         stored = checkpoint.dtype_name(info.dtype)
         if name in fixed_dtypes:
             wanted = None if info.dtype == fixed_dtypes[name] else checkpoint.dtype_name(fixed_dtypes[name])
-        elif want.is_floating_point():
-            wanted = ("a floating-point dtype" if not info.dtype.is_floating_point else None) or (
-                f"{out_dtype}, the dtype {checkpoint.MANIFEST_NAME} records" if out_dtype not in (None, stored) else None)
-        else:
+        elif not want.is_floating_point():
             wanted = None if info.dtype == want.dtype else checkpoint.dtype_name(want.dtype)
+        elif not info.dtype.is_floating_point:
+            wanted = "a floating-point dtype"
+        else:
+            wanted = None if out_dtype in (None, stored) else f"{out_dtype}, the dtype {checkpoint.MANIFEST_NAME} records"
         if wanted is not None:
             checked.add("dtype", f"{where}: dtype {stored}, expected {wanted}", file=info.file.name, tensor=name)
     missing = [n for n in expected if n not in tensors and n not in checked.tied and n not in checked.held_by_missing]
@@ -389,12 +385,14 @@ def check_model(checked: Checked) -> None:
         if module in checked.quantized and module + ".weight" in tensors:
             hint = f"; the file stores {module}.weight, so add {module} to quantization_config.modules_not_converted"
         checked.add("missing_tensor", f"tensor {n}: missing from the checkpoint{hint}", tensor=n)
+    misshapen = {p.tensor for p in checked.problems if p.kind == "shape"}
     for layer in (checked.manifest or {}).get("layers") or []:
-        _check_manifest_layer(checked, layer)
+        _check_manifest_layer(checked, layer, misshapen)
 
 
-def _check_manifest_layer(checked: Checked, layer) -> None:
-    """One layer the manifest lists: stored quantized, with the bits and shape it records."""
+def _check_manifest_layer(checked: Checked, layer, misshapen: set[str]) -> None:
+    """One layer the manifest lists: stored quantized, with the bits, group size and shape it records (a ``qweight``
+    in ``misshapen``, the wrong shape for the config already, is named as that)."""
     qc, tensors = checked.qc, checked.tensors
     name = layer.get("name") if isinstance(layer, dict) else None
     if not isinstance(name, str):
@@ -412,20 +410,21 @@ def _check_manifest_layer(checked: Checked, layer) -> None:
         checked.add("manifest", f"module {name}: {checkpoint.MANIFEST_NAME} says bits={layer['bits']} but "
                                 f"quantization_config gives bits={bits}", file=checkpoint.MANIFEST_NAME, tensor=name)
     shape = layer.get("shape")
-    if isinstance(shape, (list, tuple)) and len(shape) == 2 and all(isinstance(d, int) for d in shape):
-        n, k = shape
-        # W8A8 keeps nn.Linear's (N, K); the weight-only layouts store (K/2, N) or (K, N).
-        want = (n, k) if qc["scheme"] == "w8a8" else (k // 2, n) if bits == 4 else (k, n)
-        if tuple(qweight.shape) != want:
-            checked.add("manifest", f"tensor {name}.qweight: shape {list(qweight.shape)} does not match the layer "
-                                    f"shape [{n}, {k}] in {checkpoint.MANIFEST_NAME}", file=checkpoint.MANIFEST_NAME,
-                        tensor=name + ".qweight")
-        # convert records the group size it used: quantization_config's, or the whole grouped axis (per-channel)
-        group_size = qc["group_size"] or (k if qc["axis"] == 1 else n)
-        if "group_size" in layer and layer["group_size"] != group_size:
-            checked.add("manifest", f"module {name}: {checkpoint.MANIFEST_NAME} says group_size={layer['group_size']} "
-                                    f"but quantization_config gives group_size={group_size}",
-                        file=checkpoint.MANIFEST_NAME, tensor=name)
+    if not (isinstance(shape, (list, tuple)) and len(shape) == 2 and all(isinstance(d, int) for d in shape)):
+        return
+    n, k = shape
+    # W8A8 keeps nn.Linear's (N, K); the weight-only layouts store (K/2, N) or (K, N).
+    want = (n, k) if qc["scheme"] == "w8a8" else (k // 2, n) if bits == 4 else (k, n)
+    if tuple(qweight.shape) != want and name + ".qweight" not in misshapen:
+        checked.add("manifest", f"tensor {name}.qweight: shape {list(qweight.shape)} does not match the layer "
+                                f"shape [{n}, {k}] in {checkpoint.MANIFEST_NAME}", file=checkpoint.MANIFEST_NAME,
+                    tensor=name + ".qweight")
+    # convert records the group size it used: quantization_config's, or the whole grouped axis (per-channel)
+    group_size = qc["group_size"] or (k if qc["axis"] == 1 else n)
+    if "group_size" in layer and layer["group_size"] != group_size:
+        checked.add("manifest", f"module {name}: {checkpoint.MANIFEST_NAME} says group_size={layer['group_size']} "
+                                f"but quantization_config gives group_size={group_size}",
+                    file=checkpoint.MANIFEST_NAME, tensor=name)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ def check_integrity(root, *, reference: Path | None = None,
     for fname in checked.changed_files:
         _name_changed_tensors(checked, fname, reference, allow_pickle)
     checked.sort()
-    return {"files_checked": checked.files_checked, "tensors_checked": len(checked.tensors)}, checked.problems, checked.qc
+    summary = {"files_checked": checked.files_checked, "tensors_checked": len(checked.tensors)}
+    return summary, checked.problems, checked.qc
 
 
 def _name_changed_tensors(checked: Checked, fname: str, reference: Path | None, allow_pickle: bool) -> None:
