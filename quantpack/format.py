@@ -13,8 +13,10 @@ along a leading axis in memory (:class:`PackedExperts`). docs/format.md is the w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are handled: the layout constants load without it
+    import torch
 
 LAYOUT_VERSION = 1
 SUPPORTED_BITS = (4, 8)
@@ -49,6 +51,8 @@ class PackedWeight:
 
     def validate(self) -> None:
         """Raise ValueError if tensors do not match the declared bits/group size/axis/shape."""
+        import torch
+
         check_layout_args(self.shape, self.bits, self.group_size, self.axis)
         want = packed_shapes(self.shape, self.bits, self.group_size, self.axis)
         for name, t in (("qweight", self.qweight), ("scales", self.scales), ("zeros", self.zeros)):
@@ -123,6 +127,8 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
     4-bit: (K/2, N), even k in the low nibble. 8-bit: (K, N).
     """
+    import torch
+
     if q.dim() != 2:
         raise ValueError(f"q: expected a 2-D (N, K) tensor, got shape {tuple(q.shape)}")
     if bits not in SUPPORTED_BITS:
@@ -142,6 +148,8 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: return uint8 values of shape (N, K). Never sign-extends."""
+    import torch
+
     if qweight.dtype != torch.uint8:
         raise ValueError(f"qweight: dtype {qweight.dtype}, expected torch.uint8")
     if bits == 8:
@@ -180,6 +188,8 @@ class PackedExperts:
     @classmethod
     def stack(cls, weights: "list[PackedWeight]", bias: torch.Tensor | None = None) -> "PackedExperts":
         """Stack per-expert matrices of one projection; they must share shape, bits and group size (axis 1)."""
+        import torch
+
         if not weights:
             raise ValueError("PackedExperts.stack: no expert matrices given")
         first = weights[0]
@@ -194,6 +204,8 @@ class PackedExperts:
 
     def validate(self) -> None:
         """Raise ValueError if the stacked tensors do not match the declared bits, group size and shape."""
+        import torch
+
         e = self.num_experts
         check_layout_args(self.shape, self.bits, self.group_size, 1)
         want = packed_shapes(self.shape, self.bits, self.group_size, 1)

@@ -5,30 +5,24 @@ The model is built on the meta device, every converted linear layer is swapped f
 put on the device it belongs to, one tensor at a time. Full-precision linear weights never exist.
 
 Before any tensor data is read, the files are checked against ``config.json``, the shard index and
-the manifest ``quantpack.json``: a tensor with the wrong shape or dtype, a missing or unexpected
-tensor, a file whose checksum differs, or an unsupported layout version raises
-:class:`~quantpack.checkpoint.CheckpointError` (a ``ValueError``) naming the tensor or file.
+the manifest ``quantpack.json`` by the checks ``quantpack verify`` runs (:mod:`quantpack.integrity`): a tensor
+with the wrong shape or dtype, a missing or unexpected tensor, a file whose checksum differs, or an unsupported
+layout version raises :class:`~quantpack.checkpoint.CheckpointError` (a ``ValueError``) naming the tensor or
+file; so does a tensor whose data differs from its recorded sha256 or holds NaN or infinity, as it is read.
 """
 from __future__ import annotations
 
-import copy
 import re
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import checkpoint, generation
 from .hub import resolve_checkpoint
-from .integrity import (check_manifest_layers, check_tensors, digest_mismatch, expected_tensors, fail,
-                        read_checkpoint_files)
-from .modules.experts import ExpertMatrix
-from .modules.linear import QuantLinear
+from .integrity import check_checkpoint, fail, read_checked, refuse
 from .modules import fused
 from .modules.experts import use_mma_layouts
 from .modules.merged import merge_projections
-from .modules.replace import linear_modules_to_convert, replace_linear_layers
-from .schemes import read_quantization_config
 
 QUANT_METHOD = checkpoint.QUANT_METHOD
 
@@ -36,13 +30,6 @@ QUANT_METHOD = checkpoint.QUANT_METHOD
 # --------------------------------------------------------------------------------------------------
 # load()
 # --------------------------------------------------------------------------------------------------
-
-def model_class_for(config, *, trust_remote_code: bool = False):
-    """The transformers class to build for ``config`` (see :func:`quantpack.hf_config.model_class`)."""
-    from .hf_config import model_class
-
-    return model_class(config, trust_remote_code=trust_remote_code)
-
 
 def _device_of(placement: dict, name: str) -> torch.device:
     """The device of a tensor or module under a device map (longest matching module prefix)."""
@@ -131,10 +118,6 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     them. Raises :class:`~quantpack.checkpoint.CheckpointError` (a ``ValueError``) when the files
     disagree with the config, index or manifest.
     """
-    from accelerate import init_empty_weights
-
-    from .hf_config import auto_config
-
     if device is not None and device_map is not None:
         raise ValueError("device and device_map: pass one of them, not both")
     if decode not in generation.MODES:
@@ -151,37 +134,10 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
                                      or device_map.startswith("cuda:")):
         _check_device(device_map, "device_map")
     root = resolve_checkpoint(path_or_repo_id, revision=revision, token=token)
-    if not (root / checkpoint.CONFIG_NAME).is_file():
-        raise fail(f"{root}: no config.json; not a packed checkpoint directory")
-    config_dict = checkpoint.read_config(root)
-    qc = read_quantization_config(config_dict)
-    config = auto_config(root, trust_remote_code=trust_remote_code, config=config_dict)
-    tensors, digests = read_checkpoint_files(root, verify=verify)
-    if verify:
-        check_manifest_layers(root, qc, tensors)
-
-    # The skeleton on meta. Buffers computed in __init__ (rotary tables) are real, on the CPU.
-    stored_floats = [i.dtype for n, i in tensors.items() if i.dtype.is_floating_point
-                     and not n.endswith((".scales", ".zeros", ".weight_scale"))]
-    build_dtype = dtype or (max(set(stored_floats), key=stored_floats.count) if stored_floats else torch.float32)
-    plain_config = copy.deepcopy(config)
-    if hasattr(plain_config, "quantization_config"):
-        del plain_config.quantization_config
-    with init_empty_weights(include_buffers=False):
-        model = model_class_for(config, trust_remote_code=trust_remote_code)._from_config(plain_config,
-                                                                                         dtype=build_dtype)
-
-    def compute_dtype(module: str) -> torch.dtype:
-        # Quantized layers keep the scales/zeros (and bias) dtype they were quantized with (W8A8 layers,
-        # whose scales are always float32, the dtype of their bias).
-        info = tensors.get(module + ".scales") or tensors.get(module + ".bias")
-        return info.dtype if info is not None and info.dtype.is_floating_point else build_dtype
-
-    quantized = linear_modules_to_convert(model, qc)
-    replace_linear_layers(model, qc, quantized, compute_dtype)
-    quantized = set(quantized) | {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, ExpertMatrix))}
-    expected, aliases = expected_tensors(model)
-    check_tensors(model, expected, aliases, tensors, quantized, qc)
+    # The checks quantpack verify runs (one verdict for every folder), before any tensor data is read
+    checked = check_checkpoint(root, verify=verify, trust_remote_code=trust_remote_code, dtype=dtype)
+    refuse(checked.problems)
+    model, expected, quantized = checked.model, checked.expected, checked.quantized
 
     if device_map is None:
         placement = {"": device if device is not None else
@@ -190,31 +146,17 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     else:
         placement = _resolve_device_map(model, device_map, max_memory)
 
-    # One tensor at a time: read it from its shard (positioned read, no mmap), cast it to the dtype its
-    # module wants, move it to its device. Peak extra memory is one tensor.
-    handles: dict[Path, object] = {}
+    # One tensor at a time: read it from its shard (positioned read, no mmap), check it (its sha256, no NaN), cast
+    # it to the dtype its module wants, move it to its device. Peak extra memory is one tensor.
     modules = dict(model.named_modules())  # (one walk of the tree: a MoE model has a module per expert matrix)
-    try:
-        for name, want in expected.items():
-            info = tensors.get(name)
-            if info is None:
-                continue  # tied: filled by tie_weights below
-            f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
-            tensor = checkpoint.read_tensor(info, f)
-            if name in digests and checkpoint.sha256_of(tensor) != digests[name]:
-                raise digest_mismatch(name, info)
-            # NaN or infinity in a packed layer's scales or zeros turns every output it touches into NaN
-            if name.endswith((".scales", ".zeros", ".weight_scale")) and not bool(torch.isfinite(tensor).all()):
-                raise fail(f"tensor {name} in {info.file.name}: holds NaN or infinite values; the checkpoint is "
-                           f"damaged: download it again or re-convert")
-            module = name.rpartition(".")[0]
-            if tensor.is_floating_point():
-                to_dtype = want.dtype if module in quantized else (dtype or tensor.dtype)
-                tensor = tensor.to(to_dtype)
-            _set_tensor(model, name, tensor.to(_device_of(placement, name)), modules)
-    finally:
-        for f in handles.values():
-            f.close()
+    for name, _, tensor, problem in read_checked(checked, expected):
+        if problem is not None:
+            raise fail(problem.message)
+        module = name.rpartition(".")[0]
+        if tensor.is_floating_point():
+            to_dtype = expected[name].dtype if module in quantized else (dtype or tensor.dtype)
+            tensor = tensor.to(to_dtype)
+        _set_tensor(model, name, tensor.to(_device_of(placement, name)), modules)
     model.tie_weights()
     for name, buf in list(model.named_buffers()):
         if not buf.is_meta:  # non-persistent buffers made in __init__ (rotary inv_freq, position ids)
@@ -231,7 +173,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     # treat the model as a quantized base that supports adapter training.
     from .integrations.transformers import QuantpackConfig, QuantpackHfQuantizer
 
-    stored_qc = config_dict["quantization_config"]
+    stored_qc = checked.config["quantization_config"]
     model.config.quantization_config = QuantpackConfig.from_dict(stored_qc)
     model.hf_quantizer = QuantpackHfQuantizer(model.config.quantization_config, pre_quantized=True)
     model.is_quantized = True

@@ -152,3 +152,26 @@ def zero_tensor_digest(out: Path) -> str:
                 return
     edit_json(out / MANIFEST_NAME, zero)
     return zeroed[0]
+
+
+def claim_in_config(out: Path, **fields) -> None:
+    """``config.json`` of the packed output ``out`` claims other ``quantization_config`` fields (``bits``,
+    ``group_size``...) or, with the prefix ``model_``, other model fields (``model_intermediate_size=512``) than its
+    tensors hold; the manifest's digests are updated to match, as an attacker's would be."""
+    def claim(config):
+        for key, value in fields.items():
+            if key.startswith("model_"):
+                config[key.removeprefix("model_")] = value
+            else:
+                config["quantization_config"][key] = value
+    edit_json(out / "config.json", claim)
+    rehash(out)
+
+
+def claim_in_manifest(out: Path, layer: str, **fields) -> None:
+    """The manifest of ``out`` records other ``fields`` (``bits``, ``group_size``, ``shape``) for ``layer`` than
+    its tensors and config hold."""
+    def claim(manifest):
+        entry = next(e for e in manifest["layers"] if e["name"] == layer)
+        entry.update(fields)
+    edit_json(out / MANIFEST_NAME, claim)

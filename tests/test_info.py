@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import pytest
 from click.testing import CliRunner
 
 from quantpack import checkpoint
@@ -53,3 +56,20 @@ def test_info_on_something_else_is_one_line_exit_2(tiny_llama_dir, tmp_path):
                             (tmp_path / "missing", "no such directory")):
         r = run(target)
         assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+@pytest.mark.parametrize("args", [["--json"], ["--help"]])
+def test_info_imports_no_torch(packed_mixed, args):
+    """info reads JSON only: it imports neither torch nor transformers, so it starts as fast as --help."""
+    probe = ("import sys\nfrom quantpack.cli import cli\n"
+             "try:\n    cli(['info', *sys.argv[1:]])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+             "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))")
+    target = [] if args == ["--help"] else [str(packed_mixed)]
+    proc = subprocess.run([sys.executable, "-c", probe, *target, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out, _, heavy = proc.stdout.rstrip().rpartition("\n")
+    assert heavy == "[]", proc.stdout[-2000:]
+    if args == ["--json"]:
+        assert json.loads(out) == info(packed_mixed)
+    else:
+        assert "Usage: " in out and "--json" in out

@@ -302,9 +302,9 @@ def test_encoder_with_biases_both_routes(tiny_encoder_dir, tmp_path):
 def test_load_names_the_tensor_of_a_wrong_dtype_or_shape(w8a8, tmp_path):
     for tensor, change, match in (
         ("model.layers.0.mlp.up_proj.qweight", lambda t: t.view(torch.uint8), "dtype uint8, expected int8"),
-        # the manifest's layer shape is checked first
+        # named as verify names it: against the shape the config gives (the manifest's layer shape agrees with that)
         ("model.layers.1.mlp.down_proj.qweight", lambda t: t.t().contiguous(),
-         "shape [256, 128] does not match the layer shape [128, 256] in quantpack.json"),
+         "shape [256, 128], expected [128, 256] from config.json"),
         ("model.layers.0.self_attn.v_proj.weight_scale", lambda t: t[:-1], "shape [63], expected [64]"),
     ):
         root = copy_of(w8a8, tmp_path / tensor)

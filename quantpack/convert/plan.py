@@ -89,7 +89,7 @@ def _stored_base_model(model, names: set[str]):
     weights are all tied to the base (GPT-2's lm_head) leaves nothing to tell, so it is kept."""
     from transformers import PreTrainedModel
 
-    from ..integrity import tied_targets
+    from ..modules.replace import tied_targets
 
     prefix = getattr(model, "base_model_prefix", "") or ""
     base = getattr(model, prefix, None) if prefix else None
@@ -205,7 +205,8 @@ def check_complete(model, canonical: dict[str, str], expert_blocks) -> None:
     """Every tensor the model needs is in the checkpoint (by the loader's rule: its persistent
     parameters and buffers, a shared tensor once, tied weights excepted); a packed checkpoint without
     one would be refused by ``quantpack.load`` and ``verify``."""
-    from ..integrity import expected_tensors, tied_targets
+    from ..integrity import expected_tensors
+    from ..modules.replace import tied_targets
 
     expected, _ = expected_tensors(model)
     provided, tied = set(canonical.values()), tied_targets(model)

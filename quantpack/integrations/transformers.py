@@ -34,10 +34,7 @@ from pathlib import Path
 from .. import checkpoint, generation
 from ..checkpoint import QUANT_METHOD, CheckpointError, TensorInfo
 from ..hub import resolve_checkpoint
-from ..integrity import (check_manifest_layers, check_tensors, check_tensor_digests, expected_tensors, fail,
-                         read_checkpoint_files)
-from ..modules.experts import ExpertMatrix
-from ..modules.linear import QuantLinear
+from ..integrity import check_files, check_model, fail, read_checked, refuse, use_model
 from ..modules import fused
 from ..modules.experts import use_mma_layouts
 from ..modules.merged import merge_projections
@@ -115,24 +112,23 @@ class QuantpackHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         config = self.quantization_config
         qc = config.validated or config._validate()  # (a config without fields raises its one-line error)
-        # The checks of quantpack.load, before transformers reads any data: the files against the index and
-        # manifest, every tensor against the model built here, and (verify) every tensor's sha256.
+        # The checks of quantpack.load and quantpack verify, before transformers reads any data: the files against
+        # the index and manifest, every tensor against the model built here, and (verify) every tensor's data.
         root = _checkpoint_root(model, kwargs.get("checkpoint_files"))
-        tensors, digests = read_checkpoint_files(root, verify=config.verify)
-        if config.verify:
-            check_manifest_layers(root, qc, tensors)
+        checked = check_files(root, verify=config.verify)
+        refuse(checked.problems)
         dtype = kwargs.get("dtype") or getattr(model.config, "dtype", None) or torch.float32
         # transformers casts each stored scale to the dtype of the module buffer it fills; build the
         # buffers in the dtype the checkpoint stores them in, so that a float32 model keeps its bf16
         # scales exact, and an explicit `dtype=` still applies to the rest.
-        scales_dtypes = _stored_scales_dtypes(tensors)
+        scales_dtypes = _stored_scales_dtypes(checked.tensors)
         names = linear_modules_to_convert(model, qc)
         replace_linear_layers(model, qc, names, lambda name: scales_dtypes.get(name, dtype))
-        quantized = set(names) | {n for n, m in model.named_modules() if isinstance(m, (QuantLinear, ExpertMatrix))}
-        expected, aliases = expected_tensors(model)
-        check_tensors(model, expected, aliases, tensors, quantized, qc)
+        use_model(checked, model, names)
+        check_model(checked)
+        refuse(checked.problems)
         if config.verify:
-            check_tensor_digests(tensors, digests)
+            refuse([problem for _, _, _, problem in read_checked(checked) if problem is not None])
         # A parent's _init_weights may re-initialize its linear children's `.weight` by attribute (GPT-2
         # scales c_proj.weight): every tensor of a packed checkpoint is stored, so nothing there needs init.
         for parent in {name.rpartition(".")[0] for name in names} - {""}:

@@ -8,9 +8,17 @@ import torch
 from torch import nn
 
 from .. import schemes
-from ..integrity import fail, tied_targets
+from ..checkpoint import CheckpointError
 from .experts import PROJECTIONS, QuantExperts, activation_of, fused_experts_dims
 from .linear import linear_dims
+
+
+def tied_targets(model) -> set[str]:
+    """Parameters that ``tie_weights`` points at another parameter (e.g. ``lm_head.weight``)."""
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if keys is None and hasattr(model, "get_expanded_tied_weights_keys"):
+        keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+    return set(keys or {})
 
 
 def linear_modules_to_convert(model: nn.Module, qc: dict) -> list[str]:
@@ -47,16 +55,17 @@ def replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -
         old = None
     dims = fused_experts_dims(old) if old is not None else None
     if dims is None:
-        raise fail(f"config.json: quantization_config.quantized_experts lists {name}, which is not an experts "
-                    f"block of {type(model).__name__}; the checkpoint does not match its config: re-convert")
+        raise CheckpointError(f"config.json: quantization_config.quantized_experts lists {name}, which is not an "
+                              f"experts block of {type(model).__name__}; the checkpoint does not match its config: "
+                              f"re-convert")
     matrices = [f"{name}.{proj}.{e}" for proj in PROJECTIONS for e in range(dims[0])]
     bits = {qc["bits_overrides"].get(m, qc["bits"]) for m in matrices}
     if len(bits) > 1:
-        raise fail(f"config.json: quantization_config.bits_overrides gives the experts of {name} {len(bits)} bit "
-                    f"widths; an experts block is quantized whole with one: re-convert")
+        raise CheckpointError(f"config.json: quantization_config.bits_overrides gives the experts of {name} "
+                              f"{len(bits)} bit widths; an experts block is quantized whole with one: re-convert")
     if qc["axis"] != 1:
-        raise fail(f"config.json: quantization_config.axis={qc['axis']} with the experts block {name}; experts are "
-                    f"packed with groups along in-features (axis 1): re-convert")
+        raise CheckpointError(f"config.json: quantization_config.axis={qc['axis']} with the experts block {name}; "
+                              f"experts are packed with groups along in-features (axis 1): re-convert")
     new = QuantExperts(*dims, activation=activation_of(old.act_fn), bits=bits.pop(), group_size=qc["group_size"],
                        dtype=dtype, device="meta")
     parent_name, _, child = name.rpartition(".")

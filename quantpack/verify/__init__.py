@@ -2,12 +2,12 @@
 
 A report in four sections, each building on the one before:
 
-* **integrity**: ``config.json`` and its ``quantization_config`` (layout version, scheme), the
-  manifest ``quantpack.json`` (every output file's size and sha256), the shard index against the
+* **integrity**: the checks :func:`quantpack.load` runs (:mod:`quantpack.integrity`, one verdict for every
+  folder), every problem reported: ``config.json`` and its ``quantization_config`` (layout version, scheme), the
+  manifest ``quantpack.json`` (its files, layers and per-tensor sha256s), the shard index against the
   shard headers, every tensor's shape and dtype against the model the config describes, and every
-  floating-point value finite. A file whose checksum differs is searched for the tensors that
-  changed: by the per-tensor sha256 the manifest records (no reference needed), or, for manifests
-  written before those existed, by comparing with the reference weights when there is a reference.
+  floating-point value finite. For manifests written before per-tensor digests, a file whose checksum differs
+  is searched for the tensors that changed by comparing with the reference weights when there is a reference.
 * **layers**: each quantized layer dequantized and compared with the reference weight
   (relative Frobenius error), worst layers first.
 * **kernels**: for each distinct quantized layer layout, the module's forward on the device (the

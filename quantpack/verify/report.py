@@ -6,12 +6,10 @@ import json
 from dataclasses import dataclass, field
 
 from .. import __version__, checkpoint
+from ..integrity import PROBLEM_KINDS, Problem  # noqa: F401 (part of the report)
 
 
 SCHEMA_VERSION = 1
-# Kinds of problems in the files, in the order they are reported (the first is the CLI's error line).
-PROBLEM_KINDS = ("layout", "config", "manifest", "missing_file", "checksum", "index", "missing_tensor", "shape",
-                 "dtype", "unexpected_tensor", "values")
 DEFAULT_MAX_KL = 0.1
 DEFAULT_MIN_TOP1 = 0.8
 DEFAULT_MIN_COSINE = 0.99
@@ -209,19 +207,6 @@ def describe_quantization(q: dict) -> str:
             origin = f"sha256 {str(cal.get('sha256'))[:12]}"
         line += f"; calibrated on {cal.get('tokens')} tokens ({origin})"
     return line
-
-
-@dataclass
-class Problem:
-    """Something wrong in the files: which file and (when it could be found) which tensor."""
-
-    kind: str  # one of PROBLEM_KINDS
-    message: str
-    file: str | None = None
-    tensor: str | None = None
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "file": self.file, "tensor": self.tensor, "message": self.message}
 
 
 @dataclass
