@@ -21,7 +21,7 @@ from . import checkpoint, generation
 from .hub import resolve_checkpoint
 from .integrity import check_checkpoint, fail, read_checked, refuse
 from .modules import fused
-from .modules.experts import use_mma_layouts
+from .modules.experts import QuantExperts, use_mma_layouts
 from .modules.merged import merge_projections
 
 QUANT_METHOD = checkpoint.QUANT_METHOD
@@ -149,6 +149,9 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     # One tensor at a time: read it from its shard (positioned read, no mmap), check it (its sha256, no NaN), cast
     # it to the dtype its module wants, move it to its device. Peak extra memory is one tensor.
     modules = dict(model.named_modules())  # (one walk of the tree: a MoE model has a module per expert matrix)
+    for name, module in modules.items():  # experts bound for a GPU are packed into its decode layout as they load
+        if isinstance(module, QuantExperts) and _device_of(placement, f"{name}.gate_up_qweight").type == "cuda":
+            module.use_mma_layout(_device_of(placement, f"{name}.gate_up_qweight"))
     for name, _, tensor, problem in read_checked(checked, expected):
         if problem is not None:
             raise fail(problem.message)

@@ -215,16 +215,18 @@ class QuantExperts(nn.Module):
 
     def slot(self, proj: str, e: int, field: str) -> torch.Tensor | None:
         """Expert ``e``'s ``field`` of projection ``proj`` as the checkpoint stores it: a view of the stacked buffer
-        (gate_proj: the first I columns of gate_up's; up_proj: the last I)."""
+        (gate_proj: the first I columns of gate_up's; up_proj: the last I), or, for a qweight in the mma layout,
+        a copy unpacked from its tiles."""
         stack = "down" if proj == "down_proj" else "gate_up"
         t = self._buffers[f"{stack}_{field}"]
         if t is None:
             return None
         t = t[e]
-        if field == "qweight" and self.layout == "mma":  # (a copy in the checkpoint's layout)
+        if field == "qweight" and self.layout == "mma":
             from ..kernels.mma_layout import mma_unpack
 
-            t = mma_unpack(t, *self._dims(stack))
+            n, k = self._proj_dims(proj)
+            return mma_unpack(t[self._tiles(proj)], n, k)
         i = self.intermediate_dim
         if proj == "gate_proj":
             return t[..., :i]
@@ -232,9 +234,20 @@ class QuantExperts(nn.Module):
             return t[..., i:]
         return t
 
+    def _proj_dims(self, proj: str) -> tuple[int, int]:
+        """(N, K) of one expert's ``proj`` matrix."""
+        return ((self.hidden_dim, self.intermediate_dim) if proj == "down_proj"
+                else (self.intermediate_dim, self.hidden_dim))
+
+    def _tiles(self, proj: str) -> slice:
+        """The 16-row tiles of its stack that hold ``proj`` in the mma layout (gate rows, then up rows)."""
+        i = self.intermediate_dim // 16
+        return slice(0, i) if proj == "gate_proj" else slice(i, 2 * i) if proj == "up_proj" else slice(None)
+
     def fill(self, proj: str, e: int, field: str, value: torch.Tensor) -> None:
         """Copy ``value`` into expert ``e``'s slot of ``proj``'s ``field`` (cast to the buffer's dtype). A buffer
-        still on meta is first allocated, once, on ``value``'s device."""
+        still on meta is first allocated, once, on ``value``'s device; a qweight in the mma layout is packed
+        into its tiles as it comes (no copy of the block in the checkpoint's layout is ever made)."""
         stack = "down" if proj == "down_proj" else "gate_up"
         name = f"{stack}_{field}"
         buf = self._buffers[name]
@@ -243,40 +256,70 @@ class QuantExperts(nn.Module):
         if buf.is_meta:
             buf = torch.empty(buf.shape, dtype=buf.dtype, device=value.device)
             self._buffers[name] = buf
-        target = self.slot(proj, e, field)
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{proj}.{e}.{field}: shape {list(value.shape)}, expected {list(target.shape)}")
-        if (value.dtype == torch.uint8) != (target.dtype == torch.uint8):
-            raise ValueError(f"{proj}.{e}.{field}: dtype {value.dtype}, expected {target.dtype}")
-        target.copy_(value.detach())  # (buffers and a detached value: nothing for autograd to record)
-        if field == "qweight" and self.layout == "mma":  # (target was a copy: the expert repacked from it)
+        mma = field == "qweight" and self.layout == "mma"
+        if mma:
+            n, k = self._proj_dims(proj)
+            want, want_dtype = (k // 2, n), torch.uint8
+        else:
+            target = self.slot(proj, e, field)
+            want, want_dtype = tuple(target.shape), target.dtype
+        if tuple(value.shape) != want:
+            raise ValueError(f"{proj}.{e}.{field}: shape {list(value.shape)}, expected {list(want)}")
+        if (value.dtype == torch.uint8) != (want_dtype == torch.uint8):
+            raise ValueError(f"{proj}.{e}.{field}: dtype {value.dtype}, expected {want_dtype}")
+        if mma:
             from ..kernels.mma_layout import mma_pack
 
-            n, k = self._dims(stack)
-            full = target if proj == "down_proj" else target._base if target._base is not None else target
-            buf[e] = mma_pack(full, n, k)
+            buf[e, self._tiles(proj)] = mma_pack(value.detach().to(buf.device), n, k)
+        else:
+            target.copy_(value.detach())  # (buffers and a detached value: nothing for autograd to record)
 
-    @torch.no_grad()
-    def use_mma_layout(self) -> bool:
-        """Keep the experts' 4-bit weights in the tensor-core decode layout (kernels/moe/mma_experts.py) in place of
-        the checkpoint's, same bytes, where the block is on a GPU (or the CPU under TRITON_INTERPRET=1), fits that
-        layout, QUANTPACK_MMA is on, and the kernel passed its self-check there; returns whether it does. Decode then runs the dense ``mma`` GEMV per expert; the state
-        dict still gives (and takes) the checkpoint's layout, converted per expert."""
-        if self.layout == "mma":
-            return True
+    def mma_layout_fits(self, device: torch.device) -> bool:
+        """Whether this block's experts can be held in the mma layout on ``device``: a GPU (or the CPU under
+        TRITON_INTERPRET=1) where the kernel passed its self-check, QUANTPACK_MMA on, 4 bits, 16-bit scales, no
+        bias, no input-side routing weight, and a group size the layout's 64-wide chunks divide (so gate, up and
+        down are each whole 16-row tiles)."""
         from ..env import switch
         from ..kernels.caches import mma_self_check
-        from ..kernels.dequant import interpreting, triton_usable
-        from ..kernels.moe.mma_experts import MmaExperts, mma_experts_fit
+        from ..kernels.dequant import interpreting
+        from ..kernels.moe.mma_experts import mma_experts_fit
 
-        gate_up, down = self.gate_up, self.down
-        if (not triton_usable(gate_up.scales) or self.weight_on_input or not switch("QUANTPACK_MMA")
-                or not all(mma_experts_fit(pe, pe.scales.dtype) for pe in (gate_up, down))
-                or not (interpreting() or mma_self_check(gate_up.qweight.device))):
+        device = torch.device(device)
+        on = device.type == "cuda" or (device.type == "cpu" and interpreting())
+        stacks = (self.gate_up, self.down)
+        return (on and not self.weight_on_input and switch("QUANTPACK_MMA")
+                and all(mma_experts_fit(pe, pe.scales.dtype) for pe in stacks)
+                and (device.type != "cuda" or mma_self_check(device)))
+
+    @torch.no_grad()
+    def use_mma_layout(self, device: torch.device | str | None = None) -> bool:
+        """Keep the experts' 4-bit weights in the tensor-core decode layout (kernels/moe/mma_experts.py) in place of
+        the checkpoint's, same bytes, where :meth:`mma_layout_fits`; returns whether they are. Decode then runs the
+        dense ``mma`` GEMV per expert; the state dict still gives (and takes) the checkpoint's layout, converted
+        per expert.
+
+        On a block still on meta (being loaded), ``device`` is where it will be filled: the qweights are then
+        allocated in the mma layout and each expert packed as :meth:`fill` receives it, so loading never holds
+        both layouts. A filled block is repacked a few experts at a time."""
+        if self.layout == "mma":
+            return True
+        meta = self.gate_up_qweight.is_meta
+        if not meta:
+            device = self.gate_up_qweight.device
+        elif device is None:
             return False
-        for stack, pe in (("gate_up", gate_up), ("down", down)):
-            self._buffers[f"{stack}_qweight"] = MmaExperts.from_packed(pe).words
-            del pe
+        if not self.mma_layout_fits(device):
+            return False
+        from ..kernels.moe.mma_experts import MmaExperts
+        from ..kernels.mma_layout import CHUNK
+
+        for stack in ("gate_up", "down"):
+            n, k = self._dims(stack)
+            if meta:
+                self._buffers[f"{stack}_qweight"] = torch.empty(
+                    (self.num_experts, n // 16, k // CHUNK, 32, 4), dtype=torch.int32, device="meta")
+            else:  # (the old buffer is freed as its stack is replaced: one stack's two layouts at a time)
+                self._buffers[f"{stack}_qweight"] = MmaExperts.from_packed(self._stack(stack)).words
         self.layout = "mma"
         return True
 

@@ -130,6 +130,38 @@ def test_a_block_switched_to_the_layout_computes_and_loads_the_same():
     assert rel_err(fresh(x, ids, w), want.float()) < TOL[torch.float16]
 
 
+def test_a_block_loaded_into_the_layout_packs_each_expert_as_it_comes():
+    """A block still on meta takes the layout first (as quantpack.load does for experts bound for a GPU): its
+    qweights are allocated as mma words and each expert's matrix is packed into its tiles as it is filled, giving
+    the same words as repacking a filled block, and the state dict back unchanged."""
+    from quantpack.modules.experts import QuantExperts
+
+    torch.manual_seed(0)
+    filled = QuantExperts(3, 128, 64, group_size=64, dtype=torch.float16, device=DEV)
+    state = {}
+    for proj, (n, k) in (("gate_proj", (64, 128)), ("up_proj", (64, 128)), ("down_proj", (128, 64))):
+        for e in range(3):
+            state[f"{proj}.{e}.qweight"] = torch.randint(0, 256, (k // 2, n), dtype=torch.uint8, device=DEV)
+            state[f"{proj}.{e}.scales"] = (torch.rand(k // 64, n, device=DEV) * 0.1 + 0.01).half()
+            state[f"{proj}.{e}.zeros"] = (torch.rand(k // 64, n, device=DEV) * 15).half()
+    filled.load_state_dict(state)
+    assert filled.use_mma_layout()
+    loading = QuantExperts(3, 128, 64, group_size=64, dtype=torch.float16, device="meta")
+    assert not loading.use_mma_layout()  # (on meta, the layout needs the device it will be filled on)
+    assert loading.use_mma_layout(DEV) and loading.layout == "mma" and loading.gate_up_qweight.is_meta
+    for key in reversed(list(state)):  # (any order: up before gate, down first)
+        proj, e, field = key.split(".")
+        loading.fill(proj, int(e), field, state[key])
+    assert loading.gate_up_qweight.dtype == torch.int32 and not loading.gate_up_qweight.is_meta
+    assert torch.equal(loading.gate_up_qweight, filled.gate_up_qweight)
+    assert torch.equal(loading.down_qweight, filled.down_qweight)
+    assert all(torch.equal(v, state[k]) for k, v in loading.state_dict().items())
+    with pytest.raises(ValueError, match=r"^up_proj.1.qweight: shape \[32, 128\], expected \[64, 64\]$"):
+        loading.fill("up_proj", 1, "qweight", state["down_proj.1.qweight"])
+    scaled_input = QuantExperts(2, 128, 64, group_size=64, weight_on_input=True, dtype=torch.float16, device="meta")
+    assert not scaled_input.use_mma_layout(DEV) and scaled_input.layout == "rows"
+
+
 def test_prefill_dequantizes_straight_from_the_layout(poisoned_outputs):
     from quantpack.kernels.moe.grouped import grouped_experts, grouped_usable
     from quantpack.kernels.moe.mma_experts import mma_dequantize

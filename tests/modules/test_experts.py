@@ -243,8 +243,9 @@ def test_default_generate_on_a_moe_model_on_gpu(mixtral):
 
 @pytest.mark.gpu
 def test_peak_gpu_memory_of_a_moe_load_is_the_packed_bytes(tmp_path):
-    """Each stacked buffer is allocated once on the GPU and filled in place: the peak while loading is at most
-    1.1x the checkpoint's bytes (no per-expert copies, no stacking)."""
+    """Each stacked buffer is allocated once on the GPU and filled in place, the experts' qweights packed into the
+    mma decode layout as they come: the peak while loading is at most 1.1x the checkpoint's bytes (no per-expert
+    copies, no stacking, never both layouts)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from quantpack.tiny import make_tiny_moe
@@ -263,7 +264,8 @@ def test_peak_gpu_memory_of_a_moe_load_is_the_packed_bytes(tmp_path):
     model = load(tmp_path / "packed", device="cuda", dtype=torch.bfloat16)
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= 1.1 * stored, (peak, stored)
-    assert model.model.layers[0].mlp.experts.gate_up_qweight.is_cuda
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_qweight.is_cuda and experts.layout == "mma"
 
 
 def test_from_experts_quantizes_a_block_in_memory_as_convert_does(mixtral):
