@@ -34,6 +34,17 @@ def dequantized_source(src: Path, packed: Path, auto_cls=None):
 def _place(model, name: str, w: torch.Tensor, bias) -> None:
     parent, _, expert = name.rpartition(".")
     block, _, proj = parent.rpartition(".")
+    if expert.isdigit() and proj in PROJECTIONS and hasattr(model.get_submodule(block), "gate_up_proj_bias"):
+        # gpt-oss: gate_up_proj (E, H, 2I), gate and up interleaved; down_proj (E, I, H); a bias for each
+        experts, e = model.get_submodule(block), int(expert)
+        if proj == "down_proj":
+            experts.down_proj[e].copy_(w.t())
+            experts.down_proj_bias[e].copy_(bias.float())
+        else:
+            cols = slice(0, None, 2) if proj == "gate_proj" else slice(1, None, 2)
+            experts.gate_up_proj[e][:, cols].copy_(w.t())
+            experts.gate_up_proj_bias[e][cols].copy_(bias.float())
+        return
     if expert.isdigit() and proj in PROJECTIONS and hasattr(model.get_submodule(block), "gate_up_proj"):
         experts, e = model.get_submodule(block), int(expert)
         inter = experts.intermediate_dim

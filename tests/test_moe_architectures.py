@@ -36,6 +36,9 @@ ARCHITECTURES = {
                          n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                          first_k_dense_replace=0, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
                          qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_ATTENTION, intermediate_size=64, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                     layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
 }
 # The MLA attention's linears DeepSeek quantizes besides its experts.
 MLA = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
@@ -97,25 +100,41 @@ def test_kernel_path_logits_equal_the_reference_path(packed, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "llama4_text"])
-def test_experts_blocks_quantpack_cannot_pack_are_refused(arch, tmp_path):
-    """gpt-oss's block (biased, gate/up interleaved, stored (E, H, 2I)) and Llama 4's (stored transposed) are not
-    the standard block: convert names the block in one line and writes nothing, instead of keeping the experts in
-    full precision."""
+def test_llama4_experts_block_is_refused(tmp_path):
+    """Llama 4's block (stored transposed, its input scaled by the routing weight before the experts, every expert run
+    on every token) is not one quantpack packs: convert names the block in one line and writes nothing, instead of
+    keeping the experts in full precision."""
     import transformers
 
-    config = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_local_experts=4, max_position_embeddings=128)
-    if arch == "gpt_oss":
-        classes, config = ("GptOssConfig", "GptOssForCausalLM"), dict(config, num_experts_per_tok=2,
-                                                                    layer_types=["full_attention"])
-        block = "GptOssExperts"
-    else:
-        classes, config = ("Llama4TextConfig", "Llama4ForCausalLM"), dict(config, intermediate_size_mlp=128,
-                                                                        num_experts_per_tok=1)
-        block = "Llama4TextExperts"
-    src = make_tiny_moe(tmp_path / "src", *(getattr(transformers, c) for c in classes), **config)
-    with pytest.raises(ValueError, match=rf"^model\.layers\.0\.(mlp|feed_forward)\.experts: quantpack does not "
-                                         rf"quantize this mixture-of-experts block \({block}\) yet"):
+    config = dict(hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                  num_experts_per_tok=1, max_position_embeddings=128)
+    src = make_tiny_moe(tmp_path / "src", transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, **config)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.feed_forward\.experts: quantpack does not quantize this "
+                                         r"mixture-of-experts block \(Llama4TextExperts\) yet"):
         convert(src, tmp_path / "out", group_size=16, method="rtn")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("packed", ["gpt_oss"], indirect=True)
+def test_gpt_oss_stacked_experts_are_split_per_expert(packed):
+    """gpt-oss stores its experts as the block's own stacked tensors (gate_up_proj (E, H, 2I), gate and up columns
+    interleaved, and biases): the packed checkpoint holds one matrix per expert and projection with its bias, gate
+    and up de-interleaved, and the block loads as a biased QuantExperts with the clamped SwiGLU."""
+    from safetensors import safe_open
+
+    from quantpack import checkpoint
+    from quantpack.reference import dequantize
+
+    _, src, out, _ = packed
+    with safe_open(next(src.glob("*.safetensors")), "pt") as f:
+        gate_up = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")[2].float()  # (H, 2I)
+        bias = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj_bias")[2].float()
+    with checkpoint.PackedCheckpoint(out) as pc:
+        for proj, cols in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+            pw, b = pc.layer(f"model.layers.1.mlp.experts.{proj}.2")
+            assert pw.shape == (64, 64) and torch.equal(b.float(), bias[cols])
+            w = gate_up[:, cols].t()
+            assert ((dequantize(pw, torch.float32) - w).norm() / w.norm()).item() < 0.15
+    experts = load(out, device="cpu", dtype=torch.float32).model.layers[1].mlp.experts
+    assert experts.activation == "swiglu_oai" and experts.gate_up_bias is not None

@@ -140,22 +140,24 @@ def _prefix_variants(name: str, prefix: str) -> list[str]:
     return out
 
 
-_EXPERT_TENSOR = re.compile(r"^(?P<layer>.+)\.(?P<block>[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
+_EXPERT_TENSOR = re.compile(r"^(?P<layer>.+)\.(?P<block>[^.]+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)\."
+                            r"(?P<field>weight|bias)$")
 _EXPERT_PROJ = {"w1": "gate_proj", "gate_proj": "gate_proj", "w3": "up_proj", "up_proj": "up_proj",
                 "w2": "down_proj", "down_proj": "down_proj"}
 
 
 def expert_tensors(model, names) -> tuple[dict[str, tuple[str, str, int]], dict[str, str]]:
-    """Checkpoint tensors that are one expert's matrix of a fused experts block of the model (see
-    :func:`quantpack.modules.experts.fused_experts_dims`): {tensor: (block path, projection, expert)},
-    plus the renames of the blocks' parents ({``model.layers.0.block_sparse_moe.``:
-    ``model.layers.0.mlp.``}) that the block's other tensors (the router) follow. A block is found
-    by the decoder layer that holds it, so the checkpoint may name its parent differently."""
-    from ..modules.experts import fused_experts_dims
+    """Checkpoint tensors that are one expert's matrix (``.weight``) or bias (``.bias``) of an experts block of the
+    model (see :func:`quantpack.modules.experts.experts_block`; a stacked block's tensors as
+    quantpack.checkpoint_experts splits them): {tensor: (block path, projection, expert)}, plus the renames of
+    the blocks' parents ({``model.layers.0.block_sparse_moe.``: ``model.layers.0.mlp.``}) that the block's other
+    tensors (the router) follow. A block is found by the decoder layer that holds it, so the checkpoint may name its
+    parent differently."""
+    from ..modules.experts import experts_block
 
     by_layer: dict[str, list[str]] = {}
     for path, module in model.named_modules():
-        if fused_experts_dims(module) is not None:
+        if experts_block(module) is not None:
             by_layer.setdefault(path.rpartition(".")[0].rpartition(".")[0], []).append(path)
     experts, renames = {}, {}
     for name in names:
@@ -180,9 +182,9 @@ def canonical_names(model, names, experts=None, renames=None) -> tuple[dict[str,
     experts, renames = experts or {}, renames or {}
     mapping, unknown = {}, []
     for name in names:
-        if name in experts:  # quantized into <block>.<projection>.<expert>
+        if name in experts:  # quantized into <block>.<projection>.<expert> (a bias stored beside it)
             block, proj, e = experts[name]
-            mapping[name] = f"{block}.{proj}.{e}.weight"
+            mapping[name] = f"{block}.{proj}.{e}.{name.rpartition('.')[2]}"
             continue
         renamed = next((new + name[len(old):] for old, new in renames.items() if name.startswith(old)), name)
         key = next((c for c in _prefix_variants(renamed, prefix) if c in keys), None)
@@ -229,19 +231,19 @@ def _load_time_conversion(model) -> bool:
 
 def check_expert_blocks(model) -> None:
     """Refuse, naming it, a mixture-of-experts block that quantpack cannot quantize (one that holds its experts as
-    stacked parameters other than :func:`quantpack.modules.experts.fused_experts_dims`'s: gpt-oss's biased,
-    interleaved block, Llama 4's transposed one): converting would keep its experts, nearly all the weights, in
-    full precision."""
-    from ..modules.experts import fused_experts_dims
+    stacked parameters other than :func:`quantpack.modules.experts.experts_block`'s, such as Llama 4's): converting
+    would keep its experts, nearly all the weights, in full precision."""
+    from ..modules.experts import experts_block
 
     for name, module in model.named_modules():
         stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
         if not stacked or "expert" not in (name.rpartition(".")[2] + type(module).__name__).lower():
             continue
-        if fused_experts_dims(module) is None:
+        if experts_block(module) is None:
             raise ValueError(f"{name}: quantpack does not quantize this mixture-of-experts block "
                              f"({type(module).__name__}) yet; the blocks it does are Mixtral's, Qwen2/3-MoE's, "
-                             f"OLMoE's and DeepSeek-V2/V3's (gate_up_proj (E, 2I, H), down_proj (E, H, I))")
+                             f"OLMoE's, DeepSeek-V2/V3's (gate_up_proj (E, 2I, H), down_proj (E, H, I)) and "
+                             f"gpt-oss's")
 
 
 def plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides, skip_patterns, bits_rules,
@@ -250,18 +252,24 @@ def plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides
     ``<block>.<projection>.<expert>``; returns the blocks. A block is quantized whole (its
     replacement holds packed matrices only), so a --skip that selects part of it, a group size that
     does not fit, or a missing matrix is an error."""
-    from ..modules.experts import PROJECTIONS, fused_experts_dims
+    from ..modules.experts import PROJECTIONS, experts_block
 
     found: dict[str, dict] = {}
+    biases: dict[str, set] = {}
     for tname, (block, proj, e) in expert_sources.items():
-        found.setdefault(block, {})[(proj, e)] = tname
+        if tname.endswith(".bias"):
+            biases.setdefault(block, set()).add((proj, e))
+        else:
+            found.setdefault(block, {})[(proj, e)] = tname
     for block, parts in sorted(found.items()):
-        n_exp, hidden, inter = fused_experts_dims(model.get_submodule(block))
+        spec = experts_block(model.get_submodule(block))
+        n_exp, hidden, inter = spec.num_experts, spec.hidden, spec.intermediate
         want = {(p, e) for p in PROJECTIONS for e in range(n_exp)}
-        if set(parts) != want:
-            gap = sorted(want - set(parts)) or sorted(set(parts) - want)
-            raise CheckpointError(f"source: the experts of {block} are incomplete or extra ({gap[0][0]} of expert "
-                                  f"{gap[0][1]}); the checkpoint does not match its config.json")
+        for what, got in (("", set(parts)), (" biases", biases.get(block, set()) if spec.bias else set())):
+            if got != want and (what == "" or spec.bias):
+                gap = sorted(want - got) or sorted(got - want)
+                raise CheckpointError(f"source: the experts{what} of {block} are incomplete or extra ({gap[0][0]} "
+                                      f"of expert {gap[0][1]}); the checkpoint does not match its config.json")
         if w8a8:
             raise ValueError(f"{block}: --scheme w8a8 does not quantize mixture-of-experts blocks yet; use the "
                              f"weight-only schemes (w4a16, w8a16)")

@@ -14,6 +14,7 @@ from .. import __version__
 from ..card import CARD_NAME, write_model_card
 from ..checkpoint import (CONFIG_NAME, MANIFEST_NAME, SAFE_INDEX_NAME, SHARD_METADATA, CheckpointError,
                           SourceCheckpoint, dtype_name, is_disk_full, sha256_file)
+from ..checkpoint_experts import split_stacked_experts
 from ..checkpoint_writer import make_index, make_quantization_config, safetensors_size, shard_name, write_json
 from ..hub import resolve_source
 from ..modules.linear import linear_dims
@@ -89,6 +90,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         weight_names = set(src.tensors)
         model, config, head = model_structure(config_dict, resolved.path, weight_names, trust_remote_code)
         check_expert_blocks(model)
+        src = split_stacked_experts(model, src)  # (gpt-oss's stacked experts as one matrix per expert)
         expert_sources, block_renames = expert_tensors(model, src.tensors)
         canonical, dropped = canonical_names(model, src.tensors, expert_sources, block_renames)
         linears, output_names, absent = linear_modules(model, weight_names)

@@ -9,8 +9,14 @@ block keeps those names as light submodules (``gate_proj[e]``...) whose tensors 
 stacked buffers, and a tensor assigned to one is copied into its slot: every loader (``quantpack.load``,
 transformers' ``from_pretrained``, ``load_state_dict``) fills the stacked buffers in place, each allocated once on
 the device of the first tensor it receives.
+
+gpt-oss's block (``GptOssExperts``: ``gate_up_proj`` (E, H, 2I) with gate and up interleaved, ``down_proj``
+(E, I, H), a bias for each, the clamped SwiGLU) is stored as those 3-D tensors; ``convert`` splits it into the same
+per-expert matrices (quantpack.checkpoint_experts), and it loads as a biased ``QuantExperts``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,6 +46,60 @@ def fused_experts_dims(module: nn.Module) -> tuple[int, int, int] | None:
     if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
         return None
     return e, h, two_i // 2
+
+
+@dataclass(frozen=True)
+class ExpertsBlock:
+    """A transformers experts block as quantpack packs it: sizes, activation (one of
+    :data:`quantpack.reference.EXPERT_ACTIVATIONS`, with ``swiglu_oai``'s ``alpha`` and ``limit``), whether each
+    expert matrix has a bias, and whether the checkpoint stores the block's own stacked tensors (``stacked``,
+    gpt-oss) rather than one matrix per expert."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    activation: str
+    alpha: float = 1.702
+    limit: float = 7.0
+    bias: bool = False
+    stacked: bool = False
+
+
+def experts_block(module: nn.Module) -> ExpertsBlock | None:
+    """The :class:`ExpertsBlock` of a transformers experts block quantpack can pack (the standard block of
+    :func:`fused_experts_dims`, or gpt-oss's), ``None`` for any other module."""
+    dims = fused_experts_dims(module)
+    if dims is not None:
+        return ExpertsBlock(*dims, activation=activation_of(module.act_fn))
+    return _gpt_oss_block(module)
+
+
+def _gpt_oss_block(module: nn.Module) -> ExpertsBlock | None:
+    """gpt-oss's block: ``gate_up_proj`` (E, H, 2I), ``down_proj`` (E, I, H), their biases (E, 2I) and (E, H), and a
+    gate function that is the clamped SwiGLU over interleaved gate/up columns (told by running it)."""
+    params = dict(module.named_parameters(recurse=False))
+    gate = getattr(module, "_apply_gate", None)
+    if set(params) != {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"} or not callable(gate):
+        return None
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    if gate_up.dim() != 3 or gate_up.shape[2] % 2:
+        return None
+    e, h, two_i = gate_up.shape
+    if (tuple(down.shape) != (e, two_i // 2, h) or tuple(params["gate_up_proj_bias"].shape) != (e, two_i)
+            or tuple(params["down_proj_bias"].shape) != (e, h)):
+        return None
+    try:
+        alpha, limit = float(module.alpha), float(module.limit)
+        t = torch.linspace(-2 * limit, 2 * limit, 4 * 97, dtype=torch.float64).reshape(97, 4)
+        with torch.no_grad():
+            got = gate(t)
+    except Exception:  # (not the gate function this block is known by)
+        return None
+    want = reference.expert_activation(torch.cat([t[:, 0::2], t[:, 1::2]], dim=1), "swiglu_oai", alpha=alpha,
+                                       limit=limit)
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(got.double(), want):
+        return None
+    return ExpertsBlock(e, h, two_i // 2, "swiglu_oai", alpha=alpha, limit=limit, bias=True, stacked=True)
 
 
 def activation_of(act_fn) -> str | None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import schemes
 from ..checkpoint import CheckpointError
-from .experts import PROJECTIONS, QuantExperts, activation_of, fused_experts_dims
+from .experts import PROJECTIONS, QuantExperts, experts_block
 from .linear import linear_dims
 
 
@@ -53,12 +53,12 @@ def replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -
         old = model.get_submodule(name)
     except AttributeError:
         old = None
-    dims = fused_experts_dims(old) if old is not None else None
-    if dims is None:
+    block = experts_block(old) if old is not None else None
+    if block is None:
         raise CheckpointError(f"config.json: quantization_config.quantized_experts lists {name}, which is not an "
                               f"experts block of {type(model).__name__}; the checkpoint does not match its config: "
                               f"re-convert")
-    matrices = [f"{name}.{proj}.{e}" for proj in PROJECTIONS for e in range(dims[0])]
+    matrices = [f"{name}.{proj}.{e}" for proj in PROJECTIONS for e in range(block.num_experts)]
     bits = {qc["bits_overrides"].get(m, qc["bits"]) for m in matrices}
     if len(bits) > 1:
         raise CheckpointError(f"config.json: quantization_config.bits_overrides gives the experts of {name} "
@@ -66,7 +66,8 @@ def replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -
     if qc["axis"] != 1:
         raise CheckpointError(f"config.json: quantization_config.axis={qc['axis']} with the experts block {name}; "
                               f"experts are packed with groups along in-features (axis 1): re-convert")
-    new = QuantExperts(*dims, activation=activation_of(old.act_fn), bits=bits.pop(), group_size=qc["group_size"],
-                       dtype=dtype, device="meta")
+    new = QuantExperts(block.num_experts, block.hidden, block.intermediate, activation=block.activation,
+                       alpha=block.alpha, limit=block.limit, bias=block.bias, bits=bits.pop(),
+                       group_size=qc["group_size"], dtype=dtype, device="meta")
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

@@ -9,6 +9,7 @@ from torch import nn
 
 from .. import checkpoint, schemes
 from ..checkpoint import CheckpointError, TensorInfo
+from ..checkpoint_experts import split_stacked_experts
 from ..integrity import Checked, Problem, check_checkpoint, read_checked
 
 
@@ -88,7 +89,7 @@ def _locate_changes(skeleton: nn.Module, fname: str, tensors: dict[str, TensorIn
     tensors bit for bit against the reference cast to the stored dtype, quantized modules by their
     scheme's ``locate``."""
     try:
-        ref = checkpoint.SourceCheckpoint(reference, allow_pickle=allow_pickle)
+        ref = split_stacked_experts(skeleton, checkpoint.SourceCheckpoint(reference, allow_pickle=allow_pickle))
     except CheckpointError:
         return {}
 

@@ -10,6 +10,7 @@ import torch
 
 from .. import checkpoint
 from ..checkpoint import CheckpointError
+from ..checkpoint_experts import split_stacked_experts
 from .end_to_end import run_end_to_end
 from .integrity import check_integrity, quantized_modules
 from .kernels import kernel_errors
@@ -250,7 +251,7 @@ def _verify(root: Path, bar, t0: float, *, reference, text, text_desc, dev, max_
         report.seconds = time.perf_counter() - t0
         return report
 
-    ref = checkpoint.SourceCheckpoint(ref_dir, allow_pickle=allow_pickle)
+    ref = split_stacked_experts(model, checkpoint.SourceCheckpoint(ref_dir, allow_pickle=allow_pickle))
     try:
         report.layers = layer_errors(model, ref, manifest, on_layer=lambda name: stage(name))
     finally:

@@ -1,0 +1,107 @@
+"""Experts blocks whose checkpoint stores the block's own stacked tensors (gpt-oss: ``<block>.gate_up_proj`` (E, H, 2I)
+with gate and up interleaved, ``<block>.down_proj`` (E, I, H), and their biases) seen as one matrix per expert and
+projection, the way Mixtral's checkpoints store theirs: ``<block>.<e>.gate_proj.weight`` (I, H), ``...up_proj``,
+``...down_proj`` (H, I) and a ``.bias`` for each. The rest of convert then plans, quantizes and writes them as any
+per-expert block; each view reads only its expert's slab of the stacked tensor."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import SourceCheckpoint, TensorInfo, read_tensor
+
+
+@dataclass(frozen=True)
+class _View:
+    stacked: str  # the checkpoint tensor
+    expert: int
+    part: str  # "gate", "up" (interleaved columns 0::2 and 1::2) or "all"
+    transpose: bool
+
+
+class StackedExpertsSource:
+    """``src`` with each stacked experts block of ``blocks`` ({block path: (experts, hidden, intermediate)}) replaced
+    by per-expert views; everything else is ``src``'s."""
+
+    def __init__(self, src: SourceCheckpoint, blocks: dict[str, tuple[int, int, int]]):
+        self._src = src
+        self._views: dict[str, _View] = {}
+        infos: dict[str, TensorInfo] = {}
+        stacked: set[str] = set()
+        for block, (e_n, h, i) in blocks.items():
+            parts = {  # stacked tensor -> ((projection, field, part, transpose, shape), ...)
+                f"{block}.gate_up_proj": (("gate_proj", "weight", "gate", True, (i, h)),
+                                          ("up_proj", "weight", "up", True, (i, h))),
+                f"{block}.gate_up_proj_bias": (("gate_proj", "bias", "gate", False, (i,)),
+                                               ("up_proj", "bias", "up", False, (i,))),
+                f"{block}.down_proj": (("down_proj", "weight", "all", True, (h, i)),),
+                f"{block}.down_proj_bias": (("down_proj", "bias", "all", False, (h,)),),
+            }
+            for name, views in parts.items():
+                if name not in src.tensors:
+                    continue  # (reported as an incomplete block by plan_experts)
+                stacked.add(name)
+                info = src.tensors[name]
+                for e in range(e_n):
+                    for proj, field, part, transpose, shape in views:
+                        view = f"{block}.{e}.{proj}.{field}"
+                        self._views[view] = _View(name, e, part, transpose)
+                        numel = 1
+                        for d in shape:
+                            numel *= d
+                        infos[view] = TensorInfo(view, info.file, info.dtype, shape, info.offset,
+                                                 numel * info.dtype.itemsize)
+        self.tensors = {n: i for n, i in src.tensors.items() if n not in stacked} | infos
+
+    def __getattr__(self, name):  # (config(), weight_files, index_file, close(), ...: the source's)
+        return getattr(self._src, name)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as a fresh CPU tensor (a view: read from its expert's slab of the stacked tensor)."""
+        view = self._views.get(name)
+        if view is None:
+            return self._src.get(name)
+        whole = self._src.info(view.stacked)
+        if self._src._bin_state is not None:
+            slab = self._src.get(view.stacked)[view.expert]
+        else:
+            slab_bytes = whole.nbytes // whole.shape[0]
+            slab_info = TensorInfo(whole.name, whole.file, whole.dtype, tuple(whole.shape[1:]),
+                                   whole.offset + view.expert * slab_bytes, slab_bytes)
+            handle = self._src._handles.get(whole.file)
+            if handle is None:
+                handle = self._src._handles[whole.file] = open(whole.file, "rb", buffering=0)
+            slab = read_tensor(slab_info, handle)
+        if view.part != "all":
+            slab = slab[..., 0::2] if view.part == "gate" else slab[..., 1::2]
+        return (slab.t() if view.transpose else slab).contiguous()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._src.close()
+
+
+def split_stacked_experts(model, src: SourceCheckpoint):
+    """``src`` as :class:`StackedExpertsSource` where ``model`` has experts blocks that ``src`` stores stacked (gpt-oss's
+    blocks as transformers builds them, or their :class:`~quantpack.modules.experts.QuantExperts` when ``src`` is the
+    reference of a packed checkpoint), else ``src`` itself."""
+    from .modules.experts import QuantExperts, experts_block
+
+    blocks = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantExperts):
+            dims = (module.num_experts, module.hidden_dim, module.intermediate_dim)
+            stored = src.tensors.get(f"{name}.gate_up_proj")
+            if stored is not None and tuple(stored.shape) == (dims[0], dims[1], 2 * dims[2]):
+                blocks[name] = dims
+            continue
+        spec = experts_block(module)
+        if spec is not None and spec.stacked:
+            blocks[name] = (spec.num_experts, spec.hidden, spec.intermediate)
+    return StackedExpertsSource(src, blocks) if blocks else src
