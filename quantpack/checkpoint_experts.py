@@ -1,5 +1,6 @@
 """Experts blocks whose checkpoint stores the block's own stacked tensors (gpt-oss: ``<block>.gate_up_proj`` (E, H, 2I)
-with gate and up interleaved, ``<block>.down_proj`` (E, I, H), and their biases) seen as one matrix per expert and
+with gate and up interleaved, ``<block>.down_proj`` (E, I, H), and their biases; Llama 4: the same without biases,
+gate's columns before up's) seen as one matrix per expert and
 projection, the way Mixtral's checkpoints store theirs: ``<block>.<e>.gate_proj.weight`` (I, H), ``...up_proj``,
 ``...down_proj`` (H, I) and a ``.bias`` for each. The rest of convert then plans, quantizes and writes them as any
 per-expert block; each view reads only its expert's slab of the stacked tensor."""
@@ -16,25 +17,27 @@ from .checkpoint import SourceCheckpoint, TensorInfo, read_tensor
 class _View:
     stacked: str  # the checkpoint tensor
     expert: int
-    part: str  # "gate", "up" (interleaved columns 0::2 and 1::2) or "all"
+    part: str  # "even", "odd" (columns 0::2, 1::2), "first", "second" (halves) or "all"
     transpose: bool
 
 
 class StackedExpertsSource:
-    """``src`` with each stacked experts block of ``blocks`` ({block path: (experts, hidden, intermediate)}) replaced
-    by per-expert views; everything else is ``src``'s."""
+    """``src`` with each stacked experts block of ``blocks`` ({block path: (experts, hidden, intermediate,
+    interleaved)}) replaced by per-expert views; everything else is ``src``'s. ``interleaved``: gate and up
+    alternate along ``gate_up_proj``'s last dimension (gpt-oss), else gate's I columns come first (Llama 4)."""
 
-    def __init__(self, src: SourceCheckpoint, blocks: dict[str, tuple[int, int, int]]):
+    def __init__(self, src: SourceCheckpoint, blocks: dict[str, tuple[int, int, int, bool]]):
         self._src = src
         self._views: dict[str, _View] = {}
         infos: dict[str, TensorInfo] = {}
         stacked: set[str] = set()
-        for block, (e_n, h, i) in blocks.items():
+        for block, (e_n, h, i, interleaved) in blocks.items():
+            gate, up = ("even", "odd") if interleaved else ("first", "second")
             parts = {  # stacked tensor -> ((projection, field, part, transpose, shape), ...)
-                f"{block}.gate_up_proj": (("gate_proj", "weight", "gate", True, (i, h)),
-                                          ("up_proj", "weight", "up", True, (i, h))),
-                f"{block}.gate_up_proj_bias": (("gate_proj", "bias", "gate", False, (i,)),
-                                               ("up_proj", "bias", "up", False, (i,))),
+                f"{block}.gate_up_proj": (("gate_proj", "weight", gate, True, (i, h)),
+                                          ("up_proj", "weight", up, True, (i, h))),
+                f"{block}.gate_up_proj_bias": (("gate_proj", "bias", gate, False, (i,)),
+                                               ("up_proj", "bias", up, False, (i,))),
                 f"{block}.down_proj": (("down_proj", "weight", "all", True, (h, i)),),
                 f"{block}.down_proj_bias": (("down_proj", "bias", "all", False, (h,)),),
             }
@@ -76,8 +79,9 @@ class StackedExpertsSource:
             if handle is None:
                 handle = self._src._handles[whole.file] = open(whole.file, "rb", buffering=0)
             slab = read_tensor(slab_info, handle)
-        if view.part != "all":
-            slab = slab[..., 0::2] if view.part == "gate" else slab[..., 1::2]
+        half = slab.shape[-1] // 2
+        slab = {"even": slab[..., 0::2], "odd": slab[..., 1::2], "first": slab[..., :half], "second": slab[..., half:],
+                "all": slab}[view.part]
         return (slab.t() if view.transpose else slab).contiguous()
 
     def __enter__(self):
@@ -96,12 +100,11 @@ def split_stacked_experts(model, src: SourceCheckpoint):
     blocks = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantExperts):
-            dims = (module.num_experts, module.hidden_dim, module.intermediate_dim)
-            stored = src.tensors.get(f"{name}.gate_up_proj")
-            if stored is not None and tuple(stored.shape) == (dims[0], dims[1], 2 * dims[2]):
-                blocks[name] = dims
+            if module.source_form != "standard":
+                blocks[name] = (module.num_experts, module.hidden_dim, module.intermediate_dim,
+                                module.source_form == "gpt_oss")
             continue
         spec = experts_block(module)
         if spec is not None and spec.stacked:
-            blocks[name] = (spec.num_experts, spec.hidden, spec.intermediate)
+            blocks[name] = (spec.num_experts, spec.hidden, spec.intermediate, spec.form == "gpt_oss")
     return StackedExpertsSource(src, blocks) if blocks else src

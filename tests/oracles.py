@@ -45,6 +45,13 @@ def _place(model, name: str, w: torch.Tensor, bias) -> None:
             experts.gate_up_proj[e][:, cols].copy_(w.t())
             experts.gate_up_proj_bias[e][cols].copy_(bias.float())
         return
+    if expert.isdigit() and proj in PROJECTIONS and hasattr(model.get_submodule(block), "expert_dim"):
+        # Llama 4: gate_up_proj (E, H, 2I), gate's columns first; down_proj (E, I, H)
+        experts, e = model.get_submodule(block), int(expert)
+        inter = experts.expert_dim
+        {"gate_proj": experts.gate_up_proj[e][:, :inter], "up_proj": experts.gate_up_proj[e][:, inter:],
+         "down_proj": experts.down_proj[e]}[proj].copy_(w.t())
+        return
     if expert.isdigit() and proj in PROJECTIONS and hasattr(model.get_submodule(block), "gate_up_proj"):
         experts, e = model.get_submodule(block), int(expert)
         inter = experts.intermediate_dim

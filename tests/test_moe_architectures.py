@@ -39,6 +39,9 @@ ARCHITECTURES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(_ATTENTION, intermediate_size=64, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                      layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    dict(_ATTENTION, intermediate_size=64, intermediate_size_mlp=128, head_dim=16,
+                         num_local_experts=4, num_experts_per_tok=2)),
 }
 # The MLA attention's linears DeepSeek quantizes besides its experts.
 MLA = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
@@ -60,7 +63,8 @@ def packed(request, tmp_path_factory):
 def test_convert_verify_load_generate(packed):
     name, src, out, summary = packed
     quantized = {layer.name for layer in summary.quantized}
-    assert {f"model.layers.1.mlp.experts.{p}.3" for p in ("gate_proj", "up_proj", "down_proj")} <= quantized
+    mlp = "feed_forward" if name == "llama4_text" else "mlp"
+    assert {f"model.layers.1.{mlp}.experts.{p}.3" for p in ("gate_proj", "up_proj", "down_proj")} <= quantized
     if name.startswith("deepseek"):
         assert {f"model.layers.0.{m}" for m in MLA} <= quantized, sorted(quantized)
     report = verify(out, device="cpu")
@@ -68,7 +72,7 @@ def test_convert_verify_load_generate(packed):
     assert report.layers["count"] == len(summary.quantized) and report.layers["missing"] == []
 
     model = load(out, device="cpu", dtype=torch.float32)
-    assert all(isinstance(layer.mlp.experts, QuantExperts) for layer in model.model.layers)
+    assert all(isinstance(getattr(layer, mlp).experts, QuantExperts) for layer in model.model.layers)
     oracle = dequantized_source(src, out)
     ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71]])
     with torch.no_grad():
@@ -100,16 +104,25 @@ def test_kernel_path_logits_equal_the_reference_path(packed, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_llama4_experts_block_is_refused(tmp_path):
-    """Llama 4's block (stored transposed, its input scaled by the routing weight before the experts, every expert run
-    on every token) is not one quantpack packs: convert names the block in one line and writes nothing, instead of
+def test_an_experts_block_quantpack_cannot_pack_is_refused(tmp_path, monkeypatch):
+    """A block with stacked experts that is none of the forms quantpack packs (here Llama 4's, its parent lacking the
+    router that the top-k routing uses) is refused in one line naming the block, and nothing is written, instead of
     keeping the experts in full precision."""
     import transformers
+    from transformers.models.llama4 import modeling_llama4
+
+    original = modeling_llama4.Llama4TextMoe.__init__
+
+    def without_router(self, config):
+        original(self, config)
+        del self.router
+        self.gate = torch.nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
 
     config = dict(hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                   num_experts_per_tok=1, max_position_embeddings=128)
     src = make_tiny_moe(tmp_path / "src", transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, **config)
+    monkeypatch.setattr(modeling_llama4.Llama4TextMoe, "__init__", without_router)
     with pytest.raises(ValueError, match=r"^model\.layers\.0\.feed_forward\.experts: quantpack does not quantize this "
                                          r"mixture-of-experts block \(Llama4TextExperts\) yet"):
         convert(src, tmp_path / "out", group_size=16, method="rtn")

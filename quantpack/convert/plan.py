@@ -231,19 +231,23 @@ def _load_time_conversion(model) -> bool:
 
 def check_expert_blocks(model) -> None:
     """Refuse, naming it, a mixture-of-experts block that quantpack cannot quantize (one that holds its experts as
-    stacked parameters other than :func:`quantpack.modules.experts.experts_block`'s, such as Llama 4's): converting
-    would keep its experts, nearly all the weights, in full precision."""
-    from ..modules.experts import experts_block
+    stacked parameters other than :func:`quantpack.modules.experts.experts_block`'s): converting would keep its
+    experts, nearly all the weights, in full precision."""
+    from ..modules.experts import experts_block, llama4_moe_form
 
     for name, module in model.named_modules():
         stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
         if not stacked or "expert" not in (name.rpartition(".")[2] + type(module).__name__).lower():
             continue
-        if experts_block(module) is None:
+        spec = experts_block(module)
+        if spec is not None and spec.form == "llama4" and not llama4_moe_form(model.get_submodule(
+                name.rpartition(".")[0])):
+            spec = None  # (its parent must route the top-k as Llama 4's does)
+        if spec is None:
             raise ValueError(f"{name}: quantpack does not quantize this mixture-of-experts block "
                              f"({type(module).__name__}) yet; the blocks it does are Mixtral's, Qwen2/3-MoE's, "
-                             f"OLMoE's, DeepSeek-V2/V3's (gate_up_proj (E, 2I, H), down_proj (E, H, I)) and "
-                             f"gpt-oss's")
+                             f"OLMoE's, DeepSeek-V2/V3's (gate_up_proj (E, 2I, H), down_proj (E, H, I)), "
+                             f"gpt-oss's and Llama 4's")
 
 
 def plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides, skip_patterns, bits_rules,

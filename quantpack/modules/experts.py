@@ -12,7 +12,9 @@ the device of the first tensor it receives.
 
 gpt-oss's block (``GptOssExperts``: ``gate_up_proj`` (E, H, 2I) with gate and up interleaved, ``down_proj``
 (E, I, H), a bias for each, the clamped SwiGLU) is stored as those 3-D tensors; ``convert`` splits it into the same
-per-expert matrices (quantpack.checkpoint_experts), and it loads as a biased ``QuantExperts``.
+per-expert matrices (quantpack.checkpoint_experts), and it loads as a biased ``QuantExperts``. Llama 4's
+(``Llama4TextExperts``: the same shapes, gate's columns before up's, no bias) loads as a ``QuantExperts`` with
+``weight_on_input``, its parent routed to the top-k experts (:func:`route_llama4_moe`).
 """
 from __future__ import annotations
 
@@ -63,6 +65,8 @@ class ExpertsBlock:
     limit: float = 7.0
     bias: bool = False
     stacked: bool = False
+    form: str = "standard"  # "gpt_oss" (stacked, gate/up interleaved) or "llama4" (stacked, gate then up)
+    weight_on_input: bool = False
 
 
 def experts_block(module: nn.Module) -> ExpertsBlock | None:
@@ -71,7 +75,60 @@ def experts_block(module: nn.Module) -> ExpertsBlock | None:
     dims = fused_experts_dims(module)
     if dims is not None:
         return ExpertsBlock(*dims, activation=activation_of(module.act_fn))
-    return _gpt_oss_block(module)
+    return _gpt_oss_block(module) or _llama4_block(module)
+
+
+def _llama4_block(module: nn.Module) -> ExpertsBlock | None:
+    """Llama 4's block: ``gate_up_proj`` (E, H, 2I) (gate columns, then up), ``down_proj`` (E, I, H), no bias, and a
+    forward of one argument (its parent scales each token by its routing weight and runs every expert; quantpack
+    routes the top-k instead, :func:`route_llama4_moe`)."""
+    import inspect
+
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"gate_up_proj", "down_proj"} or activation_of(getattr(module, "act_fn", None)) is None:
+        return None
+    try:
+        if len(inspect.signature(module.forward).parameters) != 1:
+            return None
+    except (TypeError, ValueError):
+        return None
+    gate_up, down = params["gate_up_proj"], params["down_proj"]
+    if gate_up.dim() != 3 or gate_up.shape[2] % 2:
+        return None
+    e, h, two_i = gate_up.shape
+    if tuple(down.shape) != (e, two_i // 2, h):
+        return None
+    return ExpertsBlock(e, h, two_i // 2, activation_of(module.act_fn), stacked=True, form="llama4",
+                        weight_on_input=True)
+
+
+def llama4_moe_form(moe: nn.Module) -> bool:
+    """Whether ``moe`` has the parts :func:`route_llama4_moe` routes with: a bias-free linear ``router``, a
+    ``shared_expert``, an integer ``top_k`` and ``experts``."""
+    router = getattr(moe, "router", None)
+    return (isinstance(router, nn.Linear) and router.bias is None and getattr(moe, "shared_expert", None) is not None
+            and isinstance(getattr(moe, "top_k", None), int) and hasattr(moe, "experts"))
+
+
+def route_llama4_moe(moe: nn.Module) -> bool:
+    """Make Llama 4's MoE block ``moe`` (``router``, ``shared_expert``, ``top_k``; its ``experts`` a
+    :class:`QuantExperts` with ``weight_on_input``) route each token to its top-k experts, each scaled by the
+    sigmoid of its router logit before the experts, as transformers' block computes it with every expert; returns
+    whether ``moe`` has that form."""
+    import types
+
+    if not (llama4_moe_form(moe) and isinstance(moe.experts, QuantExperts) and moe.experts.weight_on_input):
+        return False
+
+    def forward(self, hidden_states):
+        x = hidden_states.reshape(-1, self.experts.hidden_dim)
+        logits = nn.functional.linear(x, self.router.weight)
+        top, ids = torch.topk(logits, self.top_k, dim=1)
+        weights = torch.sigmoid(top.float()).to(x.dtype)
+        return self.shared_expert(x) + self.experts(x, ids, weights), logits
+
+    moe.forward = types.MethodType(forward, moe)
+    return True
 
 
 def _gpt_oss_block(module: nn.Module) -> ExpertsBlock | None:
@@ -99,7 +156,8 @@ def _gpt_oss_block(module: nn.Module) -> ExpertsBlock | None:
                                        limit=limit)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.allclose(got.double(), want):
         return None
-    return ExpertsBlock(e, h, two_i // 2, "swiglu_oai", alpha=alpha, limit=limit, bias=True, stacked=True)
+    return ExpertsBlock(e, h, two_i // 2, "swiglu_oai", alpha=alpha, limit=limit, bias=True, stacked=True,
+                        form="gpt_oss")
 
 
 def activation_of(act_fn) -> str | None:
@@ -213,6 +271,7 @@ class QuantExperts(nn.Module):
         for proj in PROJECTIONS:
             setattr(self, proj, ExpertMatrices(ExpertMatrix(self, proj, e) for e in range(num_experts)))
         self.layout = "rows"  # "mma" once use_mma_layout() has repacked the qweights (see there)
+        self.source_form = "standard"  # the replaced block's ExpertsBlock.form: how its checkpoint stores it
 
     @classmethod
     @torch.no_grad()

@@ -9,7 +9,7 @@ from torch import nn
 
 from .. import schemes
 from ..checkpoint import CheckpointError
-from .experts import PROJECTIONS, QuantExperts, experts_block
+from .experts import PROJECTIONS, QuantExperts, experts_block, route_llama4_moe
 from .linear import linear_dims
 
 
@@ -67,7 +67,12 @@ def replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -
         raise CheckpointError(f"config.json: quantization_config.axis={qc['axis']} with the experts block {name}; "
                               f"experts are packed with groups along in-features (axis 1): re-convert")
     new = QuantExperts(block.num_experts, block.hidden, block.intermediate, activation=block.activation,
-                       alpha=block.alpha, limit=block.limit, bias=block.bias, bits=bits.pop(),
-                       group_size=qc["group_size"], dtype=dtype, device="meta")
+                       alpha=block.alpha, limit=block.limit, bias=block.bias, weight_on_input=block.weight_on_input,
+                       bits=bits.pop(), group_size=qc["group_size"], dtype=dtype, device="meta")
+    new.source_form = block.form
     parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+    if block.form == "llama4" and not route_llama4_moe(parent):
+        raise CheckpointError(f"{name}: Llama 4 experts inside a {type(parent).__name__}, which quantpack cannot "
+                              f"route; the checkpoint does not match this transformers version's model")
