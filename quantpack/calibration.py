@@ -291,6 +291,30 @@ def zipf_token_sequences(tokenizer, vocab_size: int, count: int = DEFAULT_MAX_SE
     return {"input_ids": input_ids, "attention_mask": mask}
 
 
+def encoder_text_sequences(cal: CalibrationText, tokenizer, body: int,
+                           max_sequences: int = DEFAULT_MAX_SEQUENCES) -> dict[str, torch.Tensor]:
+    """``cal`` as an encoder reads text: non-overlapping windows of ``body`` tokens, each ``[CLS] window [SEP]`` (the
+    tokenizer's CLS, else BOS, and SEP, else EOS), at most ``max_sequences``, the last window possibly shorter
+    (padding masked out), as ``input_ids`` and ``attention_mask`` like :func:`zipf_token_sequences`. A one-line
+    ``ValueError`` when the text has no token."""
+    ids = tokenizer(cal.text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"calibration: {cal.source} holds no token for the source's tokenizer; pass a text in the "
+                         f"model's language")
+    lead = next((t for t in (tokenizer.cls_token_id, tokenizer.bos_token_id) if t is not None), None)
+    tail = next((t for t in (tokenizer.sep_token_id, tokenizer.eos_token_id) if t is not None), None)
+    pad = next((t for t in (tokenizer.pad_token_id, tail, ids[0]) if t is not None))
+    rows = [([lead] if lead is not None else []) + ids[i:i + body] + ([tail] if tail is not None else [])
+            for i in range(0, len(ids), body)][:max_sequences]
+    width = max(map(len, rows))
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask}
+
+
 def encoder_body_lengths(config, requested: int | None) -> tuple[int, int]:
     """Body lengths for :func:`zipf_token_sequences`: :data:`ENCODER_BODY_LENGTHS`, or up to ``requested`` tokens
     per sequence (``--calibration-length``), both within the model's ``max_position_embeddings`` ([CLS] and [SEP]

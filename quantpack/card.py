@@ -69,10 +69,12 @@ def convert_command(source: str, revision: str | None, settings: dict) -> str:
         group = "none" if settings["group_size"] is None else str(settings["group_size"])
         calibration = settings.get("calibration") or {}
         args += ["--bits", str(settings["bits"]), "--group-size", group, "--axis", str(settings["axis"])]
-        if not calibration.get("sampler"):  # an encoder's refit comes from --calibration self alone
+        if not (calibration and settings["method"] == "refit"):  # an encoder's refit comes from --calibration alone
             args += ["--method", settings["method"]]
-        if calibration.get("self") or calibration.get("builtin"):  # a user's file cannot be named here
+        if calibration.get("self") or calibration.get("builtin"):
             args += ["--calibration", "self" if calibration.get("self") else "builtin"]
+        elif calibration:  # a user's file: its name is not recorded (its sha256 is)
+            args += ["--calibration", "FILE"]
         for pattern, bits in settings.get("bits_for", {}).items():
             args += ["--bits-for", f"{pattern}={bits}"]
     args += ["--dtype", settings["dtype"]]

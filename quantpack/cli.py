@@ -243,14 +243,14 @@ def _parse_bits_rule(value):
 @click.option("--calibration", metavar="FILE|self|builtin", help="UTF-8 text to calibrate on (implies --method "
               "gptq): text like the model's own data, ideally 100k+ tokens; 'self': no text needed, a causal LM "
               "samples its own (128 sequences, on --device, holding the whole model there while it writes) and GPTQ "
-              "rounds on their Hessians shrunk halfway to the diagonal; on an "
-              "encoder (not a causal LM), 'self' runs 128 token sequences sampled from its vocabulary through it "
-              "once (float32, on --device) and refits the 4-bit layers weighted by their inputs' second moments "
-              "(8-bit layers: hqq); "
+              "rounds on their Hessians shrunk halfway to the diagonal. On an encoder (not a causal LM) the "
+              "calibration inputs (the text cut into windows of 64 tokens between [CLS] and [SEP], at most 128; "
+              "'self': 128 token sequences sampled from its vocabulary) run through it once (float32, on --device) "
+              "and the 4-bit layers are refit weighted by their inputs' second moments (8-bit layers: hqq); "
               "'builtin': a short shipped passage, for a quick try.")
 @click.option("--calibration-length", type=click.IntRange(min=2), metavar="N",
-              help="Tokens per calibration sequence [default: 512, at most the model's context; an encoder's "
-                   "'self': sequences of 10 to 66 tokens, this caps them].")
+              help="Tokens per calibration sequence [default: 512, at most the model's context; an encoder's: "
+                   "66 (its 'self': 10 to 66), this caps them].")
 @click.option("--scheme", type=click.Choice(["w4a16", "w8a16", "w8a8"]),
               help="w4a16/w8a16: weight-only (the default, by --bits). w8a8: int8 weights, one scale per output "
                    "channel, and int8 activations at run time (int8 tensor cores); --group-size, --axis, --method "

@@ -1,4 +1,5 @@
-"""``--calibration self`` on an encoder: ``refit`` weighted by the second moments of sampled-vocabulary inputs."""
+"""``--calibration`` on an encoder: ``refit`` weighted by the second moments of its inputs, sampled from the vocabulary
+(``self``) or cut from a text (a file, ``builtin``)."""
 import json
 import shutil
 
@@ -172,6 +173,51 @@ def test_convert_self_on_an_encoder_records_refit_round_trips_and_beats_hqq(stru
             assert torch.equal(mine[f"{name}.{suffix}"], hqq[f"{name}.{suffix}"]), (name, suffix)
 
 
+def test_text_windows_for_an_encoder():
+    tok = bert_tokenizer()
+    text = cal.CalibrationText("the cat sat , the cats sat . " * 3, "builtin", "0" * 64)
+    got = cal.encoder_text_sequences(text, tok, 5)
+    ids, mask = got["input_ids"], got["attention_mask"]
+    body = tok(text.text, add_special_tokens=False)["input_ids"]  # 27 tokens (cats: cat ##s): five windows of 5, 2
+    assert len(body) == 27 and ids.shape == (6, 7) and mask.sum(1).tolist() == [7, 7, 7, 7, 7, 4]
+    assert ids[:, 0].eq(tok.cls_token_id).all() and ids[5, 3] == tok.sep_token_id and ids[5, 4:].eq(0).all()
+    assert sum((row[1:n - 1] for row, n in zip(ids.tolist(), mask.sum(1).tolist())), []) == body
+    assert cal.encoder_text_sequences(text, tok, 5, max_sequences=2)["input_ids"].shape == (2, 7)
+    with pytest.raises(ValueError, match="^calibration: empty.txt holds no token for the source's tokenizer"):
+        cal.encoder_text_sequences(cal.CalibrationText("   ", "empty.txt", "0" * 64), tok, 5)
+
+
+@pytest.mark.parametrize("source", ["file", "builtin"])
+def test_convert_on_an_encoder_with_text_refits_on_it_and_beats_hqq(structured_encoder_dir, tmp_path, source):
+    """A user's text (or the built-in passage) calibrates an encoder as ``self`` does: refit weighted by the second
+    moments of the layers' inputs on that text, which lowers the layers' output error on it below hqq's."""
+    text = cal.BUILTIN_FILE.read_text()
+    spec = "builtin"
+    if source == "file":
+        spec = tmp_path / "text.txt"
+        spec.write_text(text)
+    src = structured_encoder_dir
+    kwargs = dict(group_size=32, bits_for=["intermediate=8"], progress=False)
+    summary = convert(src, tmp_path / "text", calibration=str(spec), **kwargs)
+    convert(src, tmp_path / "hqq", **kwargs)
+    got = json.loads((tmp_path / "text" / "quantpack.json").read_text())["settings"]["calibration"]
+    assert summary.settings["method"] == "refit" and got.get("builtin", False) == (source == "builtin")
+    assert "self" not in got and got["sha256"] == cal.read_calibration(spec).sha256
+    assert got["sequence_length"] == 66 and got["tokens"] > 1000  # windows of 64 tokens between [CLS] and [SEP]
+    card = (tmp_path / "text" / "README.md").read_text()
+    assert f"--calibration {'FILE' if source == 'file' else 'builtin'}" in card and "--method" not in card
+
+    mine, hqq = stored_tensors(tmp_path / "text"), stored_tensors(tmp_path / "hqq")
+    model, inputs = layer_inputs(src, text)
+    err = {"text": 0.0, "hqq": 0.0}
+    for name in (n for n in inputs if "intermediate" not in n):
+        w, x = model.get_submodule(name).weight.detach().float(), inputs[name]
+        for which, t in (("text", mine), ("hqq", hqq)):
+            deq = dequantized(t, name, w.shape, 32)
+            err[which] += float(((x @ (deq - w).t()) ** 2).sum() / ((x @ w.t()) ** 2).sum())
+    assert err["text"] < 0.75 * err["hqq"], err
+
+
 def test_interrupted_encoder_self_conversion_resumes_to_the_same_bytes(tiny_encoder_dir, tmp_path,
                                                                        convert_interrupted):
     kwargs = dict(group_size=32, calibration="self", max_shard_size="100KB", progress=False)
@@ -189,9 +235,12 @@ def test_interrupted_encoder_self_conversion_resumes_to_the_same_bytes(tiny_enco
 
 def test_cli_refuses_encoder_self_calibration_where_it_cannot_run(tiny_encoder_dir, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    hint = "bert (BertModel) is not one: for an encoder, pass --calibration self without --method"
+    hint = "bert (BertModel) is not one: for an encoder, pass --calibration without --method"
     assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "self", "--method", "gptq"), hint, out)
-    assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "builtin"), hint, out)
+    assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "builtin", "--method", "gptq"), hint,
+                   out)
+    assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "builtin", "--bits", "8"),
+                   "calibration: builtin refits the 4-bit layers of an encoder", out)
     assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "self", "--bits", "8"),
                    "calibration: self refits the 4-bit layers of an encoder", out)
     assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "self", "--calibration-length", "2"),

@@ -198,7 +198,7 @@ def test_cli_refuses_calibration_with_other_methods_and_schemes(tiny_llama_dir, 
                    "method='gptq' needs calibration text", out)
     assert_refused(cli_convert(tiny_llama_dir, "-o", out, "--calibration", "builtin", "--axis", "0"),
                    "use axis=1", out)
-    assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "builtin"),
+    assert_refused(cli_convert(tiny_encoder_dir, "-o", out, "--calibration", "builtin", "--method", "gptq"),
                    "bert (BertModel) is not one", out)
 
 

@@ -138,26 +138,28 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
                     summary.warnings.append(message)
         if not quant_plan:
             raise ValueError(nothing_to_quantize(summary.layers, bits, group_size, axis))
-        encoder_batch = None  # --calibration self on a model that is not a causal LM: its sampled inputs
+        encoder_batch = None  # --calibration on a model that is not a causal LM: the inputs its refit is weighted by
         if method == "gptq":  # refused or tokenized before anything is written
             from .. import calibration as cal
             from ..gptq import SELF_SHRINK, check_model, decoder_blocks
 
-            own = isinstance(args.calibration, cal.SelfCalibration) and not args.method_given
             try:
                 decoder_blocks(model, config, advice=(
-                    "for an encoder, pass --calibration self without --method (refit weighted by its own "
-                    "activations), or --method hqq"))
+                    "for an encoder, pass --calibration without --method (refit weighted by its activations on the "
+                    "text, or on sampled inputs with 'self'), or --method hqq"))
             except ValueError:
-                if not own:
+                if args.method_given:
                     raise
                 method = settings["method"] = summary.settings["method"] = "refit"
             if method == "refit":
                 encoder_batch = _encoder_inputs(config, quant_plan, quantized_experts, resolved.path,
-                                                calibration_length, trust_remote_code, args.calibration.seed)
+                                                args.calibration, calibration_length, trust_remote_code)
+                given = ({"self": True, "seed": args.calibration.seed, "sampler": "zipf"}
+                         if isinstance(args.calibration, cal.SelfCalibration) else
+                         {"sha256": args.calibration.sha256,
+                          **({"builtin": True} if args.calibration.source == cal.BUILTIN else {})})
                 settings["calibration"] = summary.settings["calibration"] = {
-                    "self": True, "seed": args.calibration.seed, "sampler": "zipf",
-                    "tokens": int(encoder_batch["attention_mask"].sum()),
+                    **given, "tokens": int(encoder_batch["attention_mask"].sum()),
                     "sequences": encoder_batch["input_ids"].shape[0],
                     "sequence_length": encoder_batch["input_ids"].shape[1]}
         if method == "gptq":
@@ -357,24 +359,28 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         src.close()
 
 
-def _encoder_inputs(config, quant_plan: dict, expert_blocks, path: Path, calibration_length: int | None,
-                    trust_remote_code: bool, seed: int) -> dict[str, torch.Tensor]:
-    """``--calibration self`` on a model that is not a causal LM: the token sequences sampled from its vocabulary
-    (see :func:`quantpack.calibration.zipf_token_sequences`), after refusing, with one line, what it cannot
+def _encoder_inputs(config, quant_plan: dict, expert_blocks, path: Path, calibration, calibration_length: int | None,
+                    trust_remote_code: bool) -> dict[str, torch.Tensor]:
+    """``--calibration`` on a model that is not a causal LM: the token sequences its refit is weighted by, sampled
+    from its vocabulary (``self``, :func:`quantpack.calibration.zipf_token_sequences`) or cut from the text
+    (:func:`quantpack.calibration.encoder_text_sequences`), after refusing, with one line, what it cannot
     calibrate."""
     from .. import calibration as cal
 
+    label = cal.SELF if isinstance(calibration, cal.SelfCalibration) else calibration.source
     if expert_blocks:
-        raise ValueError(f"calibration: self does not calibrate mixture-of-experts blocks yet ({expert_blocks[0]}); "
+        raise ValueError(f"calibration: {label} does not calibrate mixture-of-experts blocks yet ({expert_blocks[0]}); "
                          f"use --method hqq")
     if not any(layer.bits == 4 for layer in quant_plan.values()):
-        raise ValueError("calibration: self refits the 4-bit layers of an encoder (8-bit ones keep hqq, which "
-                         "measured better there) and none is 4-bit; drop --calibration")
+        raise ValueError(f"calibration: {label} refits the 4-bit layers of an encoder (8-bit ones keep hqq, which "
+                         f"measured better there) and none is 4-bit; drop --calibration")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    lengths = cal.encoder_body_lengths(text, calibration_length)
+    tokenizer = cal.load_tokenizer(path, trust_remote_code)
+    if not isinstance(calibration, cal.SelfCalibration):
+        return cal.encoder_text_sequences(calibration, tokenizer, lengths[1])
     vocab_size = getattr(text, "vocab_size", None)
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"calibration: self samples token ids but {type(config).__name__} has no vocab_size (not a "
                          f"text model?); use --method hqq")
-    tokenizer = cal.load_tokenizer(path, trust_remote_code)
-    return cal.zipf_token_sequences(tokenizer, vocab_size, lengths=cal.encoder_body_lengths(text, calibration_length),
-                                    seed=seed)
+    return cal.zipf_token_sequences(tokenizer, vocab_size, lengths=lengths, seed=calibration.seed)
