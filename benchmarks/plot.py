@@ -31,8 +31,8 @@ REQUIRED = {"kernels": KERNEL_FIELDS, "decode": DECODE_FIELDS, "conversion": CON
 IMPL_ORDER = ["quantpack", "tinygemm", "gemlite", "torchao", "hqq", "int_mm", "w4a8", "w8a8"]
 
 
-# convert's methods, in the quality plot's order and colours
-QUALITY_METHODS = ("rtn", "hqq", "sinq", "refit", "gptq", "gptq-self")
+# convert's methods, then the hqq library (the reference they are held to), in the quality plot's order and colours
+QUALITY_METHODS = ("rtn", "hqq", "sinq", "refit", "gptq", "gptq-self", "hqq-lib")
 
 
 def impl_color(impl: str) -> str:
