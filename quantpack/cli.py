@@ -352,10 +352,10 @@ def demo_command(workdir, bits, group_size, method, device):
     """Run the whole job offline: build a small real Llama, convert it, verify it.
 
     The model (2 layers, hidden size 128, a trained BPE tokenizer, sharded safetensors) is fitted for
-    a few steps to the built-in passage, then converted with the same code as `quantpack convert` and
-    checked with `quantpack verify`. Nothing is downloaded. So brief a fit leaves its predictions too
-    flat for the top-1 check (it reports n/a over 0 confident positions): the KL check judges the
-    model; the integrity, per-layer and kernel checks run as on any checkpoint.
+    a few seconds to the built-in passage, then converted with the same code as `quantpack convert` and
+    checked with `quantpack verify`. Nothing is downloaded. The fit makes the model confident at most
+    positions of the passage, so the KL and top-1 checks both judge it; the integrity, per-layer and
+    kernel checks run as on any checkpoint.
     Exit code: as `quantpack verify`.
     """
     from .demo import run_demo
