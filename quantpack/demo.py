@@ -10,8 +10,8 @@ from .convert.options import resolve_device
 from .tiny import make_tiny_llama
 from .verify import DEFAULT_TEXT, VerifyReport, verify
 
-DEMO_TRAIN_STEPS = 120  # enough (a few seconds on a CPU) for the reference to be confident at most positions of
-# the verify passage, so that the top-1 check judges something rather than being skipped
+DEMO_TRAIN_STEPS = 120  # on the whole verify passage (a context that holds it): a few seconds on a CPU, and the
+# reference is confident at enough positions that the top-1 check judges something rather than being skipped
 
 
 @dataclass
@@ -33,7 +33,7 @@ def run_demo(workdir=None, *, bits: int = 4, group_size: int | None = 32, method
     source = workdir / "tiny-llama"
     if source.exists():
         raise ValueError(f"workdir: {source} already exists; pass an empty or new directory")
-    make_tiny_llama(source, train_steps=DEMO_TRAIN_STEPS, train_text=DEFAULT_TEXT)
+    make_tiny_llama(source, train_steps=DEMO_TRAIN_STEPS, train_text=DEFAULT_TEXT, max_position_embeddings=2048)
     packed = workdir / default_output_name(source.name, bits, group_size)  # as `quantpack convert` names it
     conversion = convert(source, packed, bits=bits, group_size=group_size, method=method, device=device,
                          progress=progress)

@@ -162,9 +162,9 @@ def make_tiny_llama(path, *, num_shards: int = 2, dtype: torch.dtype = torch.flo
     config = LlamaConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
                          num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
-                         max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **config_overrides)
+                         tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         **{"max_position_embeddings": 256, **config_overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     if train_steps:
