@@ -353,8 +353,8 @@ def demo_command(workdir, bits, group_size, method, device):
 
     The model (2 layers, hidden size 128, a trained BPE tokenizer, sharded safetensors) is fitted for
     a few seconds to the built-in passage, then converted with the same code as `quantpack convert` and
-    checked with `quantpack verify`. Nothing is downloaded. The fit makes the model confident at most
-    positions of the passage, so the KL and top-1 checks both judge it; the integrity, per-layer and
+    checked with `quantpack verify`. Nothing is downloaded. The fit makes the model confident at enough
+    positions of the passage that the KL and top-1 checks both judge it; the integrity, per-layer and
     kernel checks run as on any checkpoint.
     Exit code: as `quantpack verify`.
     """
