@@ -320,10 +320,22 @@ class SourceCheckpoint:
         if self._bin_state is not None:
             return self._bin_state[name].clone()
         info = self.tensors[name]
-        handle = self._handles.get(info.file)
+        return read_tensor(info, self._handle(info.file))
+
+    def get_row(self, name: str, index: int) -> torch.Tensor:
+        """``name[index]`` (along its first dimension) as a fresh CPU tensor, reading only those bytes."""
+        if self._bin_state is not None:
+            return self._bin_state[name][index].clone()
+        info = self.tensors[name]
+        row = info.nbytes // info.shape[0]
+        part = TensorInfo(name, info.file, info.dtype, tuple(info.shape[1:]), info.offset + index * row, row)
+        return read_tensor(part, self._handle(info.file))
+
+    def _handle(self, file: Path):
+        handle = self._handles.get(file)
         if handle is None:
-            handle = self._handles[info.file] = open(info.file, "rb", buffering=0)
-        return read_tensor(info, handle)
+            handle = self._handles[file] = open(file, "rb", buffering=0)
+        return handle
 
     def close(self) -> None:
         for h in self._handles.values():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import SourceCheckpoint, TensorInfo, read_tensor
+from .checkpoint import SourceCheckpoint, TensorInfo
 
 
 @dataclass(frozen=True)
@@ -68,17 +68,7 @@ class StackedExpertsSource:
         view = self._views.get(name)
         if view is None:
             return self._src.get(name)
-        whole = self._src.info(view.stacked)
-        if self._src._bin_state is not None:
-            slab = self._src.get(view.stacked)[view.expert]
-        else:
-            slab_bytes = whole.nbytes // whole.shape[0]
-            slab_info = TensorInfo(whole.name, whole.file, whole.dtype, tuple(whole.shape[1:]),
-                                   whole.offset + view.expert * slab_bytes, slab_bytes)
-            handle = self._src._handles.get(whole.file)
-            if handle is None:
-                handle = self._src._handles[whole.file] = open(whole.file, "rb", buffering=0)
-            slab = read_tensor(slab_info, handle)
+        slab = self._src.get_row(view.stacked, view.expert)
         half = slab.shape[-1] // 2
         slab = {"even": slab[..., 0::2], "odd": slab[..., 1::2], "first": slab[..., :half], "second": slab[..., half:],
                 "all": slab}[view.part]

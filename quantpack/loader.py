@@ -150,8 +150,10 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
     # it to the dtype its module wants, move it to its device. Peak extra memory is one tensor.
     modules = dict(model.named_modules())  # (one walk of the tree: a MoE model has a module per expert matrix)
     for name, module in modules.items():  # experts bound for a GPU are packed into its decode layout as they load
-        if isinstance(module, QuantExperts) and _device_of(placement, f"{name}.gate_up_qweight").type == "cuda":
-            module.use_mma_layout(_device_of(placement, f"{name}.gate_up_qweight"))
+        if isinstance(module, QuantExperts):
+            dev = _device_of(placement, f"{name}.gate_up_qweight")
+            if dev.type == "cuda":
+                module.use_mma_layout(dev)
     for name, _, tensor, problem in read_checked(checked, expected):
         if problem is not None:
             raise fail(problem.message)

@@ -52,24 +52,27 @@ def test_variants_at_qwen3_shape(poisoned_outputs, activation, bias, weight_on_i
     assert rel_err(fused_experts(x, gate_up, down, ids, w, **kw), want.float()) < BF16_TOL
 
 
-@pytest.mark.parametrize("name,tokens", [("qwen3-moe", 1), ("qwen3-moe", 16), ("mixtral", 1), ("mixtral", 512)])
-def test_cuda_graph_replays_with_new_routing(name, tokens):
+@pytest.mark.parametrize("layout,name,tokens", [(layout, name, tokens) for layout, last in (("rows", 512), ("mma", 16))
+                                                 for name, tokens in (("qwen3-moe", 1), ("qwen3-moe", 16),
+                                                                      ("mixtral", 1), ("mixtral", last))])
+def test_cuda_graph_replays_with_new_routing(layout, name, tokens):
+    """A captured block replays with new routing and new inputs, in the checkpoint's layout and in the mma one."""
     gate_up, down, experts, top_k, hidden = block(name)
+    stacks = (gate_up, down) if layout == "rows" else (MmaExperts.from_packed(gate_up), MmaExperts.from_packed(down))
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(tokens, experts, top_k, 1)
-    fused_experts(x, gate_up, down, ids, w)  # (compiles the kernels outside the capture)
+    fused_experts(x, *stacks, ids, w)  # (compiles the kernels outside the capture)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts(x, gate_up, down, ids, w)
+        out = fused_experts(x, *stacks, ids, w)
     for seed in (2, 3):
         new_ids, new_w = routing(tokens, experts, top_k, seed)
         ids.copy_(new_ids)
         w.copy_(new_w)
         x.copy_(torch.randn_like(x))
         graph.replay()
-        want = reference.experts(x, gate_up, down, ids, w)
-        assert rel_err(out, want.float()) < BF16_TOL
+        assert rel_err(out, reference.experts(x, gate_up, down, ids, w).float()) < BF16_TOL
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -83,23 +86,3 @@ def test_mma_layout_matches_the_reference(poisoned_outputs, name, tokens):
     ids[0, -1] = -1  # an unused slot
     got = fused_experts(x, MmaExperts.from_packed(gate_up), MmaExperts.from_packed(down), ids, w)
     assert rel_err(got, reference.experts(x, gate_up, down, ids, w).float()) < BF16_TOL
-
-
-@pytest.mark.parametrize("name,tokens", [("qwen3-moe", 1), ("qwen3-moe", 16), ("mixtral", 1), ("mixtral", 16)])
-def test_mma_layout_graph_replays_with_new_routing(name, tokens):
-    gate_up, down, experts, top_k, hidden = block(name)
-    mg, md = MmaExperts.from_packed(gate_up), MmaExperts.from_packed(down)
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    ids, w = routing(tokens, experts, top_k, 1)
-    fused_experts(x, mg, md, ids, w)  # (compiles the kernels outside the capture)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_experts(x, mg, md, ids, w)
-    for seed in (2, 3):
-        new_ids, new_w = routing(tokens, experts, top_k, seed)
-        ids.copy_(new_ids)
-        w.copy_(new_w)
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        assert rel_err(out, reference.experts(x, gate_up, down, ids, w).float()) < BF16_TOL
