@@ -123,7 +123,7 @@ def quantize_in_place(model, *, bits: int, group_size: int, method: str) -> int:
     """Replace every decoder linear layer by a QuantLinear made from its weight, and every experts block by a
     QuantExperts (each expert's matrices quantized as convert does, on the block's device); returns how many."""
     from quantpack.convert.plan import ROUTER_NAME
-    from quantpack.modules.experts import QuantExperts, fused_experts_dims
+    from quantpack.modules.experts import QuantExperts, fused_experts_dims, skip_experts_switch
     from quantpack.modules.linear import QuantLinear
 
     blocks = [n for n, m in model.named_modules() if fused_experts_dims(m) is not None]
@@ -139,6 +139,7 @@ def quantize_in_place(model, *, bits: int, group_size: int, method: str) -> int:
         parent = model.get_submodule(parent_name)
         setattr(parent, child, QuantLinear.from_linear(getattr(parent, child), bits=bits, group_size=group_size,
                                                        method=method, dtype=torch.bfloat16))
+    skip_experts_switch(model)  # (as quantpack.load does)
     torch.cuda.empty_cache()
     return len(names) + len(blocks)
 

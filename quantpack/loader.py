@@ -21,7 +21,7 @@ from . import checkpoint, generation
 from .hub import resolve_checkpoint
 from .integrity import check_checkpoint, fail, read_checked, refuse
 from .modules import fused
-from .modules.experts import QuantExperts, use_mma_layouts
+from .modules.experts import QuantExperts, skip_experts_switch, use_mma_layouts
 from .modules.merged import merge_projections
 
 QUANT_METHOD = checkpoint.QUANT_METHOD
@@ -189,6 +189,7 @@ def load(path_or_repo_id, *, device=None, dtype: torch.dtype | None = None, devi
         model.generation_config = GenerationConfig.from_pretrained(root)
     if merge:
         merge_projections(model)
+    skip_experts_switch(model)
     if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each; the rotary replacement is process-wide)
         fused.apply(model)
         use_mma_layouts(model)  # (experts in the tensor-core decode layout, where they fit it)

@@ -412,8 +412,10 @@ def _counting_kernel(monkeypatch):
 @pytest.mark.parametrize("padded", [False, True])
 def test_decode_steps_take_the_split_kv_kernel_with_the_eager_tokens(packed_llama, monkeypatch, padded):
     """On the graphs path the decode steps' attention runs the split-KV kernel over the static cache (prefill keeps
-    sdpa), with the eager path's greedy tokens and logits, left-padded prompts included; the switch turns it off.
-    (float32: in bfloat16 the tiny model's top logits tie, and any rounding difference picks another token.)"""
+    sdpa), and each layer's keys and values are written by the one-launch cache write, with the eager path's greedy
+    tokens and logits, left-padded prompts included; the switch turns the attention kernel off. (float32: in bfloat16
+    the tiny model's top logits tie, and any rounding difference picks another token.)"""
+    from quantpack.kernels import fused_ops
     from quantpack.modules import attention
 
     model = quantpack.load(packed_llama, device="cpu", dtype=torch.float32)
@@ -427,6 +429,9 @@ def test_decode_steps_take_the_split_kv_kernel_with_the_eager_tokens(packed_llam
     eager = model.generate(ids, disable_compile=True, **kw)
     assert attention.use(model) and model.config._attn_implementation == attention.NAME
     calls = _counting_kernel(monkeypatch)
+    writes = []
+    write = fused_ops.kv_write_unchecked
+    monkeypatch.setattr(fused_ops, "kv_write_unchecked", lambda *a: writes.append(a[0].shape) or write(*a))
     from transformers import CompileConfig
 
     config = CompileConfig()
@@ -440,6 +445,10 @@ def test_decode_steps_take_the_split_kv_kernel_with_the_eager_tokens(packed_llam
     layers = model.config.num_hidden_layers
     assert calls and all(shape[2] == 1 for shape in calls)  # decode steps only: the prefill took sdpa
     assert len(calls) == layers * 5  # capture (run once; the warm-up is the GPU's) + 4 replays, every layer
+    assert writes == [(3, model.config.num_key_value_heads, 1, model.config.head_dim)] * (layers * 5)
+    cache = runner.cache
+    assert all("update" not in vars(layer) for layer in cache.layers)  # (only while a step runs)
+    assert all(layer.cumulative_length.item() == ids.shape[1] + 4 for layer in cache.layers)
     calls.clear()
     monkeypatch.setenv("QUANTPACK_DECODE_ATTENTION", "0")
     runner.reset()

@@ -36,7 +36,7 @@ from ..checkpoint import QUANT_METHOD, CheckpointError, TensorInfo
 from ..hub import resolve_checkpoint
 from ..integrity import check_files, check_model, fail, read_checked, refuse, use_model
 from ..modules import fused
-from ..modules.experts import use_mma_layouts
+from ..modules.experts import skip_experts_switch, use_mma_layouts
 from ..modules.merged import merge_projections
 from ..modules.replace import linear_modules_to_convert, replace_linear_layers
 from ..schemes import read_quantization_config
@@ -140,6 +140,7 @@ class QuantpackHfQuantizer(HfQuantizer):
         if still_meta:
             raise fail(f"tensor {still_meta[0]}: missing from the checkpoint")
         merge_projections(model)  # (as quantpack.load does: decode runs each block's q/k/v and gate/up as one GEMV)
+        skip_experts_switch(model)
         if generation.on_cuda(model):  # (RMSNorm and rotary as one kernel each)
             fused.apply(model)
             use_mma_layouts(model)  # (experts in the tensor-core decode layout, where they fit it)

@@ -4,6 +4,8 @@
 * :func:`rotary`: transformers' ``apply_rotary_pos_emb`` for q and k together (about 10 kernels in torch).
 * :func:`silu_mul`: ``silu(gate) * up`` of a gated MLP (2 kernels in torch), reading gate and up where the merged
   gate/up projection left them.
+* :func:`kv_write`: a static KV cache's update, keys and values written at its count and the count advanced
+  (5 kernels in torch).
 
 Both compute in float32 and round exactly where torch rounds, so results match torch's to the bit (rotary) or
 within a float32 rounding of the mean (RMSNorm). ``*_unsupported`` say why an input cannot take the kernel
@@ -294,3 +296,87 @@ def silu_mul_unchecked(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 _SILU_MUL = KernelReplays(_silu_mul_kernel)
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, len_ptr, H, S, L, ROWS, DK, DV,
+                     k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program: it reads the count before it advances it, so no other program can see it half-way.
+    pos0 = tl.load(len_ptr)
+    d = tl.arange(0, BLOCK_D)
+    for r0 in range(0, ROWS, BLOCK_R):
+        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        s = r % S
+        b = r // S // H
+        h = r // S % H
+        pos = pos0 + s
+        row_ok = (r < ROWS) & (pos < L)
+        km = row_ok[:, None] & (d < DK)[None, :]
+        x = tl.load(k_ptr + (b * k_sb + h * k_sh + s * k_ss)[:, None] + d[None, :], mask=km)
+        tl.store(kc_ptr + (b * kc_sb + h * kc_sh + pos * kc_ss)[:, None] + d[None, :], x, mask=km)
+        vm = row_ok[:, None] & (d < DV)[None, :]
+        x = tl.load(v_ptr + (b * v_sb + h * v_sh + s * v_ss)[:, None] + d[None, :], mask=vm)
+        tl.store(vc_ptr + (b * vc_sb + h * vc_sh + pos * vc_ss)[:, None] + d[None, :], x, mask=vm)
+    tl.store(len_ptr, pos0 + S)
+
+
+KV_WRITE_MAX_ROWS = 2048  # (batch x heads x tokens) rows one program copies quickly; a longer write takes torch's ops
+
+
+def kv_write_unsupported(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         length: torch.Tensor) -> str | None:
+    """Why ``kv_write(key, value, keys, values, length)`` cannot run the kernel, or ``None`` when it can."""
+    tensors = (key, value, keys, values, length)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "key, value, keys, values and length must be tensors"
+    if any(t.dim() != 4 for t in tensors[:4]):
+        return "expected 4-D key/value (batch, heads, tokens, head_dim) and caches (batch, heads, positions, head_dim)"
+    b, h, s, dk = key.shape
+    if tuple(value.shape[:3]) != (b, h, s) or tuple(keys.shape[:2]) != (b, h) or keys.shape[3] != dk:
+        return f"shapes key {tuple(key.shape)}, value {tuple(value.shape)}, keys {tuple(keys.shape)} do not match"
+    if tuple(values.shape[:3]) != tuple(keys.shape[:3]) or values.shape[3] != value.shape[3]:
+        return f"shapes value {tuple(value.shape)} and values {tuple(values.shape)} do not match"
+    if key.dtype != keys.dtype or value.dtype != values.dtype or key.dtype not in DTYPES or value.dtype not in DTYPES:
+        return f"dtypes {key.dtype}/{keys.dtype} and {value.dtype}/{values.dtype}: each pair must be one float dtype"
+    if length.numel() != 1 or length.dtype not in (torch.int32, torch.int64):
+        return f"length: expected one int32 or int64 element, got {tuple(length.shape)} {length.dtype}"
+    if not (key.is_cuda or triton_usable(key)) or any(t.device != key.device for t in tensors):
+        return "every tensor must be on one GPU (or the CPU under TRITON_INTERPRET=1)"
+    if b * h * s == 0 or b * h * s > KV_WRITE_MAX_ROWS or max(dk, value.shape[3]) > MAX_HEAD_DIM:
+        return (f"{b * h * s} rows of head size {max(dk, value.shape[3])}: the kernel takes 1 to "
+                f"{KV_WRITE_MAX_ROWS} rows of at most {MAX_HEAD_DIM}")
+    if any(t.stride(-1) != 1 for t in tensors[:4]):
+        return "key/value and the caches must be contiguous in the head dimension"
+    return None
+
+
+def kv_write(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             length: torch.Tensor) -> None:
+    """Write ``key`` and ``value`` (B, H, S, D) into the caches ``keys`` and ``values`` (B, H, L, D) at positions
+    ``length .. length + S - 1``, then advance ``length`` (a one-element device tensor) by S, in one launch:
+    transformers' ``StaticLayer.update`` (an arange, two adds and two ``index_copy_``). Positions at or beyond L are
+    not written (``index_copy_`` would raise there)."""
+    reason = kv_write_unsupported(key, value, keys, values, length)
+    if reason is not None:
+        raise ValueError(f"kv_write: {reason}")
+    kv_write_unchecked(key, value, keys, values, length)
+
+
+def kv_write_unchecked(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       length: torch.Tensor) -> None:
+    """:func:`kv_write` for inputs :func:`kv_write_unsupported` passed (no second check on the hot path)."""
+    b, h, s, dk = key.shape
+    dv = value.shape[3]
+    block_d = next_power_of_2(max(dk, dv))
+    block_r = max(1, min(next_power_of_2(b * h * s), 4096 // block_d))
+    key_ = ((key.shape, key.stride(), value.shape, value.stride(), keys.shape, keys.stride(), values.stride(),
+             key.dtype, value.dtype, length.dtype, key.device, key.data_ptr() % 16, value.data_ptr() % 16,
+             keys.data_ptr() % 16, values.data_ptr() % 16, length.data_ptr() % 16) if launch_plans_enabled() else None)
+    with on_device(key):
+        _KV_WRITE(key_, (1, 1, 1), key, key, value, keys, values, length, h, s, keys.shape[2], b * h * s, dk, dv,
+                  *key.stride()[:3], *value.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
+                  BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+
+
+_KV_WRITE = KernelReplays(_kv_write_kernel)

@@ -11,6 +11,11 @@ layer ``i`` holds that count (``cumulative_length``) for the keys and values it 
 and value are not those tensors of that cache takes sdpa, and so does any call outside :func:`decoding` (prefills,
 which that module runs eagerly, included).
 
+Inside :func:`decoding`, each static layer of that cache also writes a step's keys and values in one launch
+(:func:`quantpack.kernels.fused_ops.kv_write`) instead of transformers' five kernels (an arange, two adds on its
+count, two ``index_copy_``): the layer gets an instance-level ``update`` for the context's duration, which runs
+``StaticLayer.update`` itself wherever the kernel cannot take the call.
+
 ``QUANTPACK_DECODE_ATTENTION=0`` (or off) sends every call to sdpa (read per call: a step captured afterwards
 follows it).
 """
@@ -18,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 
 import torch
 
 from ..env import switch
 from ..kernels import decode_attention as _k
+from ..kernels import fused_ops
 
 NAME = "quantpack_decode"
 
@@ -38,10 +45,50 @@ def enabled() -> bool:
 def decoding(cache):
     """Attention calls in this context may take the kernel over ``cache``'s static layers."""
     token = _CACHE.set(cache)
+    layers = _fuse_cache_writes(cache)
     try:
         yield
     finally:
+        for layer in layers:
+            vars(layer).pop("update", None)
         _CACHE.reset(token)
+
+
+def _static_layer_class():
+    """transformers' ``StaticLayer`` when its ``update`` writes at the layer's ``cumulative_length`` count with
+    ``index_copy_`` (what :func:`fused_update` does in one launch), else ``None``."""
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:
+        return None
+    names = getattr(getattr(StaticLayer.update, "__code__", None), "co_names", ())
+    return StaticLayer if {"cumulative_length", "index_copy_"} <= set(names) else None
+
+
+def _fuse_cache_writes(cache) -> list:
+    """Give each initialized static layer of ``cache`` the one-launch update; returns the layers given it."""
+    static = _static_layer_class()
+    layers = getattr(cache, "layers", None)
+    if static is None or not isinstance(layers, (list, tuple)):
+        return []
+    fused = []
+    for layer in layers:
+        if (type(layer) is static and "update" not in vars(layer) and getattr(layer, "is_initialized", False)
+                and isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)):
+            layer.update = types.MethodType(fused_update, layer)
+            fused.append(layer)
+    return fused
+
+
+def fused_update(layer, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    """``StaticLayer.update`` for a decode step: keys and values written at the layer's count, the count advanced,
+    in one launch (``StaticLayer.update`` itself where the kernel cannot take the call or autograd records)."""
+    if (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and fused_ops.kv_write_unsupported(key_states, value_states, layer.keys, layer.values,
+                                               layer.cumulative_length) is None):
+        fused_ops.kv_write_unchecked(key_states, value_states, layer.keys, layer.values, layer.cumulative_length)
+        return layer.keys, layer.values
+    return type(layer).update(layer, key_states, value_states, *args, **kwargs)
 
 
 def _valid_length(module, key, value) -> torch.Tensor | None:

@@ -199,6 +199,63 @@ def test_silu_mul_refuses_what_it_cannot_take():
 
 # --- apply / remove -------------------------------------------------------------------------------------------------
 
+def _static_layer(b, h, length, d, dtype, count):
+    from transformers.cache_utils import StaticLayer
+
+    layer = StaticLayer(max_cache_len=length)
+    layer.lazy_initialization(_randn(b, h, 1, d, dtype=dtype), _randn(b, h, 1, d, dtype=dtype))
+    layer.keys.copy_(_randn(b, h, length, d, dtype=dtype, seed=7))
+    layer.values.copy_(_randn(b, h, length, d, dtype=dtype, seed=8))
+    layer.cumulative_length.fill_(count)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b, h, s, d, length, count", [(1, 8, 1, 128, 64, 0), (3, 2, 1, 80, 37, 36),
+                                                       (2, 3, 3, 64, 40, 17), (16, 8, 1, 128, 9, 5),
+                                                       (1, 1, 17, 32, 20, 0)])
+def test_kv_write_matches_static_layer_update(b, h, s, d, length, count, dtype):
+    """One launch writes what transformers' StaticLayer.update writes (keys and values at the count, the count
+    advanced), over off-tile head sizes, several tokens a step and the cache's last position; strided key/value as
+    attention's transpose leaves them."""
+    ref = _static_layer(b, h, length, d, dtype, count)
+    got = _static_layer(b, h, length, d, dtype, count)
+    key = _randn(b, s, h, d, dtype=dtype, seed=3).transpose(1, 2)
+    value = _randn(b, s, h, d, dtype=dtype, seed=4).transpose(1, 2)
+    ref.update(key, value)
+    k.kv_write(key, value, got.keys, got.values, got.cumulative_length)
+    assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+    assert got.cumulative_length.item() == ref.cumulative_length.item() == count + s
+
+
+def test_kv_write_leaves_positions_past_the_cache_unwritten():
+    layer = _static_layer(1, 2, 8, 64, torch.float32, 6)
+    before_keys, before_values = layer.keys.clone(), layer.values.clone()
+    key, value = _randn(1, 2, 3, 64, dtype=torch.float32, seed=3), _randn(1, 2, 3, 64, dtype=torch.float32, seed=4)
+    k.kv_write(key, value, layer.keys, layer.values, layer.cumulative_length)
+    assert torch.equal(layer.keys[:, :, 6:], key[:, :, :2]) and torch.equal(layer.values[:, :, 6:], value[:, :, :2])
+    assert torch.equal(layer.keys[:, :, :6], before_keys[:, :, :6])
+    assert torch.equal(layer.values[:, :, :6], before_values[:, :, :6])
+    assert layer.cumulative_length.item() == 9
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda kv: kv | {"key": kv["key"].double()}, "dtypes"),
+    (lambda kv: kv | {"key": kv["key"][:, :1]}, "do not match"),
+    (lambda kv: kv | {"length": kv["length"].float()}, "length"),
+    (lambda kv: kv | {"key": _randn(1, 2, 1, 128, dtype=torch.float32)[..., ::2]}, "contiguous"),
+    (lambda kv: kv | {"key": _randn(1, 2, 2000, 64, dtype=torch.float32),
+                      "value": _randn(1, 2, 2000, 64, dtype=torch.float32)}, "rows"),
+])
+def test_kv_write_refuses_what_it_cannot_take(bad, match):
+    layer = _static_layer(1, 2, 8, 64, torch.float32, 0)
+    kv = dict(key=_randn(1, 2, 1, 64, dtype=torch.float32), value=_randn(1, 2, 1, 64, dtype=torch.float32),
+              keys=layer.keys, values=layer.values, length=layer.cumulative_length)
+    kv = bad(kv)
+    with pytest.raises(ValueError, match=match):
+        k.kv_write(**kv)
+
+
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
     """fused_ops' kernels run wherever Triton does (the interpreter here); counts their launches."""

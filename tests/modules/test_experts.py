@@ -32,6 +32,31 @@ def test_fused_experts_dims():
     assert fused_experts_dims(torch.nn.Linear(4, 4)) is None
 
 
+def test_loaded_moe_models_skip_transformers_experts_switch(mixtral, monkeypatch):
+    """generate() on a GPU switches a model's grouped_mm experts to batched_mm and back, walking every module each
+    time; a loaded model whose blocks are all QuantExperts is set to the eager implementation, so the decode loop
+    runs without that switch (checked with the device reported as a GPU)."""
+    import quantpack  # noqa: F401  (registers the quantization method)
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    from quantpack.modules.experts import skip_experts_switch
+
+    src, packed, _ = mixtral
+    for model in (load(packed, device="cpu", dtype=torch.float32),
+                  AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32)):
+        assert set(model.get_experts_implementation().values()) == {"eager"}
+        switched = []
+        monkeypatch.setattr(PreTrainedModel, "set_experts_implementation", lambda self, v: switched.append(v))
+        monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+        with model._optimize_model_for_decode():
+            pass
+        assert switched == []
+        monkeypatch.undo()
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)  # (transformers' experts: left alone)
+    before = source.get_experts_implementation()
+    assert not skip_experts_switch(source) and source.get_experts_implementation() == before
+
+
 def test_convert_quantizes_every_expert_matrix(mixtral):
     src, packed, summary = mixtral
     names = {layer.name for layer in summary.quantized}
