@@ -172,7 +172,16 @@ def test_prefill_dequantizes_straight_from_the_layout(poisoned_outputs):
     assert got.shape == (3, 320, 128)
     assert torch.equal(got, torch.stack([reference.dequantize(gate_up.expert(e), torch.float32).t()
                                          for e in (2, 3, 4)]))
+    cols = mma_dequantize(mg, 0, 6, torch.float32, 48, 96)  # (a slice of out-features: 16-column tiles)
+    assert cols.shape == (6, 320, 48)
+    assert torch.equal(cols, torch.stack([reference.dequantize(gate_up.expert(e), torch.float32).t()[:, 48:96]
+                                          for e in range(6)]))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mma_dequantize(mg, 0, 6, torch.float32, 8, 96)
     if grouped_usable(x):
-        out = grouped_experts(x, mg, MmaExperts.from_packed(down), ids, w, scratch_bytes=200_000)  # (several ranges)
-        want = grouped_experts(x, gate_up, down, ids, w, scratch_bytes=200_000)  # (the checkpoint's layout)
-        assert rel_err(out, want.float()) < 1e-3
+        md = MmaExperts.from_packed(down)
+        want = grouped_experts(x, gate_up, down, ids, w, scratch_bytes=200_000)  # (the checkpoint's layout: ranges)
+        # every expert at once, out-features in slices of 16 to 64 columns, and whole
+        for scratch in (200_000, 2 * 6 * 320 * 16, 10 ** 9):
+            out = grouped_experts(x, mg, md, ids, w, scratch_bytes=scratch)
+            assert rel_err(out, want.float()) < 1e-3

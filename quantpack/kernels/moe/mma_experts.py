@@ -186,12 +186,12 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
 
 
 @triton.jit
-def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, G, CHUNKS: tl.constexpr):
-    """One expert's 16 rows of N by CHUNKS x 64 in-features, dequantized from the mma layout into out (E, N, K):
-    each element gathers its word (lane 4g + c, word j) and nibble (bits 4(h + 2kh) + 16e) as mma_pack placed it,
-    so the stores run along K."""
+def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, G, T0, NC, CHUNKS: tl.constexpr):
+    """One expert's 16 rows of N (tile T0 + program 1) by CHUNKS x 64 in-features, dequantized from the mma layout
+    into out (E, NC, K), whose rows start at row 16 T0: each element gathers its word (lane 4g + c, word j) and
+    nibble (bits 4(h + 2kh) + 16e) as mma_pack placed it, so the stores run along K."""
     e = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
+    t = T0 + tl.program_id(1)
     kc0 = tl.program_id(2) * CHUNKS
     nn = tl.arange(0, 16)[:, None]
     kk = tl.arange(0, 64 * CHUNKS)[None, :]
@@ -210,22 +210,27 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, G, CHUNKS: tl.constex
     meta = e * (K // G) * N + (k // G) * N + n
     s = tl.load(s_ptr + meta, mask=ok, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + meta, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (e * N + n) * K + k, ((q - z) * s).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + (e * NC + n - 16 * T0) * K + k, ((q - z) * s).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 DEQUANT_CHUNKS = 4  # 64-in-feature chunks per program of the dequantization
 
 
-def mma_dequantize(pe: MmaExperts, e0: int, e1: int, dtype: torch.dtype) -> torch.Tensor:
-    """Experts ``e0 .. e1 - 1`` dense, (e1 - e0, K, N) in ``dtype`` (a view of an (e1 - e0, N, K) tensor): one launch
-    straight from the mma layout (grouped.py's prefill)."""
+def mma_dequantize(pe: MmaExperts, e0: int, e1: int, dtype: torch.dtype, n0: int = 0,
+                   n1: int | None = None) -> torch.Tensor:
+    """Experts ``e0 .. e1 - 1`` dense, out-features ``n0 .. n1 - 1`` (multiples of 16; default all), as an
+    (e1 - e0, K, n1 - n0) view of an (e1 - e0, n1 - n0, K) tensor in ``dtype``: one launch straight from the mma
+    layout (grouped.py's prefill)."""
     n, k = pe.shape
+    n1 = n if n1 is None else n1
+    if n0 % 16 or n1 % 16 or not 0 <= n0 < n1 <= n:
+        raise ValueError(f"mma_dequantize: columns {n0}..{n1} must be multiples of 16 within 0..{n}")
     count = e1 - e0
-    out = dequant._alloc((count, n, k), dtype, pe.words.device)
+    out = dequant._alloc((count, n1 - n0, k), dtype, pe.words.device)
     with on_device(out):
-        _dequantize_kernel[(count, n // 16, cdiv(k // CHUNK, DEQUANT_CHUNKS))](
-            pe.words[e0:e1], pe.scales[e0:e1], pe.zeros[e0:e1], out, n, k, pe.group_size, CHUNKS=DEQUANT_CHUNKS,
-            num_warps=4)
+        _dequantize_kernel[(count, (n1 - n0) // 16, cdiv(k // CHUNK, DEQUANT_CHUNKS))](
+            pe.words[e0:e1], pe.scales[e0:e1], pe.zeros[e0:e1], out, n, k, pe.group_size, n0 // 16, n1 - n0,
+            CHUNKS=DEQUANT_CHUNKS, num_warps=4)
     return out.transpose(1, 2)
 
 
