@@ -55,12 +55,38 @@ def host_table(model, prompt, top: int = 25) -> list[str]:
     return out.getvalue().splitlines()
 
 
+def sync_sites(model, prompt) -> list[str]:
+    """Where one first token makes the host wait for the GPU (torch's sync debug mode), most frequent first."""
+    import traceback
+    import warnings
+    from collections import Counter
+
+    sites = Counter()
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        sites["; ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[-3:])] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        old, warnings.showwarning = warnings.showwarning, note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = old
+    return [f"{n:4d}  {site}" for site, n in sites.most_common(12)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["llama-8b", *bench_decode.MODELS], default="llama-8b")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers [default: the model's]")
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--host", action="store_true", help="also print Python's profile of quantpack's first token")
+    parser.add_argument("--syncs", action="store_true", help="also print where quantpack's first token waits for the GPU")
     parser.add_argument("--json")
     a = parser.parse_args()
     layers = a.layers or bench_decode.MODELS.get(a.model, {}).get("layers", 32)
@@ -88,6 +114,8 @@ def main() -> None:
     out["quantpack_kernels"] = kernel_table(model, prompt)
     if a.host:
         out["quantpack_host"] = host_table(model, prompt)
+    if a.syncs:
+        out["quantpack_syncs_host"] = sync_sites(model, prompt)
     generation.disable(model)
     for k, v in out.items():
         if k.endswith("_ms"):

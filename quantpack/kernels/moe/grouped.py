@@ -87,7 +87,9 @@ def grouped_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts
     ids = topk_ids.reshape(-1).to(torch.int64)
     key = torch.where((ids >= 0) & (ids < experts), ids, experts)  # unused slots sort last
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    # (not torch.bincount, which reads the largest id on the host: a sync)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:experts]
     token = order // top_k
     pair_w = topk_weights.reshape(-1)[order].float()
     rows = x[token]
