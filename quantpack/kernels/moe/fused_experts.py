@@ -250,7 +250,7 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
     two Triton launches, one per projection, for all experts (plus the sort into per-expert blocks at prefill, and
     the sum over slots). Runs on CUDA (and on the CPU under TRITON_INTERPRET=1), the reference otherwise; never
     synchronises with the host, so it can be captured in a CUDA graph (at many pairs per expert outside capture,
-    a prefill, the grouped path of grouped.py runs instead, with one host sync). ``config`` forces (gate_up, down)
+    a prefill, the grouped path of grouped.py runs instead). ``config`` forces (gate_up, down)
     launch configs (tests, benchmarks); by default :func:`quantpack.kernels.moe.dispatch.choose` picks them."""
     check_experts(x, gate_up, down, topk_ids, topk_weights, activation)
     mma = isinstance(gate_up, MmaExperts)
