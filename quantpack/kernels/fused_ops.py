@@ -1,7 +1,6 @@
 """One-launch Triton versions of small decode-step ops that torch runs as several tiny kernels.
 
 * :func:`rms_norm`: transformers' ``LlamaRMSNorm.forward`` (about 8 kernels in torch).
-* :func:`add_rms_norm`: a decoder layer's residual add and the RMSNorm after it, both results from one launch.
 * :func:`rotary`: transformers' ``apply_rotary_pos_emb`` for q and k together (about 10 kernels in torch).
 * :func:`silu_mul`: ``silu(gate) * up`` of a gated MLP (2 kernels in torch), reading gate and up where the merged
   gate/up projection left them.
@@ -104,64 +103,6 @@ def rms_norm_unchecked(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 _RMS_NORM = KernelReplays(_rms_norm_kernel)  # (a decode step calls it twice a layer: Triton's binding is most of a call)
-
-
-@triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    dt = s_ptr.dtype.element_ty
-    # the sum rounded to the dtype, as torch's add; then exactly _rms_norm_kernel on it
-    h = (tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-         + tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)).to(dt)
-    tl.store(s_ptr + row * N + cols, h, mask=mask)
-    h = h.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / N
-    h = (h * tl.math.rsqrt(variance + eps)).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def add_rms_norm_unsupported(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why ``add_rms_norm(x, residual, weight, eps)`` cannot run the kernel, or ``None`` when it can."""
-    if not isinstance(residual, torch.Tensor) or not isinstance(x, torch.Tensor):
-        return "x and residual must be tensors"
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        return (f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} does not match x "
-                f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    reason = rms_norm_unsupported(x, weight) or rms_norm_unsupported(residual, weight)
-    return reason
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = residual + x`` (rounded to their dtype, as torch adds) and ``rms_norm(s, weight, eps)`` in one launch:
-    a decoder layer's residual add and the RMSNorm after it. Returns ``(s, normed)``, new contiguous tensors of x's
-    shape (``normed`` in the dtype torch promotes ``weight`` and x to)."""
-    reason = add_rms_norm_unsupported(x, residual, weight)
-    if reason is not None:
-        raise ValueError(f"add_rms_norm: {reason}")
-    return add_rms_norm_unchecked(x, residual, weight, eps)
-
-
-def add_rms_norm_unchecked(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`add_rms_norm` for inputs :func:`add_rms_norm_unsupported` passed (no second check on the hot path)."""
-    n = x.shape[-1]
-    rows = x.numel() // n
-    s = _dq._alloc((rows, n), x.dtype, x.device)
-    y = _dq._alloc((rows, n), torch.promote_types(weight.dtype, x.dtype), x.device)
-    block = next_power_of_2(n)
-    key = ((x.shape, x.stride(), residual.stride(), x.dtype, weight.dtype, x.device, x.data_ptr() % 16,
-            residual.data_ptr() % 16, weight.data_ptr() % 16) if launch_plans_enabled() else None)
-    with on_device(x):
-        _ADD_RMS_NORM(key, (rows, 1, 1), x, x, residual, weight, s, y, _row_stride(x), _row_stride(residual), n,
-                      float(eps), BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
-    return s.view(x.shape), y.view(x.shape)
-
-
-_ADD_RMS_NORM = KernelReplays(_add_rms_norm_kernel)
 
 
 @triton.jit

@@ -12,10 +12,6 @@ rounding of its mean):
   SiLU gets an instance-level ``forward`` computing ``silu(gate) * up`` in one launch (:func:`fused_ops.silu_mul`,
   reading the merged gate/up product where it is one), the projections called as before, in the same order (an
   MLP with an instance-level ``forward`` already there is left alone);
-* every decoder layer whose class's ``forward`` is transformers' ``LlamaDecoderLayer.forward`` verbatim (past its
-  decorators) gets an instance-level ``forward`` running the same steps, with the residual add after attention and
-  the post-attention RMSNorm as one launch (:func:`fused_ops.add_rms_norm`) where that norm is a patched one with no
-  earlier instance-level forward (a layer with an instance-level ``forward`` already there is left alone);
 * the modeling module (e.g. ``transformers.models.llama.modeling_llama``) of each module class of the model whose
   ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's verbatim gets its module-level ``apply_rotary_pos_emb``
   replaced. This is global: every model of that architecture in the process, patched or not, goes through the
@@ -128,56 +124,6 @@ def _silu_mlp(module: nn.Module) -> bool:
                                     and type(act).forward is SiLUActivation.forward)
 
 
-# --- decoder layer's residual add + post-attention RMSNorm: per instance --------------------------------------------
-
-def _decoder_forward(module: nn.Module, *args, **kwargs):
-    """The patched ``forward`` of a Llama-style decoder layer: the original's steps in its order, the residual add
-    after attention and the RMSNorm after it in one launch (:func:`fused_ops.add_rms_norm`)."""
-    if torch.compiler.is_compiling():  # (inductor fuses these itself; the original traces cleanly)
-        return type(module).forward(module, *args, **kwargs)
-    bound = _decoder_signature(type(module)).bind(module, *args, **kwargs)
-    bound.apply_defaults()  # (the original passes each of its parameters on to attention, defaults included)
-    params = dict(bound.arguments)
-    params.pop("self")
-    hidden_states = params.pop("hidden_states")
-    params.update(params.pop("kwargs", {}))
-    residual = hidden_states
-    hidden_states, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **params)
-    norm = module.post_attention_layernorm
-    patched = _patched_norm(norm)
-    if (patched is not None and patched.args[1] is None and isinstance(hidden_states, torch.Tensor)
-            and _kernel_wanted(hidden_states, residual, norm.weight)
-            and _k.add_rms_norm_unsupported(hidden_states, residual, norm.weight) is None):
-        residual, hidden_states = _k.add_rms_norm_unchecked(hidden_states, residual, norm.weight,
-                                                            norm.variance_epsilon)
-    else:
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = norm(hidden_states)
-    return residual + module.mlp(hidden_states)
-
-
-@functools.lru_cache(maxsize=None)
-def _decoder_signature(cls):
-    import inspect
-
-    return inspect.signature(inspect.unwrap(cls.forward))
-
-
-def _patched_decoder(module: nn.Module):
-    f = module.__dict__.get("forward")
-    return f if isinstance(f, functools.partial) and f.func is _decoder_forward else None
-
-
-def _llama_decoder(module: nn.Module) -> bool:
-    """Whether ``module``'s class's forward is ``LlamaDecoderLayer.forward`` verbatim (past any decorator)."""
-    import inspect
-
-    fn = getattr(type(module), "forward", None)
-    ref = _llama().LlamaDecoderLayer.forward
-    return fn is not None and _same_code(inspect.unwrap(fn), inspect.unwrap(ref))
-
-
 # --- rotary embedding: per modeling module --------------------------------------------------------------------------
 
 def _original(fn):
@@ -248,8 +194,6 @@ def apply(model: nn.Module) -> int:
             count += 1
         elif "forward" not in m.__dict__ and _silu_mlp(m):
             m.forward = functools.partial(_mlp_forward, m)
-        elif "forward" not in m.__dict__ and _llama_decoder(m):
-            m.forward = functools.partial(_decoder_forward, m)
     for name in sorted(modeling_modules):
         module = sys.modules.get(name)
         if module is not None:
@@ -263,7 +207,7 @@ def remove(model: nn.Module) -> int:
     _check_model(model)
     count = 0
     for m in model.modules():
-        if _patched_mlp(m) is not None or _patched_decoder(m) is not None:
+        if _patched_mlp(m) is not None:
             del m.forward
             continue
         f = _patched_norm(m)

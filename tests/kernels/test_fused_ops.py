@@ -51,21 +51,6 @@ def test_rms_norm_matches_llama(shape, dtype):
     _close(out, ref)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 64), (3, 96), (17, 4096), (2, 3, 96), (1, 1, 5000)])
-def test_add_rms_norm_matches_the_add_then_llama_norm(shape, dtype):
-    norm = LlamaRMSNorm(shape[-1], eps=1e-5).to(DEV, dtype)
-    norm.weight.data = _randn(shape[-1], dtype=dtype, seed=1)
-    x, residual = _randn(*shape, dtype=dtype) * 3, _randn(*shape, dtype=dtype, seed=2)
-    total, out = k.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
-    assert torch.equal(total, residual + x)  # (torch's add, bit for bit)
-    ref = norm(residual + x)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    _close(out, ref)
-    with pytest.raises(ValueError, match="does not match"):
-        k.add_rms_norm(x, residual.float() if dtype != torch.float32 else residual.half(), norm.weight, 1e-5)
-
-
 def test_rms_norm_promotes_and_takes_row_strides():
     # a float32 weight over float16 activations gives float32, as torch's promotion does
     norm = LlamaRMSNorm(96).to(DEV)
@@ -275,7 +260,7 @@ def test_kv_write_refuses_what_it_cannot_take(bad, match):
 def kernels_on_cpu(monkeypatch):
     """fused_ops' kernels run wherever Triton does (the interpreter here); counts their launches."""
     monkeypatch.setattr(fused_ops, "backend", "triton")
-    calls = {"rms_norm_unchecked": 0, "add_rms_norm_unchecked": 0, "rotary_unchecked": 0, "silu_mul_unchecked": 0}
+    calls = {"rms_norm_unchecked": 0, "rotary_unchecked": 0, "silu_mul_unchecked": 0}
     for name in calls:
         real = getattr(k, name)
 
@@ -315,9 +300,7 @@ def test_apply_keeps_logits_and_remove_undoes(kernels_on_cpu, undo):
         assert fused_ops.apply(model) == 5  # 2 layers x (input, post-attention) + the final norm
         assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_ROTARY
         out = model(ids).logits
-        # each layer's residual add + post-attention norm is one add_rms_norm
-        assert kernels_on_cpu == {"rms_norm_unchecked": 3, "add_rms_norm_unchecked": 2, "rotary_unchecked": 2,
-                                  "silu_mul_unchecked": 2}
+        assert kernels_on_cpu == {"rms_norm_unchecked": 5, "rotary_unchecked": 2, "silu_mul_unchecked": 2}
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
         assert fused_ops.apply(model) == 5  # idempotent: nothing wrapped twice
@@ -348,8 +331,7 @@ def test_original_code_runs_where_the_kernels_do_not(kernels_on_cpu, undo, monke
     model.train()
     model(ids).logits.sum().backward()
     assert model.model.norm.weight.grad is not None
-    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "add_rms_norm_unchecked": 0, "rotary_unchecked": 0,
-                              "silu_mul_unchecked": 0}
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0, "silu_mul_unchecked": 0}
     model.zero_grad()
     monkeypatch.setattr(fused_ops, "backend", "reference")
     with torch.no_grad():
@@ -358,8 +340,7 @@ def test_original_code_runs_where_the_kernels_do_not(kernels_on_cpu, undo, monke
     if DEV == "cpu":
         with torch.no_grad():
             model(ids)
-    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "add_rms_norm_unchecked": 0, "rotary_unchecked": 0,
-                              "silu_mul_unchecked": 0}
+    assert kernels_on_cpu == {"rms_norm_unchecked": 0, "rotary_unchecked": 0, "silu_mul_unchecked": 0}
     monkeypatch.setattr(fused_ops, "backend", "gpu-please")
     with pytest.raises(ValueError, match="backend='gpu-please'"), torch.no_grad():
         model(ids)
