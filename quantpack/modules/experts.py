@@ -241,13 +241,15 @@ class QuantExperts(nn.Module):
     state dict names them per expert (``gate_proj.<e>.qweight`` ..., see :class:`ExpertMatrix`).
 
     ``activation`` is one of :data:`quantpack.reference.EXPERT_ACTIVATIONS` (``alpha``/``limit`` for
-    ``swiglu_oai``); ``weight_on_input`` scales each token's input by its routing weight (Llama 4). On CUDA the
+    ``swiglu_oai``); ``weight_on_input`` scales each token's input by its routing weight (Llama 4); ``source_form``
+    is the replaced block's :attr:`ExpertsBlock.form` (how its checkpoint stores the experts). On CUDA the
     forward is ``quantpack.kernels.moe.fused_experts`` (no host sync: a decode step with it is captured as a CUDA
     graph), elsewhere the reference."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, *, activation: str = "silu",
                  alpha: float = 1.702, limit: float = 7.0, weight_on_input: bool = False, bias: bool = False,
-                 bits: int = 4, group_size: int | None = 128, dtype: torch.dtype = torch.float16, device=None):
+                 bits: int = 4, group_size: int | None = 128, dtype: torch.dtype = torch.float16, device=None,
+                 source_form: str = "standard"):
         super().__init__()
         if activation not in reference.EXPERT_ACTIVATIONS:
             raise ValueError(f"activation={activation!r}: use one of {', '.join(reference.EXPERT_ACTIVATIONS)}")
@@ -271,7 +273,7 @@ class QuantExperts(nn.Module):
         for proj in PROJECTIONS:
             setattr(self, proj, ExpertMatrices(ExpertMatrix(self, proj, e) for e in range(num_experts)))
         self.layout = "rows"  # "mma" once use_mma_layout() has repacked the qweights (see there)
-        self.source_form = "standard"  # the replaced block's ExpertsBlock.form: how its checkpoint stores it
+        self.source_form = source_form  # the replaced block's ExpertsBlock.form: how its checkpoint stores it
 
     @classmethod
     @torch.no_grad()

@@ -68,8 +68,8 @@ def replace_experts(model: nn.Module, name: str, qc: dict, dtype: torch.dtype) -
                               f"experts are packed with groups along in-features (axis 1): re-convert")
     new = QuantExperts(block.num_experts, block.hidden, block.intermediate, activation=block.activation,
                        alpha=block.alpha, limit=block.limit, bias=block.bias, weight_on_input=block.weight_on_input,
-                       bits=bits.pop(), group_size=qc["group_size"], dtype=dtype, device="meta")
-    new.source_form = block.form
+                       bits=bits.pop(), group_size=qc["group_size"], dtype=dtype, device="meta",
+                       source_form=block.form)
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
