@@ -265,8 +265,6 @@ def eager_alternating(bf16, qmodel, prompt, new_tokens: int, rounds: int) -> dic
     """bf16 and quantized eager ``generate`` timed alternately, one call each a round (after one round of warm-up):
     each model's tokens/s from its median step time over all rounds, and the median and range of the rounds' ratios
     (quantized over bf16, by each round's median step)."""
-    import statistics
-
     from quantpack.modules import fused
 
     steps = {"bf16": [], "quantpack": []}
@@ -545,8 +543,6 @@ def time_to_first_token(model, prompt, quantized: bool, repeats: int = 5) -> flo
     """Milliseconds of ``generate(prompt, max_new_tokens=1)`` (prefill and the first token), the median of
     ``repeats`` after a warm-up; a quantized model on its default path (quantpack.load's), bf16 as transformers
     gives it."""
-    import statistics
-
     from quantpack import generation
 
     if quantized:
