@@ -50,7 +50,7 @@ FILE`` cuts it for a causal LM (quantpack.calibration.token_sequences: BOS-led s
 model's context, at most 128 of them).
 ``gptq-self`` is ``gptq`` calibrated on no text, as ``convert --calibration self`` runs it: on the witness, sequences
 the model samples itself (quantpack.calibration.sampled_token_sequences: BOS, a random token, then temperature 1;
-64 sequences of 128 tokens, where convert samples 128 of 512); on the encoder, which writes nothing, random ordinary tokens between
+64 sequences of 128 tokens unless ``--self-samples`` says, where convert samples 128 of 512); on the encoder, which writes nothing, random ordinary tokens between
 [CLS] and [SEP]; their Hessians shrunk towards the diagonal by quantpack.gptq.SELF_SHRINK. Candidates measured on
 the way: ``self-random`` (random ordinary tokens), ``self-gen`` (``gptq-self`` unshrunk), ``self-mix`` (half each).
 Options, combined with ``+``: ``+guard`` keeps hqq's rounding for a layer where it has the lower output error on the
@@ -478,7 +478,8 @@ def text_windows(tok, text: str, count: int, length: int) -> torch.Tensor:
     return torch.cat([torch.tensor(lead, dtype=ids.dtype).expand(n, -1), ids[: n * body].reshape(n, body)], dim=1)
 
 
-def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False, gguf_file: Path | None = None):
+def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False, gguf_file: Path | None = None,
+                self_samples: tuple[int, int] = (64, 128)):
     """``blockwise``: gptq and gptq-self quantize one block at a time (:func:`blockwise_gptq`); ``gguf_file``: the
     original the checkpoint was converted from, checked against llama.cpp's logits (:func:`check_against_llama_cpp`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -499,7 +500,7 @@ def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False
         return m(calib).logits
 
     ids_ok = calibration_mod.ordinary_token_ids(tok, model.config.vocab_size)
-    count, length = 64, seq  # (the sampled inputs: fewer and shorter than convert's, for the CPU's time)
+    count, length = self_samples  # (by default fewer and shorter than convert's, for the CPU's time)
     rand = calibration_mod.random_token_sequences(ids_ok, count, length, seed=0, lead=tok.bos_token_id)
     gen = calibration_mod.sampled_token_sequences(model, ids_ok, count, length, seed=calibration_mod.SELF_SEED,
                                                   bos=tok.bos_token_id)
@@ -556,6 +557,9 @@ def main() -> None:
                     help="which of minilm, witness, smollm2, gemma3, qwen2 to measure")
     ap.add_argument("--configs", default="4:64,4:128,8:128", help="BITS:GROUP_SIZE pairs")
     ap.add_argument("--no-save", action="store_true", help="print only; do not append to quality.jsonl")
+    ap.add_argument("--self-samples", default="64x128", metavar="COUNTxLENGTH",
+                    help="sequences the causal LMs sample for the self-calibrated methods (convert --calibration "
+                         "self samples 128x512; the default is shorter, for the CPU's time)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -566,6 +570,11 @@ def main() -> None:
     calibration = train[-60000:]  # disjoint from the held-out evaluation text
     configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
     wanted = args.checkpoints.split(",")
+    try:
+        self_samples = tuple(int(v) for v in args.self_samples.lower().split("x"))
+        assert len(self_samples) == 2 and min(self_samples) > 0
+    except (ValueError, AssertionError):
+        sys.exit(f"bench_quality: --self-samples {args.self_samples!r}: expected COUNTxLENGTH, e.g. 128x512")
     cases = []
     if "minilm" in wanted:
         minilm = args.minilm or fetch_minilm(Path.home() / ".cache" / "quantpack-bench")
@@ -573,14 +582,16 @@ def main() -> None:
     if "witness" in wanted:
         if not (args.witness / "model.safetensors").exists():
             subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
-        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration)))
+        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration,
+                                                         self_samples=self_samples)))
     cache = Path.home() / ".cache" / "quantpack-bench"
     for key, source, given in (("smollm2", SMOLLM2, args.smollm2), ("gemma3", GEMMA3, args.gemma3),
                                  ("qwen2", QWEN2, args.qwen2)):
         if key in wanted:
             path = given or fetch_gguf_checkpoint(source, cache)
             cases.append((source.name, causal_case(path, held_out, calibration, blockwise=True,
-                                                   gguf_file=None if given else fetch_gguf(source, cache))))
+                                                   gguf_file=None if given else fetch_gguf(source, cache),
+                                                   self_samples=self_samples)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True).stdout.strip()
     date = datetime.date.today().isoformat()
@@ -613,6 +624,7 @@ def main() -> None:
                        f"{headline}_ratio_to_hqq": m[headline] / base_m[headline] if base_m[headline] else None,
                        **({f"{headline}_ratio_to_hqq_lib": m[headline] / results["hqq-lib"][0][headline]
                            if results["hqq-lib"][0][headline] else None} if "hqq-lib" in results else {}),
+                       **({"self_samples": list(self_samples)} if "self" in method else {}),
                        "seconds": seconds, "layer_errors": errors}
                 rows.append(rec)
                 if not args.no_save:
