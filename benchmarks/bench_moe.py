@@ -13,7 +13,8 @@ against the same steps in bf16 with ``torch._grouped_mm`` on the
 dequantized weights (tokens sorted by expert as transformers does it), and against transformers' own experts module
 with its ``grouped_mm`` implementation (whole block). Where the pairs average ``GROUPED_PER_EXPERT`` or more per expert, also
 ``grouped_dequant``: the prefill path fused_experts takes outside CUDA-graph capture (experts dequantized, torch's
-grouped GEMM), timed eagerly since it reads the pairs per expert on the host. Every implementation is checked against
+grouped GEMM), timed eagerly since it reads the pairs per expert on the host; and on Hopper, from 4 pairs per expert,
+``wgmma_experts`` (the wgmma kernel over per-expert blocks, the prefill path there) in both layouts. Every implementation is checked against
 ``quantpack.reference.experts`` first. Times: median of ``do_bench`` over CUDA-graph replays of one call per weight
 replica, enough replicas that the experts hit exceed 4x L2 (benchmarks/timing.py).
 Bandwidth floor: the packed bytes of the experts actually hit (codes, scales, zeros) / copy bandwidth measured in
@@ -39,6 +40,7 @@ from quantpack.kernels.moe import choose, fused_experts  # noqa: E402
 from quantpack.kernels.moe.dispatch import GROUPED_PER_EXPERT  # noqa: E402
 from quantpack.kernels.moe.grouped import grouped_experts  # noqa: E402
 from quantpack.kernels.moe.mma_experts import MmaExperts, mma_experts_fit  # noqa: E402
+from quantpack.kernels.moe.wgmma_experts import wgmma_experts, wgmma_experts_usable  # noqa: E402
 from quantpack.kernels.dispatch import device_props  # noqa: E402
 from timing import graph_time, median_ms, record  # noqa: E402  (benchmarks/timing.py)
 
@@ -209,6 +211,14 @@ def bench_model(model, token_counts, bw, l2, out_dir):
             ("down", "grouped_mm_bf16"): [lambda p=p, h=h: p[0].down(h, p[2], p[3], tokens)
                                           for p, h in zip(base_parts, base_h)],
         }
+        if tokens * top_k >= 4 * experts and wgmma_experts_usable(xs[0], *loaded[0]):  # Hopper's prefill path,
+            # forced at every count from 4 pairs per expert (where the dispatch takes it is WGMMA_PER_EXPERT)
+            check("wgmma_experts", wgmma_experts(xs[0], *loaded[0], *routes[0]), want)
+            timings[("block", "wgmma_experts")] = [lambda i=i: wgmma_experts(xs[i], *loaded[i], *routes[i])
+                                                   for i in range(n_rep_t)]
+            if mma:
+                timings[("block", "wgmma_experts_rows")] = [lambda i=i: wgmma_experts(xs[i], *blocks[i], *routes[i])
+                                                            for i in range(n_rep_t)]
         if tf is not None:
             tfs = [tf] + [transformers_experts(model, *dense_w[i]) for i in range(1, n_rep_t)]
             timings[("block", "transformers_grouped_mm_bf16")] = [lambda i=i: tfs[i](xs[i], *routes[i])
@@ -228,6 +238,8 @@ def bench_model(model, token_counts, bw, l2, out_dir):
                    "M": tokens, "bits": BITS, "group_size": GS, "dtype": "bf16", "time_us": round(us, 2),
                    "mode": mode, "ratio_to_cublas": None, "ratio_to_bf16": round(base / us, 3), "experts_hit": hit,
                    "replicas": n_rep_t}
+            if impl.startswith("wgmma_experts"):
+                row["layout"] = "mma" if impl == "wgmma_experts" and mma else "rows"
             if impl.startswith("fused_experts"):
                 dd = d_loaded if impl == "fused_experts" else d
                 row["layout"] = "mma" if impl == "fused_experts" and mma else "rows"

@@ -49,7 +49,8 @@ try:  # Gluon ships with Triton >= 3.4; without it the path is simply unavailabl
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "descriptor_types", "launch_wgmma", "resident_programs", "wgmma_usable"]
+__all__ = ["HAVE_GLUON", "descriptor_types", "launch_wgmma", "launch_wgmma_grouped", "resident_programs",
+           "wgmma_usable"]
 
 if HAVE_GLUON:
     # one CTA-wide barrier, whatever this Triton calls it (3.6: thread_barrier, 3.9: barrier)
@@ -338,19 +339,20 @@ if HAVE_GLUON:
         return warpgroup_mma_wait(1, deps=(acc, ))
 
     @gluon.jit
-    def _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc,
+    def _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, woff, acc,
                   G: gl.constexpr, STAGES: gl.constexpr, S_PLANE: gl.constexpr, a_layout: gl.constexpr):
         """K step i (_multiply_slot), then refill the ring slot the retired MMA read with step i + STAGES - 1."""
         acc = _multiply_slot(x_s, q_s, sz_s, bars, i, acc, STAGES, S_PLANE, a_layout)
         nxt = i + STAGES - 1
-        _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + nxt, nxt % STAGES, m0, n0, G,
+        _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + nxt, nxt % STAGES, m0, n0, woff, G,
                     nxt < steps)
         return acc
 
     @gluon.jit
-    def _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, step, slot, m0, n0,
+    def _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, step, slot, m0, n0, woff,
                     G: gl.constexpr, pred):
-        """Start the TMA copies of K step ``step`` into ring slot ``slot`` (skipped when not pred)."""
+        """Start the TMA copies of K step ``step`` into ring slot ``slot`` (skipped when not pred). The weight's
+        copies read step ``step + woff`` (grouped: the expert's matrix starts ``woff`` steps into the stack)."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
         bar = bars.index(slot)
         mbarrier.expect(bar, x_desc.block_type.nbytes + q_desc.block_type.nbytes + sz_desc.block_type.nbytes,
@@ -358,18 +360,18 @@ if HAVE_GLUON:
         k0 = step * BK
         tma_load(x_desc, [m0, k0], bar, x_s.index(slot), pred=pred)
         QK: gl.constexpr = q_desc.block_type.shape[0]  # packed rows per step: BK / 2 (4-bit) or BK (8-bit)
-        tma_load(q_desc, [step * QK, n0 // 2], bar, q_s.index(slot), pred=pred)
-        tma_load(sz_desc, [0, k0 // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
+        tma_load(q_desc, [(step + woff) * QK, n0 // 2], bar, q_s.index(slot), pred=pred)
+        tma_load(sz_desc, [0, (step + woff) * BK // G, n0], bar, sz_s.index(slot), pred=pred)  # both planes: one copy
 
     @gluon.jit
-    def _load_ring(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, empty, first, steps, m0, n0, G: gl.constexpr,
-                   STAGES: gl.constexpr):
+    def _load_ring(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, empty, first, steps, m0, n0, woff,
+                   G: gl.constexpr, STAGES: gl.constexpr):
         """The producer warp: each K step's TMA copies into its ring slot, once the consumers have released
         the slot (a fresh mbarrier counts as released: its phase before the first is complete)."""
         for i in range(steps):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, first + i, slot, m0, n0, G, True)
+            _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, ready, first + i, slot, m0, n0, woff, G, True)
 
     @gluon.jit
     def _consume_step(x_s, q_s, sz_s, ready, empty, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
@@ -415,10 +417,10 @@ if HAVE_GLUON:
             gl.store(trace_ptr + pid * 16 + 8 + event, cycles)
 
     @gluon.jit
-    def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr, M, N, K, stride_om,
-                      whole, G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                      S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, RAWQ: gl.constexpr, TRACE: gl.constexpr,
-                      num_warps: gl.constexpr):
+    def _wgmma_kernel(x_desc, q_desc, sz_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, trace_ptr, experts_ptr, M, N, K,
+                      stride_om, whole, E, G: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+                      STAGES: gl.constexpr, S_PLANE: gl.constexpr, PRODUCER: gl.constexpr, RAWQ: gl.constexpr,
+                      TRACE: gl.constexpr, GROUPED: gl.constexpr, num_warps: gl.constexpr):
         BM: gl.constexpr = x_desc.block_type.shape[0]
         BK: gl.constexpr = x_desc.block_type.shape[1]
         BN: gl.constexpr = sz_desc.block_type.shape[2]
@@ -447,6 +449,12 @@ if HAVE_GLUON:
                 steps = gl.minimum(per, total - first)
         n0 = tile % tiles_n * BN
         m0 = tile // tiles_n * BM
+        woff = 0
+        if GROUPED:  # (no split) each BM rows of x go to one expert: experts_ptr's entry, E past the filled blocks
+            e = gl.load(experts_ptr + tile // tiles_n)
+            if e >= E:
+                return
+            woff = e * total
 
         # out^T tile in the wgmma accumulator: warps stacked along the weight's rows (16 each)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -468,17 +476,17 @@ if HAVE_GLUON:
                 acc = gl.warp_specialize([(_consume_ring_raw, (x_s, q_s, sz_s, bars, empty, steps, trace_ptr, pid,
                                                                STAGES, S_PLANE, a_layout, acc_layout, TRACE)),
                                           (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first,
-                                                        steps, m0, n0, G, STAGES))], [1], [24])[0]
+                                                        steps, m0, n0, woff, G, STAGES))], [1], [24])[0]
             else:
                 acc = gl.warp_specialize([(_consume_ring, (x_s, q_s, sz_s, bars, empty, steps, trace_ptr, pid, STAGES,
                                                            S_PLANE, a_layout, acc_layout, TRACE)),
                                           (_load_ring, (x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, empty, first,
-                                                        steps, m0, n0, G, STAGES))], [1], [24])[0]
+                                                        steps, m0, n0, woff, G, STAGES))], [1], [24])[0]
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(empty.index(i))
         else:
             for i in gl.static_range(STAGES - 1):
-                _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + i, i, m0, n0, G,
+                _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + i, i, m0, n0, woff, G,
                             i < steps)
 
             # the first step is peeled and starts the accumulator (use_acc=False): a zero-filled accumulator
@@ -491,18 +499,18 @@ if HAVE_GLUON:
                                 use_acc=False, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))  # (nothing older in flight: only the type changes)
             _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first + STAGES - 1, STAGES - 1, m0, n0,
-                        G, STAGES - 1 < steps)
+                        woff, G, STAGES - 1 < steps)
             # two steps per iteration: wgmma reads its register operand asynchronously, so a step must dequantize
             # into other registers than the ones the MMA in flight reads. Each static wgmma gets its own; a
             # one-step loop body would rewrite its operand under the previous MMA (wrong results, measured).
             for i in range(1, steps - 1, 2):
-                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, acc, G,
-                                STAGES, S_PLANE, a_layout)
-                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i + 1, steps, m0, n0, acc, G,
-                                STAGES, S_PLANE, a_layout)
+                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i, steps, m0, n0, woff, acc,
+                                G, STAGES, S_PLANE, a_layout)
+                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, i + 1, steps, m0, n0, woff,
+                                acc, G, STAGES, S_PLANE, a_layout)
             if steps % 2 == 0:
-                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, acc, G,
-                                STAGES, S_PLANE, a_layout)
+                acc = _mma_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, first, steps - 1, steps, m0, n0, woff,
+                                acc, G, STAGES, S_PLANE, a_layout)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
         _stamp(trace_ptr, pid, 2, TRACE)
         acc = weight_rows(acc)
@@ -639,7 +647,11 @@ def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid, bits: int)
 
 
 def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_size: int, bits: int, grid: WgmmaGrid,
-         warmup: bool = False, trace: torch.Tensor | None = None):
+         warmup: bool = False, trace: torch.Tensor | None = None, block_expert: torch.Tensor | None = None):
+    experts = 1
+    if block_expert is not None:  # (E, K/2, N) experts stacked: one (E K/2, N) matrix to the copies
+        experts = qweight.shape[0]
+        qweight, scales, zeros = (t.reshape(-1, t.shape[-1]) for t in (qweight, scales, zeros))
     x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid, bits)
     m = x2.shape[0]
     # (a warmup compiles only; a launch goes through launch_plan, which notes it when a plan is being made)
@@ -649,9 +661,10 @@ def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_s
     if grid.producer:
         extra["maxnreg"] = producer_maxnreg(grid)
     return kernel(x_desc, q_desc, sz_desc, bias if bias is not None else out, out, ws, cnt,
-                  trace if trace is not None else cnt, m, n, k, out.stride(0), grid.whole, G=group_size,
-                  HAS_BIAS=bias is not None, SPLIT=grid.split, STAGES=grid.stages, S_PLANE=s_plane,
-                  PRODUCER=grid.producer, RAWQ=grid.rawq, TRACE=trace is not None, num_warps=grid.warps, **extra)
+                  trace if trace is not None else cnt, block_expert if block_expert is not None else cnt, m, n, k,
+                  out.stride(0), grid.whole, experts, G=group_size, HAS_BIAS=bias is not None, SPLIT=grid.split,
+                  STAGES=grid.stages, S_PLANE=s_plane, PRODUCER=grid.producer, RAWQ=grid.rawq,
+                  TRACE=trace is not None, GROUPED=block_expert is not None, num_warps=grid.warps, **extra)
 
 
 _resident: dict = {}  # (device, dtypes, tile, ...) -> programs that run at once
@@ -688,4 +701,17 @@ def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: i
     tile. ``trace`` (int64, 16 per program, zeroed) makes each program record its timeline (see _stamp); it is for
     profiling only."""
     _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, trace=trace)
+    return out
+
+
+def launch_wgmma_grouped(x2, qweight, scales, zeros, out, block_expert, *, n: int, k: int, group_size: int, bits: int,
+                         grid: WgmmaGrid) -> torch.Tensor:
+    """Mixture-of-experts blocks: out (M, N) = x2 (M, K) @ W[e].T, block b of ``grid.block_m`` rows with expert ``e
+    = block_expert[b]`` (blocks with ``e`` >= E are skipped and their rows left as they were) from the E experts
+    stacked in ``qweight`` (E, K/2, N) (8-bit: (E, K, N)), ``scales`` and ``zeros`` (E, K/G, N). No bias, no split;
+    K a multiple of ``grid.block_k``."""
+    if grid.split != 1 or k % grid.block_k or block_expert.numel() * grid.block_m != x2.shape[0]:
+        raise ValueError(f"grouped wgmma: {grid} over K={k} and {x2.shape[0]} rows in {block_expert.numel()} blocks")
+    _run(x2, qweight, scales, zeros, None, out, out, block_expert, n, k, group_size, bits, grid,
+         block_expert=block_expert)
     return out

@@ -29,9 +29,10 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from quantpack.kernels import wgmma_host, wgmma_mm  # noqa: E402
 
 # (weight bits, x dtype, scales dtype, BLOCK_M, BLOCK_N, BLOCK_K, split, stages, group size, bias, producer warp[,
-# trace[, rawq]]): the tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K, with and without
-# a producer warp (also split: a partial last wave's tiles, balance_last_wave), the profiling build (timeline stamps) of
-# the split tile (with and without a producer warp, and of RAWQ), 8-bit weights, and RAWQ (4-bit weights multiplied raw, the scales applied per K step)
+# trace[, rawq[, grouped]]]): the tiles the tuner offers, both activation dtypes, float32 scales, 64-wide groups, split-K,
+# with and without a producer warp (also split: a partial last wave's tiles, balance_last_wave), the profiling build
+# (timeline stamps) of the split tile (with and without a producer warp, and of RAWQ), 8-bit weights, RAWQ (4-bit
+# weights multiplied raw, the scales applied per K step), and the grouped build (experts' blocks, MoE prefill)
 VARIANTS = [(4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             (4, "bf16", "bf16", 256, 128, 64, 1, 3, 128, False, False),
             (4, "fp16", "fp16", 32, 64, 64, 2, 3, 64, True, False),
@@ -46,17 +47,20 @@ VARIANTS = [(4, "bf16", "bf16", 64, 64, 128, 4, 4, 128, True, False),
             (8, "fp16", "fp16", 128, 64, 64, 2, 3, 64, False, True),
             (8, "bf16", "bf16", 256, 128, 64, 1, 3, 128, False, True),
             (4, "bf16", "bf16", 16, 64, 128, 4, 4, 128, False, True, True, True),
-            (4, "fp16", "fp16", 32, 128, 64, 2, 4, 64, True, True, False, True)]
+            (4, "fp16", "fp16", 32, 128, 64, 2, 4, 64, True, True, False, True),
+            (4, "bf16", "bf16", 64, 64, 128, 1, 4, 128, False, False, False, False, True),
+            (4, "bf16", "bf16", 64, 128, 64, 1, 4, 128, False, True, False, False, True)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def compile_variant(bits, xname, sname, bm, bn, bk, split, stages, gs, bias, producer, trace=False, rawq=False):
+def compile_variant(bits, xname, sname, bm, bn, bk, split, stages, gs, bias, producer, trace=False, rawq=False,
+                    grouped=False):
     grid = wgmma_host.WgmmaGrid(bm, bn, bk, split, stages, bn // 16, producer=producer, rawq=rawq)
     sig = wgmma_mm.descriptor_types(DTYPES[xname], DTYPES[sname], grid, bits)
     sig |= {"bias_ptr": f"*{xname}", "out_ptr": f"*{xname}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "trace_ptr": "*i64",
-            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32"}
+            "experts_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "whole": "i32", "E": "i32"}
     const = {"G": gs, "HAS_BIAS": bias, "SPLIT": split, "STAGES": stages, "S_PLANE": 0, "PRODUCER": producer,
-             "RAWQ": rawq, "TRACE": trace, "num_warps": grid.warps}
+             "RAWQ": rawq, "TRACE": trace, "GROUPED": grouped, "num_warps": grid.warps}
     # as a launch specializes them (pointers 16-byte aligned, N, K and out's row stride multiples of 16): without it
     # the stores are scalar and the register counts are not the ones that run
     fn = wgmma_mm._wgmma_kernel

@@ -159,11 +159,12 @@ def test_dispatch_decode_pairs_prefill_sorted_and_explain():
     assert d.path == "sorted" and d.down.path == "sorted" and d.gate_up.block_m > 16
     text = explain(1, 8, 128, 2048, 768, device=h200)
     assert text.startswith("On NVIDIA H200, fused experts with T=1, top-8 of E=128") and "pairs(" in text
-    assert "sorted into per-expert blocks" in explain(512, 2, 8, 4096, 14336, dtype=torch.float16, device=h200)
-    # many pairs per expert in bf16 on sm_90: dequantize + torch's grouped GEMM (not inside capture: the caller's say)
+    # many pairs per expert on sm_90, either 16-bit dtype: the wgmma kernel over per-expert blocks
+    assert "wgmma kernel" in explain(512, 2, 8, 4096, 14336, dtype=torch.float16, device=h200)
+    # ... in bf16 where it cannot run: dequantize + torch's grouped GEMM (not inside capture: the caller's say)
     assert choose(h200, 512, 8, 128, 2048, 768, 128, grouped=True).path == "grouped"
     assert choose(h200, 16, 2, 8, 4096, 14336, 128, grouped=True).path == "sorted"  # 4 pairs per expert
-    assert "torch._grouped_mm" in explain(512, 2, 8, 4096, 14336, device=h200)
+    assert "torch._grouped_mm" in explain(512, 2, 8, 4096, 14336, device=DeviceProps("NVIDIA B200", (10, 0), 148))
     a100 = DeviceProps("NVIDIA A100", (8, 0), 108)
     assert "sorted into per-expert blocks" in explain(512, 2, 8, 4096, 14336, device=a100)
 

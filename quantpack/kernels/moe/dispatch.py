@@ -8,6 +8,9 @@
 * ``grouped``: many pairs per expert, bf16, a GPU where torch has a grouped GEMM (sm_90+), outside CUDA-graph
   capture: the experts are dequantized a range at a time and multiplied by ``torch._grouped_mm`` (grouped.py); the
   GEMMs are compute-bound there, so tensor-core GEMMs at bf16 speed beat dequantizing in registers.
+* ``wgmma``: many pairs per expert on Hopper, where the dense prefill's wgmma kernel takes the experts' shapes:
+  pairs sorted into blocks of 64 per expert on the GPU, each projection one launch of that kernel with the weights
+  dequantized in registers (wgmma_experts.py): no 16-bit copy of the experts and no host sync (capturable).
 * ``mma``: experts kept in the mma layout (what a GPU block gets where it fits, mma_experts.py) run the dense
   tensor-core decode GEMV per expert in place of ``pairs`` (``block_m`` 1) and ``sorted`` (blocks of 16).
 
@@ -22,11 +25,13 @@ import torch
 
 from ..dequant import cdiv, interpreting
 from ..dispatch import DeviceProps, device_props
+from ..wgmma_mm import HAVE_GLUON, wgmma_layout_fits
 from .mma_experts import mma_experts_grid
 from .routing import max_blocks
 
 __all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_EXPERT", "PAIRS_MAX",
-           "GROUPED_PER_EXPERT", "GROUPED_PER_EXPERT_MMA"]
+           "GROUPED_PER_EXPERT", "GROUPED_PER_EXPERT_MMA", "WGMMA_PER_EXPERT", "WGMMA_PER_EXPERT_MMA",
+           "wgmma_block_rows"]
 
 PAIRS_PER_EXPERT = 2  # the pairs path runs while the pairs average at most this many per expert (beyond, sorting
 # into blocks reads each hit expert's weights once instead of once per pair)
@@ -38,6 +43,17 @@ GROUPED_PER_EXPERT = 32  # the grouped path runs from this many pairs per expert
 GROUPED_PER_EXPERT_MMA = 128  # ... from this many with the experts in the mma layout (H200: its sorted blocks of 16
 # ran 1.9-3.0x faster than dequantize + grouped GEMM at 32 pairs per expert, 2.0x slower at 512; at 128, Qwen3-30B-A3B's
 # 2048-token first token took 179 ms with the grouped path and 231 ms with the blocks)
+WGMMA_PER_EXPERT = 4  # the wgmma path runs from this many pairs per expert on average (H200, Qwen3-30B-A3B's
+# experts: 1.2-1.35x bf16's grouped GEMM from 4 to 128 per expert, where the sorted blocks ran 0.7-1.0x)
+WGMMA_PER_EXPERT_MMA = 64  # ... with the experts in the mma layout, which it first reads back to the checkpoint's
+# (about 200 us for Qwen3-30B-A3B's block on an H200: the mma blocks of 16 stay faster below this)
+
+
+def wgmma_block_rows(per_expert: float) -> int:
+    """Pairs per block of the wgmma path: 64 up to 64 pairs per expert on average, else 128 (H200, Qwen3-30B-A3B's
+    experts: 64 ran 0.92x bf16's grouped GEMM at 32 per expert where 128 ran 0.76x; 128 ran 1.08x at 128 per expert
+    where 64 ran 1.03x)."""
+    return 64 if per_expert <= 64 else 128
 
 
 @dataclass(frozen=True)
@@ -105,15 +121,24 @@ def _mma_config(blocks: int, rows: int, n: int, k: int, group_size: int, sms: in
 
 @functools.lru_cache(maxsize=1024)  # (pure; eager decode asks once a layer and step)
 def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-           group_size: int, *, grouped: bool = False, mma: bool = False) -> ExpertsDecision:
+           group_size: int, *, grouped: bool = False, mma: bool = False, wgmma: bool = False) -> ExpertsDecision:
     """The kernels and tiles of a fused-experts call: ``tokens`` rows of x, ``top_k`` slots each, ``num_experts``
     experts of hidden size ``hidden`` and expert width ``inter`` (gate_up is (2 inter, hidden), down (hidden,
     inter)), groups of ``group_size`` along K. ``grouped``: whether the grouped path could run for this call
     (grouped.grouped_usable, and not inside CUDA-graph capture); ``mma``: the experts are in the mma layout
     (mma_experts.py), whose ``mma`` configs replace ``pairs`` and ``sorted`` (``block_m`` 1: a block per pair;
-    16: sorted blocks of 16)."""
+    16: sorted blocks of 16); ``wgmma``: the wgmma path could run (wgmma_experts.wgmma_experts_usable)."""
     pairs = tokens * top_k
     per_expert = pairs / num_experts
+    least = WGMMA_PER_EXPERT_MMA if mma else WGMMA_PER_EXPERT
+    if wgmma and per_expert >= least and per_expert > PAIRS_PER_EXPERT:
+        rows = wgmma_block_rows(per_expert)
+        why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.3g} per expert >= {least}): "
+               f"pairs are sorted into blocks of {rows} per expert and each projection runs the wgmma kernel over "
+               f"them, dequantizing in registers" + (" (the experts read back from the mma layout first)" if mma
+                                                     else ""))
+        cfg = ExpertsConfig("wgmma", rows, 64, 0)
+        return ExpertsDecision(cfg, cfg, why)
     if grouped and per_expert >= (GROUPED_PER_EXPERT_MMA if mma else GROUPED_PER_EXPERT):
         why = (f"{pairs} (token, slot) pairs over {num_experts} experts ({per_expert:.3g} per expert >= "
                f"{GROUPED_PER_EXPERT_MMA if mma else GROUPED_PER_EXPERT}): compute-bound, so each range of experts is dequantized to 16 bits and "
@@ -160,14 +185,22 @@ def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, 
             return (f"On {device}, without TRITON_INTERPRET, no Triton kernel runs: the pure-torch reference "
                     f"(quantpack.reference.experts) computes the experts (T={tokens}, top-{top_k}, E={num_experts}).")
         props = device_props(device)
+    hopper = bool(props.gpu and props.capability and props.capability[0] == 9)
     d = choose(props, tokens, top_k, num_experts, hidden, inter, group_size,
                grouped=bool(props.gpu and props.capability and props.capability[0] >= 9
-                            and dtype == torch.bfloat16), mma=mma)
+                            and dtype == torch.bfloat16), mma=mma,
+               wgmma=hopper and HAVE_GLUON and all(
+                   wgmma_layout_fits(n, k, group_size, bits, 1, dtype) and k % 64 == 0
+                   for n, k in ((2 * inter, hidden), (hidden, inter))))
     where = props.name if props.gpu else "Triton's CPU interpreter"
     shape = (f"T={tokens}, top-{top_k} of E={num_experts} experts, hidden {hidden}, expert width {inter}, {bits}-bit, "
              f"group size {group_size}, {str(dtype).replace('torch.', '')}")
     if d.path == "grouped":
         return f"On {where}, fused experts with {shape} run dequantize + torch._grouped_mm, because {d.reason}."
+    if d.path == "wgmma":
+        return (f"On {where}, fused experts with {shape} run the wgmma kernel per expert block for gate_up, the "
+                f"activation, the wgmma kernel for down, and the top-k weighted sum over slots (float32), because "
+                f"{d.reason}.")
     if d.path == "mma":
         return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up}, the activation, down as "
                 f"{d.down}, and the top-k weighted sum over slots (float32), because {d.reason}.")

@@ -31,6 +31,7 @@ from .dispatch import ExpertsConfig, choose
 from .grouped import grouped_experts, grouped_usable
 from .mma_experts import MmaExperts, mma_experts, reference_experts
 from .routing import align_block_size
+from .wgmma_experts import wgmma_experts, wgmma_experts_usable
 
 @triton.jit
 def _mac(acc, ae, ao, lo, hi, DOT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -271,9 +272,12 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
     if config is None:
         grouped = (x.device.type == "cuda" and grouped_usable(x) and not torch.cuda.is_current_stream_capturing())
         d = choose(props, tokens, top_k, gate_up.num_experts, hidden, inter, gate_up.group_size, grouped=grouped,
-                   mma=mma)
+                   mma=mma, wgmma=wgmma_experts_usable(x, gate_up, down))
         config = (d.gate_up, d.down)
     cfg_gu, cfg_d = config
+    if cfg_gu.path == "wgmma":
+        return wgmma_experts(x, gate_up, down, topk_ids, topk_weights, activation=activation, alpha=alpha,
+                             limit=limit, weight_on_input=weight_on_input, block_rows=cfg_gu.block_m)
     if cfg_gu.path == "grouped":
         return grouped_experts(x, gate_up, down, topk_ids, topk_weights, activation=activation, alpha=alpha,
                                limit=limit, weight_on_input=weight_on_input)

@@ -27,7 +27,7 @@ import triton.language as tl
 from ... import reference
 from ...format import PackedExperts
 from .. import dequant
-from ..dequant import cdiv, interpreting, on_device
+from ..dequant import cdiv, interpreting, on_device, triton_usable
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
 from ..mma_layout import CHUNK, mma_pack, mma_unpack
 from .activation import ACTIVATIONS, expert_activation
@@ -71,11 +71,19 @@ class MmaExperts:
         return cls(words, pe.scales, pe.zeros, pe.group_size, pe.shape)
 
     def rows(self, e0: int = 0, e1: int | None = None) -> PackedExperts:
-        """Experts ``e0 .. e1 - 1`` in the checkpoint's (K/2, N) layout (a copy)."""
+        """Experts ``e0 .. e1 - 1`` in the checkpoint's (K/2, N) layout (a copy; one Triton launch where Triton
+        runs, reading and writing the packed bytes once)."""
         e1 = self.num_experts if e1 is None else e1
         n, k = self.shape
-        return PackedExperts(mma_unpack(self.words[e0:e1], n, k), self.scales[e0:e1], self.zeros[e0:e1], 4,
-                             self.group_size, self.shape)
+        words = self.words[e0:e1]
+        if triton_usable(words):
+            qweight = dequant._alloc((e1 - e0, k // 2, n), torch.uint8, words.device)
+            with on_device(words):
+                _unpack_kernel[(e1 - e0, cdiv(n, UNPACK_COLUMNS), k // CHUNK)](words, qweight, n, k,
+                                                                                COLUMNS=UNPACK_COLUMNS, num_warps=4)
+        else:
+            qweight = mma_unpack(words, n, k)
+        return PackedExperts(qweight, self.scales[e0:e1], self.zeros[e0:e1], 4, self.group_size, self.shape)
 
 
 def mma_experts_fit(pe: PackedExperts, dtype: torch.dtype) -> bool:
@@ -214,6 +222,32 @@ def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, G, T0, NC, CHUNKS: tl
 
 
 DEQUANT_CHUNKS = 4  # 64-in-feature chunks per program of the dequantization
+
+
+UNPACK_COLUMNS = 128  # out-features per program of the unpacking: whole 128-byte lines of its (K/2, N) rows
+
+
+@triton.jit
+def _unpack_kernel(w_ptr, out_ptr, N, K, COLUMNS: tl.constexpr):
+    """:func:`~quantpack.kernels.mma_layout.mma_unpack` for one expert's COLUMNS out-features (program 1) by one
+    64-in-feature chunk (program 2): out (E, K/2, N) uint8, each of its 32 rows stored whole. In-features 2p and
+    2p + 1 sit in one word, 16 bits apart (mma_pack's e)."""
+    e = tl.program_id(0).to(tl.int64)
+    kc = tl.program_id(2)
+    pp = tl.arange(0, 32)[:, None]
+    n = tl.program_id(1) * COLUMNS + tl.arange(0, COLUMNS)[None, :]
+    t = n // 16
+    nn = n % 16
+    kin = 2 * pp  # (the even in-feature within the chunk: 16c + 8kh + 2j)
+    lane = 4 * (nn % 8) + kin // 16
+    word = (kin % 8) // 2
+    shift = 4 * (nn // 8 + 2 * ((kin % 16) // 8))
+    ok = (n < N) & (pp < 32)
+    chunks_per_row = K // 64
+    w = tl.load(w_ptr + e * (N // 16) * chunks_per_row * 128 + (t * chunks_per_row + kc) * 128 + lane * 4 + word,
+                mask=ok, other=0)
+    byte = ((w >> shift) & 15) | (((w >> (shift + 16)) & 15) << 4)
+    tl.store(out_ptr + e * (K // 2) * N + (kc * 32 + pp) * N + n, byte.to(tl.uint8), mask=ok)
 
 
 def mma_dequantize(pe: MmaExperts, e0: int, e1: int, dtype: torch.dtype, n0: int = 0,
