@@ -125,13 +125,19 @@ def test_dispatch_splits_k_at_decode_to_fill_the_gpu():
     assert choose(h200, 2048, 8, 128, 2048, 768, 128).gate_up.split == 1
 
 
-def test_routing_blocks_hold_each_experts_pairs_once():
+@pytest.mark.parametrize("experts,tokens,top_k,block_m", [(6, 9, 2, 4), (128, 300, 8, 64), (60, 5, 4, 16)])
+@pytest.mark.parametrize("kernels", [True, False], ids=["triton", "torch"])
+def test_routing_blocks_hold_each_experts_pairs_once(monkeypatch, experts, tokens, top_k, block_m, kernels):
+    from quantpack.kernels.moe import routing
+
+    if not kernels:
+        monkeypatch.setattr(routing, "triton_usable", lambda t: False)
     g = torch.Generator().manual_seed(0)
-    experts, block_m = 6, 4
-    ids = torch.randint(0, experts, (9, 2), generator=g)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
     ids[0, 0], ids[4, 1] = -1, experts  # unused
     ids[:, 1][ids[:, 1] == 2] = 3  # expert 2 only through slot 0
-    sorted_pairs, block_expert = align_block_size(ids, experts, block_m)
+    sorted_pairs, block_expert, pos = align_block_size(ids.to(DEV), experts, block_m, positions=True)
+    sorted_pairs, block_expert, pos = sorted_pairs.cpu(), block_expert.cpu(), pos.cpu()
     pairs = ids.numel()
     assert block_expert.numel() == max_blocks(pairs, experts, block_m)
     assert sorted_pairs.numel() == block_expert.numel() * block_m
@@ -148,6 +154,8 @@ def test_routing_blocks_hold_each_experts_pairs_once():
     want = sorted(p for p in range(pairs) if 0 <= flat[p] < experts)
     assert sorted(seen) == want
     assert block_expert.tolist() == sorted(block_expert.tolist())
+    for p in want:  # each used pair's position in sorted_pairs
+        assert sorted_pairs[pos[p]] == p
 
 
 def test_dispatch_decode_pairs_prefill_sorted_and_explain():

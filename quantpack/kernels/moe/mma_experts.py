@@ -173,14 +173,12 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
             ids, rows, pos = topk_ids.reshape(-1), pairs, None
             xg, x_div = x, top_k
         else:
-            sorted_pairs, ids = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS)
+            sorted_pairs, ids, pos = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS, positions=True)
             rows = sorted_pairs.numel()
             valid = sorted_pairs < pairs
             token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
             xg = torch.where(valid[:, None], x.index_select(0, token), 0)
             x_div = 1
-            pos = torch.zeros(pairs + 1, dtype=torch.int32, device=x.device)
-            pos.scatter_(0, sorted_pairs.to(torch.int64), torch.arange(rows, dtype=torch.int32, device=x.device))
         gu = _project(xg, gate_up, ids, per_row=per_row, x_div=x_div, rows=rows, sms=sms)
         h = dequant._alloc((rows, inter), x.dtype, x.device)
         _activate_kernel[(rows, cdiv(inter, ACT_BLOCK))](gu, h, rows, inter, gu.shape[0], float(alpha), float(limit),

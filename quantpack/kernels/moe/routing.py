@@ -8,8 +8,11 @@ replayed with new routing: programs past the blocks actually filled read an expe
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ..dequant import cdiv
+from .. import dequant
+from ..dequant import cdiv, next_power_of_2, on_device, triton_usable
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -18,16 +21,78 @@ def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(pairs, block_m) + min(num_experts, pairs)
 
 
-def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, P, E, BLOCK: tl.constexpr):
+    """Each used pair's place among its expert's pairs: counts[e] claimed atomically (the order within an expert's
+    blocks is the GPU's, which no result depends on: every row is computed alone)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    ok = (p < P) & (e >= 0) & (e < E)
+    rank = tl.atomic_add(counts_ptr + tl.where(ok, e, 0), tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    tl.store(rank_ptr + p, rank, mask=ok)
+
+
+@triton.jit
+def _blocks_kernel(counts_ptr, starts_ptr, block_expert_ptr, sorted_ptr, E, BLOCKS, CAPACITY, P,
+                   BLOCK_M: tl.constexpr, E_POW: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: each expert's first slot (its pairs padded to whole blocks, experts in order), each block's
+    expert (``E`` past the filled ones), and every slot set to the sentinel ``P`` before the pairs are placed."""
+    e = tl.arange(0, E_POW)
+    real = e < E
+    padded = (tl.load(counts_ptr + e, mask=real, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(starts_ptr + e, ends - padded, mask=real)
+    for b0 in range(0, BLOCKS, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        done = (ends[None, :] <= (b * BLOCK_M)[:, None]) & real[None, :]  # experts ending at or before the block
+        tl.store(block_expert_ptr + b, tl.sum(done.to(tl.int32), axis=1), mask=b < BLOCKS)
+    for i0 in range(0, CAPACITY, CHUNK * E_POW):
+        i = i0 + tl.arange(0, CHUNK * E_POW)
+        tl.store(sorted_ptr + i, tl.full((CHUNK * E_POW,), 0, tl.int32) + P, mask=i < CAPACITY)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, pos_ptr, P, E, BLOCK: tl.constexpr):
+    """Each used pair into its slot; ``pos[p]`` that slot (0 for an unused pair)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    ok = (p < P) & (e >= 0) & (e < E)
+    dest = tl.load(starts_ptr + tl.where(ok, e, 0), mask=ok, other=0) + tl.load(rank_ptr + p, mask=ok, other=0)
+    tl.store(sorted_ptr + dest, p, mask=ok)
+    tl.store(pos_ptr + p, tl.where(ok, dest, 0), mask=p < P)
+
+
+PAIR_BLOCK = 1024  # pairs per program of the rank and place kernels
+
+
+def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, positions: bool = False):
     """``(sorted_pairs, block_expert)`` for ``topk_ids`` (T, k): ``sorted_pairs`` (blocks * block_m,) int32 lists the
     flat pair indices ``t * k + slot`` expert by expert, each expert's run padded to a multiple of ``block_m`` with
     the sentinel ``T * k``; ``block_expert`` (blocks,) int32 is the expert of each block, ``num_experts`` for the
     blocks past the last one filled. Pairs whose id lies outside ``[0, num_experts)`` are in no block. ``blocks`` is
-    :func:`max_blocks`, from shapes alone."""
+    :func:`max_blocks`, from shapes alone. With ``positions``, also ``pos`` (T * k,) int32: each pair's index in
+    ``sorted_pairs`` (0 for a pair in no block). Three Triton launches where Triton runs (the order of an expert's
+    pairs is then the GPU's), torch's sort otherwise."""
     pairs = topk_ids.numel()
     device = topk_ids.device
     blocks = max_blocks(pairs, num_experts, block_m)
     capacity = blocks * block_m
+    if triton_usable(topk_ids):
+        ids = topk_ids.reshape(-1)
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+        rank = dequant._alloc((pairs,), torch.int32, device)
+        starts = dequant._alloc((num_experts,), torch.int32, device)
+        sorted_pairs = dequant._alloc((capacity,), torch.int32, device)
+        block_expert = dequant._alloc((blocks,), torch.int32, device)
+        pos = dequant._alloc((pairs,), torch.int32, device)
+        grid = (cdiv(pairs, PAIR_BLOCK),)
+        with on_device(topk_ids):
+            _rank_kernel[grid](ids, counts, rank, pairs, num_experts, BLOCK=PAIR_BLOCK, num_warps=4)
+            _blocks_kernel[(1,)](counts, starts, block_expert, sorted_pairs, num_experts, blocks, capacity, pairs,
+                                 BLOCK_M=block_m, E_POW=next_power_of_2(num_experts), CHUNK=32, num_warps=4)
+            _place_kernel[grid](ids, rank, starts, sorted_pairs, pos, pairs, num_experts, BLOCK=PAIR_BLOCK,
+                                num_warps=4)
+        return (sorted_pairs, block_expert, pos) if positions else (sorted_pairs, block_expert)
     ids = topk_ids.reshape(-1).to(torch.int64)
     key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # unused slots: one bucket past the last
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
@@ -41,4 +106,8 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))  # (unused slots land on the extra last element)
     block_starts = torch.arange(blocks, device=device, dtype=torch.int64) * block_m
     block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
-    return sorted_pairs[:capacity], block_expert
+    if not positions:
+        return sorted_pairs[:capacity], block_expert
+    pos = torch.zeros(pairs, dtype=torch.int32, device=device)
+    pos[order] = torch.where(dest < capacity, dest, 0).to(torch.int32)
+    return sorted_pairs[:capacity], block_expert, pos

@@ -71,7 +71,8 @@ def wgmma_experts(x: torch.Tensor, gate_up: PackedExperts | MmaExperts, down: Pa
     inter = gate_up.shape[0] // 2
     block_rows = block_rows or wgmma_block_rows(pairs / gate_up.num_experts)
     with on_device(x):
-        sorted_pairs, block_expert = align_block_size(topk_ids, gate_up.num_experts, block_rows)
+        sorted_pairs, block_expert, pos = align_block_size(topk_ids, gate_up.num_experts, block_rows,
+                                                           positions=True)
         rows = sorted_pairs.numel()
         valid = sorted_pairs < pairs
         token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
@@ -80,8 +81,6 @@ def wgmma_experts(x: torch.Tensor, gate_up: PackedExperts | MmaExperts, down: Pa
             w = topk_weights.reshape(-1).float()[torch.where(valid, sorted_pairs, 0).to(torch.int64)]
             xg = (xg.float() * w[:, None]).to(x.dtype)
             topk_weights = torch.ones_like(topk_weights)
-        pos = torch.zeros(pairs + 1, dtype=torch.int32, device=x.device)
-        pos.scatter_(0, sorted_pairs.to(torch.int64), torch.arange(rows, dtype=torch.int32, device=x.device))
         gu = _project(xg, gate_up, block_expert, block_rows)
         h = dequant._alloc((rows, inter), x.dtype, x.device)
         _activate_kernel[(rows, cdiv(inter, ACT_BLOCK))](gu, h, rows, inter, 1, float(alpha), float(limit),
