@@ -207,6 +207,12 @@ def _no_launch_hooks(runtime) -> bool:
     return not (getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
+def tensor_key(*tensors: torch.Tensor) -> tuple:
+    """Each tensor's shape, strides, dtype, device and 16-byte alignment: what a launch specializes on through its
+    tensor arguments and the integers derived from their shapes (part of a :class:`KernelReplays` key)."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+
+
 class KernelReplays:
     """Launches of one Triton kernel by call key (fused_ops.py's RMSNorm and rotary, which take several per-call
     tensors, so no :class:`Plan`): a key's first launch goes through Triton (binding, specialization, the compile

@@ -555,6 +555,9 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
         num_warps=grid.warps * grid.kwarps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
 
 
+_MMA_EXPERTS = launch_plan.KernelReplays(_mma_gemv_kernel)
+
+
 def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool, x_div: int, n: int, k: int,
                        group_size: int, grid: MmaGrid, depth: int, rawq: bool, use_asm: bool) -> None:
     """Mixture-of-experts blocks of rows, each times its own expert's 4-bit weight: ``words`` (E, N/16, K/64, 32,
@@ -569,14 +572,19 @@ def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool
     rows = partials.shape[1]
     assert partials.shape == (grid.split, rows, n) and partials.dtype == torch.float32 and partials.is_contiguous()
     assert per_row or rows == 16 * ids.numel()
+    from .dispatch import launch_plans_enabled  # (dispatch imports this module)
+
     m = 1 if per_row else 16
-    launch_plan.launch(
-        _mma_gemv_kernel, (grid.programs * ids.numel(), grid.split),
-        x2, words, scales, zeros, partials, partials, partials, ids, ids,
-        rows, n, k, x2.stride(0), n, words.shape[0], x_div,
-        **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=4,
-                            has_bias=False, use_asm=use_asm), EXPERTS=1 if per_row else 2,
-        num_warps=grid.warps * grid.kwarps, num_stages=1)
+    # (a mixture-of-experts layer launches it twice a call, eagerly at prefill and in eager decode: binding its
+    # thirty-odd arguments through Triton would be most of the call's host time)
+    key = ((launch_plan.tensor_key(x2, words, scales, zeros, partials, ids), per_row, x_div, group_size, grid, depth,
+            rawq, use_asm) if launch_plans_enabled() else None)
+    _MMA_EXPERTS(key, (grid.programs * ids.numel(), grid.split, 1), x2,
+                 x2, words, scales, zeros, partials, partials, partials, ids, ids,
+                 rows, n, k, x2.stride(0), n, words.shape[0], x_div,
+                 **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=4,
+                                     has_bias=False, use_asm=use_asm), EXPERTS=1 if per_row else 2,
+                 num_warps=grid.warps * grid.kwarps, num_stages=1)
 
 
 @functools.lru_cache(maxsize=4096)  # (pure; building the PTX strings costs more than a launch: callers never mutate it)

@@ -22,6 +22,7 @@ import torch
 from ... import reference
 from ...format import PackedExperts
 from ..dequant import dequantize
+from ..dispatch import device_props
 
 SCRATCH_BYTES = 1024 * 2 ** 20  # the largest 16-bit copy of experts' weights one call holds at a time
 GROUPED_DTYPES = (torch.bfloat16,)
@@ -33,7 +34,7 @@ def grouped_usable(x: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_DTYPES:
         return False
     if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device)[0] >= 9
+        return device_props(x.device).capability[0] >= 9
     return x.device.type == "cpu"
 
 

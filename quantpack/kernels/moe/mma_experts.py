@@ -28,6 +28,8 @@ from ... import reference
 from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, interpreting, on_device, triton_usable
+from ..dispatch import launch_plans_enabled
+from ..launch_plan import KernelReplays, tensor_key
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
 from ..mma_layout import CHUNK, mma_pack, mma_unpack
 from .activation import ACTIVATIONS, expert_activation
@@ -78,9 +80,10 @@ class MmaExperts:
         words = self.words[e0:e1]
         if triton_usable(words):
             qweight = dequant._alloc((e1 - e0, k // 2, n), torch.uint8, words.device)
+            key = tensor_key(words) if launch_plans_enabled() else None
             with on_device(words):
-                _unpack_kernel[(e1 - e0, cdiv(n, UNPACK_COLUMNS), k // CHUNK)](words, qweight, n, k,
-                                                                                COLUMNS=UNPACK_COLUMNS, num_warps=4)
+                _UNPACK(key, (e1 - e0, cdiv(n, UNPACK_COLUMNS), k // CHUNK), words, words, qweight, n, k,
+                        COLUMNS=UNPACK_COLUMNS, num_warps=4)
         else:
             qweight = mma_unpack(words, n, k)
         return PackedExperts(qweight, self.scales[e0:e1], self.zeros[e0:e1], 4, self.group_size, self.shape)
@@ -164,10 +167,9 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
     contiguous ``x`` (T, H), ``topk_ids`` and ``topk_weights`` (T, k): ``per_row``, one block per (token, slot) pair;
     else pairs sorted into blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid
     sizing)."""
-    tokens, hidden = x.shape
+    tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
-    inter = gate_up.shape[0] // 2
     with on_device(x):
         if per_row:
             ids, rows, pos = topk_ids.reshape(-1), pairs, None
@@ -180,14 +182,38 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
             xg = torch.where(valid[:, None], x.index_select(0, token), 0)
             x_div = 1
         gu = _project(xg, gate_up, ids, per_row=per_row, x_div=x_div, rows=rows, sms=sms)
-        h = dequant._alloc((rows, inter), x.dtype, x.device)
-        _activate_kernel[(rows, cdiv(inter, ACT_BLOCK))](gu, h, rows, inter, gu.shape[0], float(alpha), float(limit),
-                                                         ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, num_warps=4)
+        h = activate(gu, x.dtype, activation, alpha, limit)
         y = _project(h, down, ids, per_row=per_row, x_div=1, rows=rows, sms=sms)
-        out = dequant._alloc((tokens, hidden), x.dtype, x.device)
-        _weighted_sum_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](
-            y, pos if pos is not None else ids, topk_ids, topk_weights, out, top_k, hidden, rows, y.shape[0],
-            gate_up.num_experts, HAS_POS=pos is not None, BLOCK=SUM_BLOCK, num_warps=4)
+        return weighted_sum(y, pos, topk_ids, topk_weights, x.dtype, gate_up.num_experts)
+
+
+_ACTIVATE, _WEIGHTED_SUM = KernelReplays(_activate_kernel), KernelReplays(_weighted_sum_kernel)
+
+
+def activate(gu: torch.Tensor, dtype: torch.dtype, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """h (rows, I) in ``dtype`` = the activation of gate_up's float32 (split, rows, 2I) partial sums (or (rows, 2I))
+    summed over their splits (on gu's device, which the caller made current)."""
+    split, rows, two_i = (1, *gu.shape) if gu.dim() == 2 else gu.shape
+    inter = two_i // 2
+    h = dequant._alloc((rows, inter), dtype, gu.device)
+    key = (tensor_key(gu), dtype, activation, alpha, limit) if launch_plans_enabled() else None
+    _ACTIVATE(key, (rows, cdiv(inter, ACT_BLOCK), 1), gu, gu, h, rows, inter, split, float(alpha), float(limit),
+              ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, num_warps=4)
+    return h
+
+
+def weighted_sum(y: torch.Tensor, pos: torch.Tensor | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 dtype: torch.dtype, num_experts: int) -> torch.Tensor:
+    """out (T, H) in ``dtype``: each token's rows of y (float32 (split, rows, H) partial sums, or (rows, H)) times
+    their top-k weights, summed in float32; row of pair p: ``pos[p]``, or p itself where ``pos`` is None."""
+    split, rows, hidden = (1, *y.shape) if y.dim() == 2 else y.shape
+    tokens, top_k = topk_ids.shape
+    out = dequant._alloc((tokens, hidden), dtype, y.device)
+    pos_t = pos if pos is not None else topk_ids
+    key = ((tensor_key(y, pos_t, topk_ids, topk_weights), dtype, num_experts, pos is not None)
+           if launch_plans_enabled() else None)
+    _WEIGHTED_SUM(key, (tokens, cdiv(hidden, SUM_BLOCK), 1), y, y, pos_t, topk_ids, topk_weights, out, top_k,
+                  hidden, rows, split, num_experts, HAS_POS=pos is not None, BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
@@ -246,6 +272,9 @@ def _unpack_kernel(w_ptr, out_ptr, N, K, COLUMNS: tl.constexpr):
                 mask=ok, other=0)
     byte = ((w >> shift) & 15) | (((w >> (shift + 16)) & 15) << 4)
     tl.store(out_ptr + e * (K // 2) * N + (kc * 32 + pp) * N + n, byte.to(tl.uint8), mask=ok)
+
+
+_UNPACK = KernelReplays(_unpack_kernel)
 
 
 def mma_dequantize(pe: MmaExperts, e0: int, e1: int, dtype: torch.dtype, n0: int = 0,

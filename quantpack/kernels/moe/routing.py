@@ -13,6 +13,8 @@ import triton.language as tl
 
 from .. import dequant
 from ..dequant import cdiv, next_power_of_2, on_device, triton_usable
+from ..dispatch import launch_plans_enabled
+from ..launch_plan import KernelReplays, tensor_key
 
 
 def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -63,6 +65,8 @@ def _place_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, pos_ptr, P, E, BLOC
 
 
 PAIR_BLOCK = 1024  # pairs per program of the rank and place kernels
+_RANK, _BLOCKS, _PLACE = (KernelReplays(k) for k in (_rank_kernel, _blocks_kernel, _place_kernel))  # (prefill and
+# eager decode call them once a layer: Triton's binding would be most of their host time)
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, positions: bool = False):
@@ -85,13 +89,15 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, pos
         sorted_pairs = dequant._alloc((capacity,), torch.int32, device)
         block_expert = dequant._alloc((blocks,), torch.int32, device)
         pos = dequant._alloc((pairs,), torch.int32, device)
-        grid = (cdiv(pairs, PAIR_BLOCK),)
+        grid = (cdiv(pairs, PAIR_BLOCK), 1, 1)
+        # (every integer follows from ids' shape, num_experts and block_m; the other tensors are fresh allocations)
+        key = (tensor_key(ids), num_experts, block_m) if launch_plans_enabled() else None
         with on_device(topk_ids):
-            _rank_kernel[grid](ids, counts, rank, pairs, num_experts, BLOCK=PAIR_BLOCK, num_warps=4)
-            _blocks_kernel[(1,)](counts, starts, block_expert, sorted_pairs, num_experts, blocks, capacity, pairs,
-                                 BLOCK_M=block_m, E_POW=next_power_of_2(num_experts), CHUNK=32, num_warps=4)
-            _place_kernel[grid](ids, rank, starts, sorted_pairs, pos, pairs, num_experts, BLOCK=PAIR_BLOCK,
-                                num_warps=4)
+            _RANK(key, grid, ids, ids, counts, rank, pairs, num_experts, BLOCK=PAIR_BLOCK, num_warps=4)
+            _BLOCKS(key, (1, 1, 1), ids, counts, starts, block_expert, sorted_pairs, num_experts, blocks, capacity,
+                    pairs, BLOCK_M=block_m, E_POW=next_power_of_2(num_experts), CHUNK=32, num_warps=4)
+            _PLACE(key, grid, ids, ids, rank, starts, sorted_pairs, pos, pairs, num_experts, BLOCK=PAIR_BLOCK,
+                   num_warps=4)
         return (sorted_pairs, block_expert, pos) if positions else (sorted_pairs, block_expert)
     ids = topk_ids.reshape(-1).to(torch.int64)
     key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # unused slots: one bucket past the last

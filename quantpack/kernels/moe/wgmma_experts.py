@@ -11,15 +11,17 @@ back to the checkpoint's layout first: one pass over their packed bytes.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...format import PackedExperts
 from .. import dequant
-from ..dequant import cdiv, on_device
+from ..dequant import on_device
+from ..dispatch import Flags, device_props, wgmma_device
 from ..wgmma_host import WgmmaGrid
 from ..wgmma_mm import launch_wgmma_grouped, wgmma_layout_fits
-from .activation import ACTIVATIONS
-from .mma_experts import ACT_BLOCK, SUM_BLOCK, MmaExperts, _activate_kernel, _weighted_sum_kernel
+from .mma_experts import MmaExperts, activate, weighted_sum
 from .dispatch import wgmma_block_rows
 from .routing import align_block_size
 
@@ -29,20 +31,21 @@ PRODUCER = False  # a producer warp issuing the copies (wgmma_mm.py)
 
 
 def wgmma_experts_usable(x: torch.Tensor, gate_up, down) -> bool:
-    """Whether :func:`wgmma_experts` runs for x and these experts: a Hopper GPU with Gluon, 16-bit x, experts
-    without bias whose shapes and groups the wgmma kernel's copies take (see wgmma_mm.wgmma_layout_fits)."""
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9):
+    """Whether :func:`wgmma_experts` runs for x and these experts: a GPU the dense wgmma kernel runs on (Hopper,
+    Gluon, QUANTPACK_WGMMA not 0), 16-bit x, experts without bias whose shapes and groups its copies take (see
+    wgmma_mm.wgmma_layout_fits)."""
+    if not (x.is_cuda and wgmma_device(device_props(x.device), Flags.from_env())):
         return False
-    for pe in (gate_up, down):
-        n, k = pe.shape
-        if (pe.bias is not None or pe.scales.dtype != pe.zeros.dtype
-                or not wgmma_layout_fits(n, k, pe.group_size, pe.bits, 1, x.dtype)
-                or k % _grid(pe).block_k):
-            return False
-    return True
+    return all(pe.bias is None and pe.scales.dtype == pe.zeros.dtype
+               and _shape_fits(*pe.shape, pe.group_size, pe.bits, x.dtype) for pe in (gate_up, down))
 
 
-def _grid(pe, rows: int = 64) -> WgmmaGrid:
+@functools.lru_cache(maxsize=256)
+def _shape_fits(n: int, k: int, group_size: int, bits: int, dtype: torch.dtype) -> bool:
+    return wgmma_layout_fits(n, k, group_size, bits, 1, dtype) and k % (128 if group_size % 128 == 0 else 64) == 0
+
+
+def _grid(pe, rows: int) -> WgmmaGrid:
     block_k = 128 if pe.group_size % 128 == 0 else 64
     return WgmmaGrid(rows, BLOCK_N, block_k, 1, STAGES, BLOCK_N // 16, producer=PRODUCER)
 
@@ -65,30 +68,21 @@ def wgmma_experts(x: torch.Tensor, gate_up: PackedExperts | MmaExperts, down: Pa
     """:func:`quantpack.reference.experts`'s semantics where :func:`wgmma_experts_usable` holds, for contiguous x
     (T, H), topk_ids and topk_weights (T, k); ``block_rows`` pairs per block (64 or 128; by default
     dispatch.wgmma_block_rows)."""
-    tokens, hidden = x.shape
+    tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
-    inter = gate_up.shape[0] // 2
     block_rows = block_rows or wgmma_block_rows(pairs / gate_up.num_experts)
     with on_device(x):
         sorted_pairs, block_expert, pos = align_block_size(topk_ids, gate_up.num_experts, block_rows,
                                                            positions=True)
-        rows = sorted_pairs.numel()
-        valid = sorted_pairs < pairs
-        token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
-        xg = x.index_select(0, token)  # (a padding row is token 0's: its results are never read)
+        # (a padding row, the sentinel pairs, reads the last token: its results are never read)
+        xg = x.index_select(0, (sorted_pairs // top_k).clamp_(max=tokens - 1))
         if weight_on_input:  # (x * w rounded to x's dtype, as the reference; the sum then weighs by 1)
-            w = topk_weights.reshape(-1).float()[torch.where(valid, sorted_pairs, 0).to(torch.int64)]
+            w = topk_weights.reshape(-1).float()[sorted_pairs.clamp(max=pairs - 1)]
             xg = (xg.float() * w[:, None]).to(x.dtype)
             topk_weights = torch.ones_like(topk_weights)
         gu = _project(xg, gate_up, block_expert, block_rows)
-        h = dequant._alloc((rows, inter), x.dtype, x.device)
-        _activate_kernel[(rows, cdiv(inter, ACT_BLOCK))](gu, h, rows, inter, 1, float(alpha), float(limit),
-                                                         ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, num_warps=4)
+        h = activate(gu, x.dtype, activation, alpha, limit)
         del gu
         y = _project(h, down, block_expert, block_rows)
-        out = dequant._alloc((tokens, hidden), x.dtype, x.device)
-        _weighted_sum_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](
-            y, pos, topk_ids, topk_weights, out, top_k, hidden, rows, 1, gate_up.num_experts, HAS_POS=True,
-            BLOCK=SUM_BLOCK, num_warps=4)
-    return out
+        return weighted_sum(y, pos, topk_ids, topk_weights, x.dtype, gate_up.num_experts)
