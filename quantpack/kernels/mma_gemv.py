@@ -559,26 +559,26 @@ _MMA_EXPERTS = launch_plan.KernelReplays(_mma_gemv_kernel)
 
 
 def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool, x_div: int, n: int, k: int,
-                       group_size: int, grid: MmaGrid, depth: int, rawq: bool, use_asm: bool) -> None:
+                       group_size: int, grid: MmaGrid, depth: int, rawq: bool, use_asm: bool,
+                       replay: bool = True) -> None:
     """Mixture-of-experts blocks of rows, each times its own expert's 4-bit weight: ``words`` (E, N/16, K/64, 32,
     4) stacks the experts' :func:`~quantpack.kernels.mma_layout.mma_pack` layouts, ``scales``/``zeros`` (E, K/g,
     N). ``per_row``: row b of ``partials`` is x's row ``b // x_div`` times expert ``ids[b]`` (decode: one (token,
     slot) pair a row); else ``x2``'s rows are blocks of 16, block b times expert ``ids[b]`` (pairs sorted by
     expert). An id outside [0, E) leaves its rows unwritten. ``partials`` (grid.split, rows, N) float32 receives
     each split's partial sums, for the next kernel to add. ``grid`` from :func:`mma_grid` (one 16-row block per
-    program)."""
+    program). ``replay``: launches after a key's first go straight to the compiled kernel (launch_plan.KernelReplays;
+    the caller passes whether launch plans are on)."""
     assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, 4, 1, grid.kwarps), \
         "grid must come from mma_grid"
     rows = partials.shape[1]
     assert partials.shape == (grid.split, rows, n) and partials.dtype == torch.float32 and partials.is_contiguous()
     assert per_row or rows == 16 * ids.numel()
-    from .dispatch import launch_plans_enabled  # (dispatch imports this module)
-
     m = 1 if per_row else 16
     # (a mixture-of-experts layer launches it twice a call, eagerly at prefill and in eager decode: binding its
     # thirty-odd arguments through Triton would be most of the call's host time)
     key = ((launch_plan.tensor_key(x2, words, scales, zeros, partials, ids), per_row, x_div, group_size, grid, depth,
-            rawq, use_asm) if launch_plans_enabled() else None)
+            rawq, use_asm) if replay else None)
     _MMA_EXPERTS(key, (grid.programs * ids.numel(), grid.split, 1), x2,
                  x2, words, scales, zeros, partials, partials, partials, ids, ids,
                  rows, n, k, x2.stride(0), n, words.shape[0], x_div,

@@ -1,31 +1,30 @@
 """Hopper (sm_90) 4- and 8-bit x bf16/fp16 GEMM on asynchronous warpgroup MMA (Gluon).
 
-Each program computes a (BLOCK_N x BLOCK_M) tile of ``out^T = W x^T``: the weight's rows fill the
-wgmma M side (64 per warpgroup), x's rows its N side (8..256), so 16-row batches waste nothing.
-Per K step of BLOCK_K in-features:
+Each program computes a (BLOCK_N x BLOCK_M) tile of ``out^T = W x^T``: the weight's rows fill the wgmma M side (64
+per warpgroup), x's rows its N side (8..256), so 16-row batches waste nothing. Per K step of BLOCK_K in-features:
 
-- TMA copies x's (BLOCK_M, BLOCK_K) tile, the packed (BLOCK_K / 2, BLOCK_N) bytes ((BLOCK_K, BLOCK_N) for
-  8-bit; as 16-bit words: the bytes of two adjacent weight rows) and the step's scale and zero rows (one
-  copy: the two tensors as planes of one view) into a ring of STAGES shared-memory slots (one mbarrier each);
-- each thread loads the words of the wgmma A-operand fragment it owns (ldmatrix), dequantizes them in
-  registers (float32 FMA, then x's dtype: the reference's rounding) straight into that fragment;
-- an asynchronous wgmma multiplies the fragment (A, from registers) by x's tile (B, K-major, shared),
-  and the program dequantizes the next step while it runs; waiting for one MMA in flight frees the ring
-  slot that the next TMA refills.
+- TMA copies x's (BLOCK_M, BLOCK_K) tile, the packed (BLOCK_K / 2, BLOCK_N) bytes ((BLOCK_K, BLOCK_N) for 8-bit; as
+  16-bit words: the bytes of two adjacent weight rows) and the step's scale and zero rows (one copy: the two tensors
+  as planes of one view) into a ring of STAGES shared-memory slots (one mbarrier each);
+- each thread loads the words of the wgmma A-operand fragment it owns (ldmatrix), dequantizes them in registers
+  (float32 FMA, then x's dtype: the reference's rounding) straight into that fragment;
+- an asynchronous wgmma multiplies the fragment (A, from registers) by x's tile (B, K-major, shared), and the program
+  dequantizes the next step while it runs; waiting for one MMA in flight frees the ring slot that the next TMA
+  refills.
 
 With PRODUCER, one extra warp (Gluon ``warp_specialize``) issues the copies, each once the MMA warps have released
-the slot through its "empty" mbarrier, so the MMA warps run no TMA code and fewer CTA barriers per step.
-With RAWQ (4-bit, with PRODUCER) the A operand is q - z in x's dtype, without the scales: the nibbles OR-ed into
-OFFSET's mantissa are q + OFFSET exactly, then two packed subtractions (OFFSET, exact; z, rounded once, as
-dequantizing rounds) give q - z (17 instructions per 8 weights instead of 24), and each step's MMA is scaled once:
+the slot through its "empty" mbarrier, so the MMA warps run no TMA code and fewer CTA barriers per step. With RAWQ
+(4-bit, with PRODUCER) the A operand is q - z in x's dtype, without the scales: the nibbles OR-ed into OFFSET's
+mantissa are q + OFFSET exactly, then two packed subtractions (OFFSET, exact; z, rounded once, as dequantizing
+rounds) give q - z (17 instructions per 8 weights instead of 24), and each step's MMA is scaled once:
 acc += s (W_q-z x) (for few rows of x, where the dequant's instructions are a larger share of a step).
 
-The weight's rows reach the MMA permuted (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a thread's two
-rows are one 16-bit load); the epilogue undoes it. Triton's own pipeliner cannot overlap a dequantized
-operand with its MMA; Gluon states the schedule explicitly. Split-K partials are
-summed by the last program to arrive, as in the other paths. The kernel needs a GPU with wgmma (compute
-capability 9.x); the interpreter cannot run Gluon, so CI compiles it for sm_90 and the GPU tests check it
-against the reference.
+The weight's rows reach the MMA permuted (rows 16w + 2g + b as MMA rows 16w + 8b + g, so a thread's two rows are one
+16-bit load); the epilogue undoes it. Triton's own pipeliner cannot overlap a dequantized operand with its MMA; Gluon
+states the schedule explicitly. Split-K partials are summed by the last program to arrive, as in the other paths. The
+kernel needs a GPU with wgmma (compute capability 9.x); the interpreter cannot run Gluon, so CI compiles it for sm_90
+and the GPU tests check it against the reference. With GROUPED (mixture-of-experts prefill), each BLOCK_M rows of x
+go to the expert the block table names, its matrix read from the stack of all experts' (no split).
 """
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ try:  # Gluon ships with Triton >= 3.4; without it the path is simply unavailabl
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-__all__ = ["HAVE_GLUON", "descriptor_types", "launch_wgmma", "launch_wgmma_grouped", "resident_programs",
-           "wgmma_usable"]
+__all__ = ["HAVE_GLUON", "descriptor_types", "launch_wgmma", "resident_programs", "wgmma_usable"]
 
 if HAVE_GLUON:
     # one CTA-wide barrier, whatever this Triton calls it (3.6: thread_barrier, 3.9: barrier)
@@ -120,10 +118,9 @@ if HAVE_GLUON:
 
     @gluon.constexpr_function
     def _operand_words_layout(BN, BK, num_warps):
-        """Registers of the packed tile read as (BN/2, BK/2) 16-bit words (the bytes of weight rows 2p, 2p + 1)
-        for the register A operand: a thread holds pair rows (in-features k, k+1) t and t + 4 of each 8 and
-        the word p = 8w + g, i.e. weight rows 16w + 2g + {0, 1}, which the MMA takes as its rows 16w + g and
-        16w + g + 8 (_mma_rows)."""
+        """Registers of the packed tile read as (BN/2, BK/2) 16-bit words (the bytes of weight rows 2p, 2p + 1) for the
+        register A operand: a thread holds pair rows (in-features k, k+1) t and t + 4 of each 8 and the word p = 8w + g,
+        i.e. weight rows 16w + 2g + {0, 1}, which the MMA takes as its rows 16w + g and 16w + g + 8 (_mma_rows)."""
         reg = [[0, 4]] + [[0, 8 << i] for i in range((BK // 16).bit_length() - 1)]
         warps = [[8 << i, 0] for i in range(num_warps.bit_length() - 1)]
         return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
@@ -297,11 +294,10 @@ if HAVE_GLUON:
     def _consume_ring_raw(x_s, q_s, sz_s, ready, empty, steps, trace_ptr, pid, STAGES: gl.constexpr,
                           S_PLANE: gl.constexpr, a_layout: gl.constexpr, acc_layout: gl.constexpr, TRACE: gl.constexpr):
         """The MMA warps' K loop with RAWQ (a producer warp fills the ring): per step one wgmma of the unscaled weights
-        (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where
-        each thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K
-        divides it). Starting the next step's MMAs before adding this step's, or preparing its operand while this
-        step's MMA runs, measured no faster. Returns (accumulator in MMA-row order,),
-        as _consume_ring."""
+        (q - z) into a fresh accumulator, waited for, then acc += s part per weight row, in weight-row order (where each
+        thread's rows are the ones its scale loads gave it: no exchange). A step lies in one group (BLOCK_K divides it).
+        Starting the next step's MMAs before adding this step's, or preparing its operand while this step's MMA runs,
+        measured no faster. Returns (accumulator in MMA-row order,), as _consume_ring."""
         BN: gl.constexpr = 2 * q_s.shape[2]
         BM: gl.constexpr = x_s.shape[1]
         DTYPE: gl.constexpr = x_s.dtype
@@ -329,9 +325,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _multiply_slot(x_s, q_s, sz_s, ready, i, acc, STAGES: gl.constexpr, S_PLANE: gl.constexpr,
                        a_layout: gl.constexpr):
-        """K step i: wait for its copies, dequantize into the register A operand, start its MMA and retire the
-        previous MMA. (The previous MMA's operand is safe because it lives in another static site's registers:
-        see the loop.)"""
+        """K step i: wait for its copies, dequantize into the register A operand, start its MMA and retire the previous
+        MMA. (The previous MMA's operand is safe because it lives in another static site's registers: see the loop.)"""
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         a = _dequant_operand(q_s.index(slot), sz_s.index(slot), x_s.index(slot), S_PLANE, a_layout)
@@ -349,8 +344,7 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, step, slot, m0, n0, woff,
-                    G: gl.constexpr, pred):
+    def _issue_step(x_desc, q_desc, sz_desc, x_s, q_s, sz_s, bars, step, slot, m0, n0, woff, G: gl.constexpr, pred):
         """Start the TMA copies of K step ``step`` into ring slot ``slot`` (skipped when not pred). The weight's
         copies read step ``step + woff`` (grouped: the expert's matrix starts ``woff`` steps into the stack)."""
         BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -449,8 +443,8 @@ if HAVE_GLUON:
                 steps = gl.minimum(per, total - first)
         n0 = tile % tiles_n * BN
         m0 = tile // tiles_n * BM
-        woff = 0
-        if GROUPED:  # (no split) each BM rows of x go to one expert: experts_ptr's entry, E past the filled blocks
+        woff = 0  # GROUPED (no split): BM rows of x times expert experts_ptr[m tile] (E: past the filled blocks)
+        if GROUPED:
             e = gl.load(experts_ptr + tile // tiles_n)
             if e >= E:
                 return
@@ -648,9 +642,8 @@ def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid, bits: int)
 
 def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_size: int, bits: int, grid: WgmmaGrid,
          warmup: bool = False, trace: torch.Tensor | None = None, block_expert: torch.Tensor | None = None):
-    experts = 1
-    if block_expert is not None:  # (E, K/2, N) experts stacked: one (E K/2, N) matrix to the copies
-        experts = qweight.shape[0]
+    experts = qweight.shape[0] if block_expert is not None else 1
+    if block_expert is not None:  # (the stacked experts read as one (E K/2, N) matrix)
         qweight, scales, zeros = (t.reshape(-1, t.shape[-1]) for t in (qweight, scales, zeros))
     x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid, bits)
     m = x2.shape[0]
@@ -695,23 +688,13 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int, bits: int,
-                 grid: WgmmaGrid, trace: torch.Tensor | None = None) -> torch.Tensor:
+                 grid: WgmmaGrid, trace: torch.Tensor | None = None,
+                 block_expert: torch.Tensor | None = None) -> torch.Tensor:
     """out (M, N) = x2 (M, K) @ W.T (+ bias) for ``bits``-bit weights in quantpack's layout. When grid.split > 1,
     ws holds grid.split x grid.split_tiles float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split
-    tile. ``trace`` (int64, 16 per program, zeroed) makes each program record its timeline (see _stamp); it is for
-    profiling only."""
-    _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, trace=trace)
-    return out
-
-
-def launch_wgmma_grouped(x2, qweight, scales, zeros, out, block_expert, *, n: int, k: int, group_size: int, bits: int,
-                         grid: WgmmaGrid) -> torch.Tensor:
-    """Mixture-of-experts blocks: out (M, N) = x2 (M, K) @ W[e].T, block b of ``grid.block_m`` rows with expert ``e
-    = block_expert[b]`` (blocks with ``e`` >= E are skipped and their rows left as they were) from the E experts
-    stacked in ``qweight`` (E, K/2, N) (8-bit: (E, K, N)), ``scales`` and ``zeros`` (E, K/G, N). No bias, no split;
-    K a multiple of ``grid.block_k``."""
-    if grid.split != 1 or k % grid.block_k or block_expert.numel() * grid.block_m != x2.shape[0]:
-        raise ValueError(f"grouped wgmma: {grid} over K={k} and {x2.shape[0]} rows in {block_expert.numel()} blocks")
-    _run(x2, qweight, scales, zeros, None, out, out, block_expert, n, k, group_size, bits, grid,
+    tile. ``trace`` (int64, 16 per program, zeroed): each program records its timeline (_stamp). ``block_expert`` (MoE;
+    no bias or split, K % BLOCK_K == 0): block b of BLOCK_M rows times expert ``block_expert[b]`` (E or more: rows
+    left as they were) of qweight (E, K/2, N), scales (E, K/G, N)."""
+    _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, trace=trace,
          block_expert=block_expert)
     return out

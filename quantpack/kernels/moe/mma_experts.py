@@ -154,9 +154,10 @@ def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, s
     blocks = ids.numel()
     grid = mma_experts_grid(blocks, n, k, pe.group_size, sms)
     partials = dequant._alloc((grid.split, rows, n), torch.float32, x2.device)
+    # (rawq: the zeros applied in float32)
     launch_mma_experts(x2, pe.words, pe.scales, pe.zeros, partials, ids, per_row=per_row, x_div=x_div, n=n, k=k,
                        group_size=pe.group_size, grid=grid, depth=mma_depth(grid, pe.group_size, 0),
-                       rawq=True, use_asm=not interpreting())  # (zeros applied in float32)
+                       rawq=True, use_asm=not interpreting(), replay=launch_plans_enabled())
     return partials
 
 

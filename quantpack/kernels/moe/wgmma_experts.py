@@ -20,7 +20,7 @@ from .. import dequant
 from ..dequant import on_device
 from ..dispatch import Flags, device_props, wgmma_device
 from ..wgmma_host import WgmmaGrid
-from ..wgmma_mm import launch_wgmma_grouped, wgmma_layout_fits
+from ..wgmma_mm import launch_wgmma, wgmma_layout_fits
 from .mma_experts import MmaExperts, activate, weighted_sum
 from .dispatch import wgmma_block_rows
 from .routing import align_block_size
@@ -57,8 +57,8 @@ def _project(a: torch.Tensor, pe, block_expert: torch.Tensor, rows: int) -> torc
         pe = pe.rows()
     n, k = pe.shape
     out = dequant._alloc((a.shape[0], n), torch.float32, a.device)
-    return launch_wgmma_grouped(a, pe.qweight, pe.scales, pe.zeros, out, block_expert, n=n, k=k,
-                                group_size=pe.group_size, bits=pe.bits, grid=_grid(pe, rows))
+    return launch_wgmma(a, pe.qweight, pe.scales, pe.zeros, None, out, out, block_expert, n=n, k=k,
+                        group_size=pe.group_size, bits=pe.bits, grid=_grid(pe, rows), block_expert=block_expert)
 
 
 def wgmma_experts(x: torch.Tensor, gate_up: PackedExperts | MmaExperts, down: PackedExperts | MmaExperts,
