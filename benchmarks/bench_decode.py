@@ -190,7 +190,8 @@ def bytes_per_token(model, batch: int, kv_positions: float) -> float:
 
 def unread_expert_bytes(model, batch: int) -> float:
     """The bytes of experts a decode step of ``batch`` tokens does not read, on average: each layer's experts are
-    tensors of the experts block with one row per expert (bf16 3-D parameters, or QuantExperts' stacked buffers);
+    tensors of the experts block with one row per expert (bf16 3-D parameters, or QuantExperts' stacked buffers, the
+    codes 5-D in the mma layout);
     with top-k routing spread evenly, ``E (1 - (1 - k/E)^batch)`` of the ``E`` are hit (random weights route about
     evenly)."""
     config = model.config.get_text_config()
@@ -202,7 +203,7 @@ def unread_expert_bytes(model, batch: int) -> float:
     total = 0
     for module in model.modules():
         for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-            if t.dim() == 3 and t.shape[0] == experts:
+            if t.dim() >= 3 and t.shape[0] == experts:
                 total += t.numel() * t.element_size()
     hit = experts * (1 - (1 - top_k / experts) ** batch)
     return total * (1 - hit / experts)

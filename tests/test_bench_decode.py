@@ -37,3 +37,30 @@ def test_cpu_smoke_run_records_context_cells_limits_and_ttft(tmp_path):
     assert set(ttft) == {"bf16", "quantpack"} and ttft["bf16"]["context"] == 24
     assert ttft["quantpack"]["ratio_to_bf16"] == ttft["bf16"]["ttft_ms"] / ttft["quantpack"]["ttft_ms"]
     assert "time to first token, 24-token prompt" in out.stdout
+
+
+def test_unread_expert_bytes_count_every_layout_of_the_experts():
+    """The experts a decode step does not hit are not read, whatever their tensors' rank: bf16 (E, N, K)
+    parameters, the checkpoint layout's (E, K/2, N) codes, or the mma layout's (E, N/16, K/64, 32, 4) words."""
+    import torch
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(BENCH.parent))
+    from bench_decode import unread_expert_bytes
+
+    experts, top_k = 8, 2
+
+    class Model(torch.nn.Module):
+        def __init__(self, codes):
+            super().__init__()
+            self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(num_experts=experts,
+                                                                                num_experts_per_tok=top_k))
+            self.register_buffer("codes", codes)
+            self.register_buffer("scales", torch.zeros(experts, 2, 64, dtype=torch.bfloat16))
+
+    rows = Model(torch.zeros(experts, 64, 64, dtype=torch.uint8))  # (E, K/2, N): 128 x 64
+    mma = Model(torch.zeros(experts, 4, 2, 32, 4, dtype=torch.int32))  # the same bytes, 5-D
+    for batch in (1, 3):
+        hit = experts * (1 - (1 - top_k / experts) ** batch)
+        want = (experts * 64 * 64 + experts * 2 * 64 * 2) * (1 - hit / experts)
+        assert unread_expert_bytes(rows, batch) == unread_expert_bytes(mma, batch) == want
