@@ -121,7 +121,9 @@ def test_entry_point_registers_the_method():
 @pytest.fixture(scope="module")
 def packed_dirs(tmp_path_factory):
     from quantpack.convert import convert
-    from quantpack.tiny import make_tiny_llama, make_tiny_mixtral, make_tiny_qwen3_moe
+    import transformers
+
+    from quantpack.tiny import make_tiny_llama, make_tiny_mixtral, make_tiny_moe, make_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("vllm")
     # hidden 128 (o_proj K), intermediate 256 (down_proj K): both split over 2 ranks at group size 64
@@ -129,12 +131,17 @@ def packed_dirs(tmp_path_factory):
     # mixtures of experts (head size 32, which vLLM's CPU attention needs): expert width 64 and 128, o_proj K 128;
     # at group size 32 every split layer allows TP 2
     moe = {"qwen3-moe": make_tiny_qwen3_moe(root / "src-qwen3-moe"),
-           "mixtral": make_tiny_mixtral(root / "src-mixtral", hidden_size=128)}
+           "mixtral": make_tiny_mixtral(root / "src-mixtral", hidden_size=128),
+           "llama4": make_tiny_moe(root / "src-llama4", transformers.Llama4TextConfig, transformers.Llama4ForCausalLM,
+                                   hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, intermediate_size=64, intermediate_size_mlp=128,
+                                   head_dim=32, num_local_experts=4, num_experts_per_tok=1)}
     out = {}
     for name, source, bits, group_size in (("q4g64", src, 4, 64), ("q8g64", src, 8, 64), ("q4g128", src, 4, 128),
                                            ("qwen3-moe-q4g32", moe["qwen3-moe"], 4, 32),
                                            ("mixtral-q4g32", moe["mixtral"], 4, 32),
-                                           ("qwen3-moe-q4g64", moe["qwen3-moe"], 4, 64)):
+                                           ("qwen3-moe-q4g64", moe["qwen3-moe"], 4, 64),
+                                           ("llama4-q4g32", moe["llama4"], 4, 32)):
         out[name] = root / name
         convert(str(source), str(out[name]), bits=bits, group_size=group_size, progress=False)
     return out
@@ -214,9 +221,13 @@ def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp, ep):
     ("qwen3-moe-q4g64", "quantpack: layer model.layers.0.mlp.experts.down_proj (row-parallel) cannot be split over "
                         "tensor-parallel size 2: each rank would hold 32 of its 64 in-features, not a multiple of the "
                         "group size 64; this layer allows tensor-parallel sizes 1 (or re-convert with a smaller "
-                        "--group-size)")])
-def test_vllm_refuses_a_tp_size_that_does_not_fit(packed_dirs, tmp_path, name, line):
-    proc = _serve(packed_dirs[name], 2, tmp_path)
+                        "--group-size)"),
+    # (Llama 4's experts weigh the router on the input: served, they gave other log-probs than quantpack.load)
+    ("llama4-q4g32", "quantpack: mixture-of-experts layer model.layers.0.feed_forward.experts weighs its router on the "
+                     "input (Llama 4), which the vLLM plugin does not serve yet; run this checkpoint with "
+                     "quantpack.load")])
+def test_vllm_refuses_what_it_cannot_serve(packed_dirs, tmp_path, name, line):
+    proc = _serve(packed_dirs[name], 1 if name.startswith("llama4") else 2, tmp_path)
     assert proc.returncode != 0
     assert line in proc.stdout + proc.stderr
 
