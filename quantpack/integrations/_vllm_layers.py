@@ -16,8 +16,9 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe import GateLinear, RoutedExperts
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
-from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, ReplicatedLinear, RowParallelLinear,
-                                               UnquantizedLinearMethod, register_weight_loader_v2_supported_method)
+from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase, QKVParallelLinear, ReplicatedLinear,
+                                               RowParallelLinear, UnquantizedLinearMethod,
+                                               register_weight_loader_v2_supported_method)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
@@ -127,12 +128,6 @@ class QuantpackConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, RoutedExperts):
-            if getattr(layer, "apply_router_weight_on_input", False):
-                # (measured on vLLM's CPU build: the experts load exactly, vLLM on the unquantized source matches
-                # transformers, yet the served log-probs differ from quantpack.load's by up to 0.09: not served
-                # until that is found)
-                raise _refuse(f"mixture-of-experts layer {prefix} weighs its router on the input (Llama 4), which "
-                              f"the vLLM plugin does not serve yet; run this checkpoint with quantpack.load")
             return QuantpackExpertsMethod(self, prefix, layer.moe_config)
         skipped = is_layer_skipped(prefix, self.modules_not_converted, self.packed_modules_mapping)
         if isinstance(layer, ParallelLMHead):
@@ -146,7 +141,23 @@ class QuantpackConfig(QuantizationConfig):
             return None
         if skipped or isinstance(layer, GateLinear):  # (quantpack never quantizes a router)
             return UnquantizedLinearMethod()
-        return QuantpackLinearMethod(self, prefix, self.bits_for(prefix))
+        permute = False
+        if isinstance(layer, QKVParallelLinear):  # (a layer built outside an engine has no model config)
+            hf_config = getattr(get_current_vllm_config().model_config, "hf_config", None)
+            permute = bool(_ROTARY_PERMUTED.intersection(getattr(hf_config, "architectures", None) or []))
+        return QuantpackLinearMethod(self, prefix, self.bits_for(prefix), permute_qk=permute)
+
+
+# Models whose vLLM loader reorders q_proj's and k_proj's out-features within each head (pairs (2i, 2i + 1) to
+# (i, i + head_dim / 2)) for its rotary embedding, on tensors named ``weight`` only: the plugin reorders the columns of
+# quantpack's q/k tensors the same way once they are loaded (quantpack.load runs transformers' own order).
+_ROTARY_PERMUTED = {"Llama4ForCausalLM", "Llama4ForConditionalGeneration"}
+
+
+def rotary_order(heads: int, head_dim: int, offset: int = 0) -> torch.Tensor:
+    """Column indices of ``heads`` heads of ``head_dim`` from ``offset`` in the order vLLM's Llama 4 loader gives
+    their rows: new column h d + j d/2 + i takes old column h d + 2 i + j."""
+    return offset + torch.arange(heads * head_dim).view(heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
 
 
 @register_weight_loader_v2_supported_method
@@ -157,8 +168,8 @@ class QuantpackLinearMethod(LinearMethodBase):
     row-parallel ones; grouped ``scales``/``zeros`` (K/g, N) the same way; per-channel ones (1, N)
     only along N (every rank of a row-parallel layer keeps the row)."""
 
-    def __init__(self, config: QuantpackConfig, prefix: str, bits: int):
-        self.config, self.prefix, self.bits = config, prefix, bits
+    def __init__(self, config: QuantpackConfig, prefix: str, bits: int, permute_qk: bool = False):
+        self.config, self.prefix, self.bits, self.permute_qk = config, prefix, bits, permute_qk
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -190,8 +201,16 @@ class QuantpackLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         # (plain tensors from here on: the kernels and torch.compile need no weight loaders)
+        columns = None
+        if self.permute_qk:  # (this rank's q heads, then its k heads, then v: see _ROTARY_PERMUTED)
+            q, k, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+            n = layer.qweight.shape[1]
+            columns = torch.cat([rotary_order(q, d), rotary_order(k, d, q * d), torch.arange((q + k) * d, n)])
         for name in ("qweight", "scales", "zeros"):
-            setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data, requires_grad=False))
+            data = getattr(layer, name).data
+            if columns is not None:
+                data = data[:, columns.to(data.device)].contiguous()
+            setattr(layer, name, torch.nn.Parameter(data, requires_grad=False))
         layer.quantpack_plans = PlanCache()
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

