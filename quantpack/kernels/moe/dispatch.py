@@ -9,8 +9,8 @@
   capture: the experts are dequantized a range at a time and multiplied by ``torch._grouped_mm`` (grouped.py); the
   GEMMs are compute-bound there, so tensor-core GEMMs at bf16 speed beat dequantizing in registers.
 * ``wgmma``: many pairs per expert on Hopper, where the dense prefill's wgmma kernel takes the experts' shapes:
-  pairs sorted into blocks of 64 per expert on the GPU, each projection one launch of that kernel with the weights
-  dequantized in registers (wgmma_experts.py): no 16-bit copy of the experts and no host sync (capturable).
+  pairs sorted into blocks of 64 or 128 per expert on the GPU, each projection one launch of that kernel with the
+  weights dequantized in registers (wgmma_experts.py): no 16-bit copy of the experts and no host sync (capturable).
 * ``mma``: experts kept in the mma layout (what a GPU block gets where it fits, mma_experts.py) run the dense
   tensor-core decode GEMV per expert in place of ``pairs`` (``block_m`` 1) and ``sorted`` (blocks of 16).
 
@@ -19,13 +19,13 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..dequant import cdiv, interpreting
-from ..dispatch import DeviceProps, device_props
-from ..wgmma_mm import HAVE_GLUON, wgmma_layout_fits
+from ..dispatch import DeviceProps, Flags, device_props, wgmma_device
+from ..wgmma_mm import wgmma_layout_fits
 from .mma_experts import mma_experts_grid
 from .routing import max_blocks
 
@@ -47,6 +47,18 @@ WGMMA_PER_EXPERT = 4  # the wgmma path runs from this many pairs per expert on a
 # experts: 1.2-1.35x bf16's grouped GEMM from 4 to 128 per expert, where the sorted blocks ran 0.7-1.0x)
 WGMMA_PER_EXPERT_MMA = 64  # ... with the experts in the mma layout, which it first reads back to the checkpoint's
 # (about 200 us for Qwen3-30B-A3B's block on an H200: the mma blocks of 16 stay faster below this)
+
+
+def wgmma_block_k(group_size: int) -> int:
+    """In-features per K step of the wgmma path: 128 where the groups allow, else 64 (a step within one group)."""
+    return 128 if group_size % 128 == 0 else 64
+
+
+@functools.lru_cache(maxsize=256)
+def wgmma_shape_fits(n: int, k: int, group_size: int, bits: int, dtype: torch.dtype) -> bool:
+    """Whether one projection's experts (N, K) take the wgmma path: the dense kernel's copies take the shape
+    (wgmma_mm.wgmma_layout_fits) and K is whole K steps (an expert's matrix starts on a step of the stack)."""
+    return wgmma_layout_fits(n, k, group_size, bits, 1, dtype) and k % wgmma_block_k(group_size) == 0
 
 
 def wgmma_block_rows(per_expert: float) -> int:
@@ -185,13 +197,12 @@ def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, 
             return (f"On {device}, without TRITON_INTERPRET, no Triton kernel runs: the pure-torch reference "
                     f"(quantpack.reference.experts) computes the experts (T={tokens}, top-{top_k}, E={num_experts}).")
         props = device_props(device)
-    hopper = bool(props.gpu and props.capability and props.capability[0] == 9)
     d = choose(props, tokens, top_k, num_experts, hidden, inter, group_size,
                grouped=bool(props.gpu and props.capability and props.capability[0] >= 9
                             and dtype == torch.bfloat16), mma=mma,
-               wgmma=hopper and HAVE_GLUON and all(
-                   wgmma_layout_fits(n, k, group_size, bits, 1, dtype) and k % 64 == 0
-                   for n, k in ((2 * inter, hidden), (hidden, inter))))
+               # (what the GPU runs: the switches as set, the interpreter aside)
+               wgmma=wgmma_device(props, replace(Flags.from_env(), interpret=False)) and all(
+                   wgmma_shape_fits(n, k, group_size, bits, dtype) for n, k in ((2 * inter, hidden), (hidden, inter))))
     where = props.name if props.gpu else "Triton's CPU interpreter"
     shape = (f"T={tokens}, top-{top_k} of E={num_experts} experts, hidden {hidden}, expert width {inter}, {bits}-bit, "
              f"group size {group_size}, {str(dtype).replace('torch.', '')}")

@@ -11,8 +11,6 @@ back to the checkpoint's layout first: one pass over their packed bytes.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ...format import PackedExperts
@@ -20,9 +18,9 @@ from .. import dequant
 from ..dequant import on_device
 from ..dispatch import Flags, device_props, wgmma_device
 from ..wgmma_host import WgmmaGrid
-from ..wgmma_mm import launch_wgmma, wgmma_layout_fits
+from ..wgmma_mm import launch_wgmma
 from .mma_experts import MmaExperts, activate, weighted_sum
-from .dispatch import wgmma_block_rows
+from .dispatch import wgmma_block_k, wgmma_block_rows, wgmma_shape_fits
 from .routing import align_block_size
 
 BLOCK_N = 64  # weight rows (out-features) per program: four warps
@@ -37,17 +35,11 @@ def wgmma_experts_usable(x: torch.Tensor, gate_up, down) -> bool:
     if not (x.is_cuda and wgmma_device(device_props(x.device), Flags.from_env())):
         return False
     return all(pe.bias is None and pe.scales.dtype == pe.zeros.dtype
-               and _shape_fits(*pe.shape, pe.group_size, pe.bits, x.dtype) for pe in (gate_up, down))
-
-
-@functools.lru_cache(maxsize=256)
-def _shape_fits(n: int, k: int, group_size: int, bits: int, dtype: torch.dtype) -> bool:
-    return wgmma_layout_fits(n, k, group_size, bits, 1, dtype) and k % (128 if group_size % 128 == 0 else 64) == 0
+               and wgmma_shape_fits(*pe.shape, pe.group_size, pe.bits, x.dtype) for pe in (gate_up, down))
 
 
 def _grid(pe, rows: int) -> WgmmaGrid:
-    block_k = 128 if pe.group_size % 128 == 0 else 64
-    return WgmmaGrid(rows, BLOCK_N, block_k, 1, STAGES, BLOCK_N // 16, producer=PRODUCER)
+    return WgmmaGrid(rows, BLOCK_N, wgmma_block_k(pe.group_size), 1, STAGES, BLOCK_N // 16, producer=PRODUCER)
 
 
 def _project(a: torch.Tensor, pe, block_expert: torch.Tensor, rows: int) -> torch.Tensor:
