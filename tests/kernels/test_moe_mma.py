@@ -72,6 +72,7 @@ def test_unused_slots_and_every_token_to_one_expert(poisoned_outputs, tokens):
     ids = torch.full((tokens, 2), 3)
     ids[:, 1] = -1  # (the second slot unused: it adds nothing)
     ids[0, 1] = 8  # (an id past the experts: unused too)
+    ids[-1] = -1  # (a token with no expert at all: zeros, though none of its slots' programs computes)
     check(*case(8, 2, tokens, 128, 64, 64, torch.float16, ids=ids))
 
 
@@ -85,7 +86,7 @@ def test_dispatch_and_explain():
     assert choose(h200, 512, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "mma"
     assert choose(h200, 2048, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "grouped"
     text = explain(1, 8, 128, 2048, 768, device=h200, mma=True)
-    assert "mma layout" in text and "top-k weighted sum" in text
+    assert "mma layout" in text and "top-k weighted sum" in text and "last program" in text
     with pytest.raises(ValueError, match="not in the mma layout"):
         gate_up, down, x, ids, w = case(8, 2, 1, 128, 64, 64, torch.float16)
         fused_experts(x, gate_up, down, ids, w, config=(ExpertsConfig("mma", 1, 32, 0),) * 2)

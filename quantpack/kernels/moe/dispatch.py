@@ -212,6 +212,10 @@ def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, 
         return (f"On {where}, fused experts with {shape} run the wgmma kernel per expert block for gate_up, the "
                 f"activation, the wgmma kernel for down, and the top-k weighted sum over slots (float32), because "
                 f"{d.reason}.")
+    if d.path == "mma" and d.gate_up.block_m == 1:
+        return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up} (the activation by each tile's "
+                f"last program) and down as {d.down} (the top-k weighted sum over slots, float32, likewise), because "
+                f"{d.reason}.")
     if d.path == "mma":
         return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up}, the activation, down as "
                 f"{d.down}, and the top-k weighted sum over slots (float32), because {d.reason}.")

@@ -26,7 +26,7 @@ from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, dequant_pair_tile, interpreting, on_device, triton_usable
 from ..dispatch import device_props
-from .activation import ACTIVATIONS, expert_activation
+from ..activation import ACTIVATIONS, expert_activation
 from .dispatch import ExpertsConfig, choose
 from .grouped import grouped_experts, grouped_usable
 from .mma_experts import MmaExperts, mma_experts, reference_experts
@@ -177,19 +177,20 @@ def _experts_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ids_ptr, tw_ptr
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, TOPK, H, P, SPLIT, BLOCK_H: tl.constexpr):
-    """out[t] = sum over splits s and slots j of y[s, t * TOPK + j], float32, rounded once to out's dtype."""
+def _sum_slots_kernel(y_ptr, out_ptr, H, P, TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over splits s and slots j of y[s, t * TOPK + j], float32, rounded once to out's dtype (unrolled:
+    every load in flight together)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for s in range(SPLIT):
-        for j in range(TOPK):
+    for s in tl.static_range(SPLIT):
+        for j in tl.static_range(TOPK):
             acc += tl.load(y_ptr + (s * P + t * TOPK + j) * H + cols, mask=mask, other=0.0)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-SUM_BLOCK = 1024  # columns per program of the sum over slots
+SUM_BLOCK = 256  # columns per program of the sum over slots (at batch 1 its programs are few: small ones, more)
 
 
 def check_experts(x, gate_up: PackedExperts, down: PackedExperts, topk_ids, topk_weights, activation: str) -> None:
@@ -335,6 +336,6 @@ def down_stage(h, down: PackedExperts, topk_ids, topk_weights, cfg: ExpertsConfi
             act=ACTIVATIONS[activation], alpha=float(alpha), limit=float(limit), split_out=True,
             a_split=h.shape[0] if h.dim() == 3 else 0, a_dtype=dtype)
     out = dequant._alloc((tokens, hidden), dtype, h.device)
-    _sum_slots_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](y, out, top_k, hidden, pairs, y.shape[0],
-                                                         BLOCK_H=SUM_BLOCK, num_warps=4)
+    _sum_slots_kernel[(tokens, cdiv(hidden, SUM_BLOCK))](y, out, hidden, pairs, TOPK=top_k, SPLIT=y.shape[0],
+                                                         BLOCK_H=SUM_BLOCK, num_warps=2)
     return out

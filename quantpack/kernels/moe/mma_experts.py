@@ -12,9 +12,10 @@ bytes; modules/experts.py converts a block once its tensors are on a GPU). Each 
 * prefill, many pairs per expert: grouped.py dequantizes ranges of experts (from this layout, :meth:`MmaExperts.rows`)
   for ``torch._grouped_mm``.
 
-Between the projections one small kernel sums gate_up's split-K partials and applies the activation; after down one
-sums its partials and each token's slots with their top-k weights, in float32, rounded once. No host sync: a decode
-step is captured in a CUDA graph and replayed with new routing.
+gate_up's split-K partials are summed and activated, down's summed over splits and each token's slots with their
+top-k weights, in float32, rounded once: at decode by the last program of each tile to finish (two launches a block;
+an H200 ran Qwen3-30B-A3B's batch-1 block in four before), for sorted blocks by a small kernel after each
+projection. No host sync: a decode step is captured in a CUDA graph and replayed with new routing.
 """
 from __future__ import annotations
 
@@ -29,16 +30,18 @@ from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, interpreting, on_device, triton_usable
 from ..dispatch import launch_plans_enabled
+from ..caches import counter_slice
 from ..launch_plan import KernelReplays, tensor_key
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
 from ..mma_layout import CHUNK, mma_pack, mma_unpack
-from .activation import ACTIVATIONS, expert_activation
+from ..activation import ACTIVATIONS, expert_activation
 from .routing import align_block_size
 
 BLOCK_ROWS = 16  # rows of a sorted block (one 16-row block of the mma kernel)
 PROGRAMS_PER_SM = 8  # two-warp programs per SM the launch aims at (column tiles, then K split)
-ACT_BLOCK = 512  # columns per program of the activation kernel
-SUM_BLOCK = 1024  # columns per program of the final sum
+ACT_BLOCK = 256  # columns per program of the activation kernel
+SUM_BLOCK = 256  # columns per program of the final sum (at batch 1 its programs are few: small ones, more of them)
+ELEMENTWISE_WARPS = 2  # warps of those two kernels' programs (four columns a thread)
 PACK_EXPERTS = 16  # experts repacked per step (the repack's transient tensors are about 16x their packed bytes)
 
 
@@ -106,14 +109,15 @@ def mma_experts_grid(blocks: int, n: int, k: int, group_size: int, sms: int):
 
 
 @triton.jit
-def _activate_kernel(p_ptr, h_ptr, R, I, SPLIT, alpha, limit, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """h[r] = act(sum_s gate[s, r], sum_s up[s, r]) in h's dtype: ``p`` (SPLIT, R, 2I) float32, gate then up."""
+def _activate_kernel(p_ptr, h_ptr, R, I, alpha, limit, SPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """h[r] = act(sum_s gate[s, r], sum_s up[s, r]) in h's dtype: ``p`` (SPLIT, R, 2I) float32, gate then up (the
+    splits unrolled: their loads are in flight together)."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     g = tl.zeros((BLOCK,), dtype=tl.float32)
     u = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLIT):
+    for s in tl.static_range(SPLIT):
         row = p_ptr + (s * R + r) * 2 * I
         g += tl.load(row + cols, mask=mask, other=0.0)
         u += tl.load(row + I + cols, mask=mask, other=0.0)
@@ -122,15 +126,17 @@ def _activate_kernel(p_ptr, h_ptr, R, I, SPLIT, alpha, limit, ACT: tl.constexpr,
 
 
 @triton.jit
-def _weighted_sum_kernel(y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, TOPK, H, R, SPLIT, E, HAS_POS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _weighted_sum_kernel(y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, H, R, E, TOPK: tl.constexpr, SPLIT: tl.constexpr,
+                         HAS_POS: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum over slots j with an expert in [0, E) of w[t, j] * sum_s y[s, row(t, j)], float32, rounded
-    once; row(t, j) is pos[t * TOPK + j] (sorted blocks) or the pair index itself."""
+    once; row(t, j) is pos[t * TOPK + j] (sorted blocks) or the pair index itself. Slots and splits are unrolled, so
+    all their loads are in flight together (a loop over them paid one memory round trip each: 7.7 us at
+    Qwen3-30B-A3B's batch 1 on an H200, a third of the block)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(TOPK):
+    for j in tl.static_range(TOPK):
         p = t * TOPK + j
         e = tl.load(ids_ptr + p)
         ok = (e >= 0) & (e < E)
@@ -139,52 +145,57 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, TOPK, H, R, SP
             row = tl.load(pos_ptr + p).to(tl.int64)
         else:
             row = p
-        y = tl.zeros((BLOCK,), dtype=tl.float32)
         m = mask & ((tl.zeros_like(cols) + ok.to(tl.int32)) != 0)  # (a block mask: the interpreter's & with a
         # scalar flag is not one)
-        for s in range(SPLIT):
-            y += tl.load(y_ptr + (s * R + row) * H + cols, mask=m, other=0.0)
-        acc += tl.where(ok, w, 0.0) * y
+        for s in tl.static_range(SPLIT):
+            acc += tl.where(ok, w, 0.0) * tl.load(y_ptr + (s * R + row) * H + cols, mask=m, other=0.0)
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, sms: int) -> torch.Tensor:
-    """One projection: (split, rows, N) float32 partial sums (see launch_mma_experts)."""
+def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, sms: int, **fuse) -> torch.Tensor:
+    """One projection: (split, rows, N) float32 partial sums (see launch_mma_experts); with ``fuse`` (its
+    keywords), what the launch's fused epilogue writes to ``fuse["out"]``."""
     n, k = pe.shape
     blocks = ids.numel()
     grid = mma_experts_grid(blocks, n, k, pe.group_size, sms)
     partials = dequant._alloc((grid.split, rows, n), torch.float32, x2.device)
+    if fuse:
+        tiles = rows * grid.programs // 2 if fuse["fuse"] == 1 else fuse["out"].shape[0] * grid.programs
+        fuse["counters"] = counter_slice(x2.device, tiles)
     # (rawq: the zeros applied in float32)
     launch_mma_experts(x2, pe.words, pe.scales, pe.zeros, partials, ids, per_row=per_row, x_div=x_div, n=n, k=k,
                        group_size=pe.group_size, grid=grid, depth=mma_depth(grid, pe.group_size, 0),
-                       rawq=True, use_asm=not interpreting(), replay=launch_plans_enabled())
-    return partials
+                       rawq=True, use_asm=not interpreting(), replay=launch_plans_enabled(), **fuse)
+    return fuse["out"] if fuse else partials
 
 
 def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, per_row: bool, sms: int, activation: str = "silu",
                 alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """:func:`quantpack.reference.experts`'s semantics (no bias, weights on the output) on the mma layout, for
-    contiguous ``x`` (T, H), ``topk_ids`` and ``topk_weights`` (T, k): ``per_row``, one block per (token, slot) pair;
-    else pairs sorted into blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid
-    sizing)."""
+    contiguous ``x`` (T, H), ``topk_ids`` and ``topk_weights`` (T, k): ``per_row``, one block per (token, slot) pair,
+    in two launches (the activation, then the top-k weighted sum, done by each tile's last program); else pairs
+    sorted into blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid sizing)."""
     tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
+    inter = gate_up.shape[0] // 2
     with on_device(x):
-        if per_row:
-            ids, rows, pos = topk_ids.reshape(-1), pairs, None
-            xg, x_div = x, top_k
-        else:
-            sorted_pairs, ids, pos = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS, positions=True)
-            rows = sorted_pairs.numel()
-            valid = sorted_pairs < pairs
-            token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
-            xg = torch.where(valid[:, None], x.index_select(0, token), 0)
-            x_div = 1
-        gu = _project(xg, gate_up, ids, per_row=per_row, x_div=x_div, rows=rows, sms=sms)
+        if per_row:  # (gate_up's programs each hold gate or up columns: I is a multiple of 64, a program's 32)
+            ids = topk_ids.reshape(-1)
+            act = dict(act=ACTIVATIONS[activation], alpha=float(alpha), limit=float(limit))
+            h = _project(x, gate_up, ids, per_row=True, x_div=top_k, rows=pairs, sms=sms, fuse=1,
+                         out=dequant._alloc((pairs, inter), x.dtype, x.device), **act)
+            return _project(h, down, ids, per_row=True, x_div=1, rows=pairs, sms=sms, fuse=2, top_k=top_k,
+                            topk_weights=topk_weights, out=dequant._alloc((tokens, x.shape[1]), x.dtype, x.device))
+        sorted_pairs, ids, pos = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS, positions=True)
+        rows = sorted_pairs.numel()
+        valid = sorted_pairs < pairs
+        token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
+        xg = torch.where(valid[:, None], x.index_select(0, token), 0)
+        gu = _project(xg, gate_up, ids, per_row=False, x_div=1, rows=rows, sms=sms)
         h = activate(gu, x.dtype, activation, alpha, limit)
-        y = _project(h, down, ids, per_row=per_row, x_div=1, rows=rows, sms=sms)
+        y = _project(h, down, ids, per_row=False, x_div=1, rows=rows, sms=sms)
         return weighted_sum(y, pos, topk_ids, topk_weights, x.dtype, gate_up.num_experts)
 
 
@@ -198,8 +209,8 @@ def activate(gu: torch.Tensor, dtype: torch.dtype, activation: str, alpha: float
     inter = two_i // 2
     h = dequant._alloc((rows, inter), dtype, gu.device)
     key = (tensor_key(gu), dtype, activation, alpha, limit) if launch_plans_enabled() else None
-    _ACTIVATE(key, (rows, cdiv(inter, ACT_BLOCK), 1), gu, gu, h, rows, inter, split, float(alpha), float(limit),
-              ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, num_warps=4)
+    _ACTIVATE(key, (rows, cdiv(inter, ACT_BLOCK), 1), gu, gu, h, rows, inter, float(alpha), float(limit),
+              SPLIT=split, ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, num_warps=ELEMENTWISE_WARPS)
     return h
 
 
@@ -213,8 +224,9 @@ def weighted_sum(y: torch.Tensor, pos: torch.Tensor | None, topk_ids: torch.Tens
     pos_t = pos if pos is not None else topk_ids
     key = ((tensor_key(y, pos_t, topk_ids, topk_weights), dtype, num_experts, pos is not None)
            if launch_plans_enabled() else None)
-    _WEIGHTED_SUM(key, (tokens, cdiv(hidden, SUM_BLOCK), 1), y, y, pos_t, topk_ids, topk_weights, out, top_k,
-                  hidden, rows, split, num_experts, HAS_POS=pos is not None, BLOCK=SUM_BLOCK, num_warps=4)
+    _WEIGHTED_SUM(key, (tokens, cdiv(hidden, SUM_BLOCK), 1), y, y, pos_t, topk_ids, topk_weights, out, hidden,
+                  rows, num_experts, TOPK=top_k, SPLIT=split, HAS_POS=pos is not None, BLOCK=SUM_BLOCK,
+                  num_warps=ELEMENTWISE_WARPS)
     return out
 
 

@@ -1,0 +1,109 @@
+"""Where a decode call of the fused experts spends its time: the whole call (the experts as quantpack.load keeps
+them on a GPU, the mma layout) and each of its launches alone, under CUDA-graph replays over weight replicas
+(past L2), plus the kernels' own durations from the profiler (what is left of the whole call is gaps between
+launches). Qwen3-30B-A3B's and Mixtral-8x7B's shapes at 1 and 16 tokens.
+
+    python benchmarks/dev/moe_decode_parts.py [--tokens 1,16] [--models qwen3-moe,mixtral]
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from quantpack import reference  # noqa: E402
+from quantpack.kernels.dispatch import device_props  # noqa: E402
+from quantpack.kernels.moe import fused_experts  # noqa: E402
+from quantpack.kernels.mma_gemv import mma_grid  # noqa: E402
+from quantpack.kernels.moe import mma_experts  # noqa: E402
+from quantpack.kernels.moe.mma_experts import MmaExperts  # noqa: E402
+from bench_moe import MODELS, check, copy_bandwidth, expert_bytes, random_block, routing  # noqa: E402
+from timing import graph_time  # noqa: E402
+
+
+def kernel_times(calls) -> list:
+    """(kernel name, mean microseconds) of each launch of a call, in order, from the profiler over graph replays
+    of ``calls`` (identical calls on other replicas)."""
+    g = torch.cuda.CUDAGraph()
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    reps = 20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    per_call = len(evs) // (reps * len(calls))
+    out = [[evs[i].name[:60], 0.0] for i in range(per_call)]
+    for i, ev in enumerate(evs[:per_call * reps * len(calls)]):
+        out[i % per_call][1] += ev.device_time_total / (reps * len(calls))
+    return out
+
+
+def sweep(calls, floor):
+    """The whole call's time with the mma grid aiming at other programs per SM, and with 2 warps splitting K."""
+    grid_fn, pps = mma_experts.mma_experts_grid, mma_experts.PROGRAMS_PER_SM
+    try:
+        for kwarps in (1, 2):
+            for programs in (4, 8, 16, 32):
+                def grid(blocks, n, k, group_size, sms, programs=programs, kwarps=kwarps):
+                    split = max(1, -(-programs * sms // (blocks * max(1, n // 32))))
+                    return mma_grid(n, k, group_size, 2, split, 1, 4, kwarps=kwarps)
+                mma_experts.mma_experts_grid = grid
+                us = graph_time(calls, warmup=10, rep=60)[0] * 1e3
+                print(f"    programs/SM {programs:2d}, K warps {kwarps}: {us:7.1f} us ({floor / us:.1%})", flush=True)
+    finally:
+        mma_experts.mma_experts_grid, mma_experts.PROGRAMS_PER_SM = grid_fn, pps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--models", default="qwen3-moe,mixtral")
+    ap.add_argument("--sweep", action="store_true", help="also time the mma grid's programs per SM 4-32 and K warps")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, L2 {l2 / 1e6:.0f} MB", flush=True)
+    for model in args.models.split(","):
+        experts, top_k, hidden, inter = MODELS[model]
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            probe = random_block(experts, hidden, inter, torch.bfloat16, 0, "cuda")
+            per_expert = expert_bytes(probe[0]) + expert_bytes(probe[1])
+            hit_bound = min(experts, tokens * top_k)
+            n_rep = max(2, min(16, math.ceil(4 * l2 / (hit_bound * per_expert))))
+            blocks = [random_block(experts, hidden, inter, torch.bfloat16, 1 + i, "cuda") for i in range(n_rep)]
+            loaded = [tuple(MmaExperts.from_packed(pe) for pe in b) for b in blocks]
+            xs = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(n_rep)]
+            routes = [routing(tokens, experts, top_k, 100 + i, "cuda") for i in range(n_rep)]
+            check("fused_experts", fused_experts(xs[0], *loaded[0], *routes[0]),
+                  reference.experts(xs[0], *blocks[0], *routes[0]))
+            hit = len(torch.unique(routes[0][0]))
+            floor = hit * per_expert / bw * 1e6
+            calls = [lambda i=i: fused_experts(xs[i], *loaded[i], *routes[i]) for i in range(n_rep)]
+            whole = graph_time(calls, warmup=10, rep=60)[0] * 1e3
+            parts = kernel_times(calls)
+            busy = sum(us for _, us in parts)
+            print(f"{model} T={tokens}: {whole:.1f} us a call ({floor / whole:.1%} of the {floor:.1f} us floor, "
+                  f"{hit} experts), kernels busy {busy:.1f} us, gaps {whole - busy:.1f} us "
+                  f"[{device_props(torch.device('cuda')).sms} SMs, {n_rep} replicas]", flush=True)
+            for name, us in parts:
+                print(f"    {us:7.2f} us  {name}", flush=True)
+            if args.sweep:
+                sweep(calls, floor)
+            del blocks, loaded
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
