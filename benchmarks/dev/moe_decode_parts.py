@@ -66,11 +66,24 @@ def sweep(calls, floor):
         mma_experts.mma_experts_grid, mma_experts.PROGRAMS_PER_SM = grid_fn, pps
 
 
+def fusions(calls, floor, tokens):
+    """The whole call's time with down's launch summing each token's slots, and with a kernel of its own doing it."""
+    saved = mma_experts.SUMMED_BY_DOWN_MAX_TOKENS
+    try:
+        for most in (tokens, 0):
+            mma_experts.SUMMED_BY_DOWN_MAX_TOKENS = most
+            us = graph_time(calls, warmup=10, rep=60)[0] * 1e3
+            print(f"    weighted sum {'by down' if most else 'apart'}: {us:7.1f} us ({floor / us:.1%})", flush=True)
+    finally:
+        mma_experts.SUMMED_BY_DOWN_MAX_TOKENS = saved
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--models", default="qwen3-moe,mixtral")
     ap.add_argument("--sweep", action="store_true", help="also time the mma grid's programs per SM 4-32 and K warps")
+    ap.add_argument("--fuse", action="store_true", help="also time the weighted sum by down's launch and apart")
     args = ap.parse_args()
     bw = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -101,6 +114,8 @@ def main():
                 print(f"    {us:7.2f} us  {name}", flush=True)
             if args.sweep:
                 sweep(calls, floor)
+            if args.fuse:
+                fusions(calls, floor, tokens)
             del blocks, loaded
             torch.cuda.empty_cache()
 

@@ -41,7 +41,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import launch_plan
-from .activation import expert_activation
 from .dequant import cdiv
 from .mma_layout import CHUNK
 from .mma_ptx import chunk_asm, hold_asm, ksum_asm
@@ -302,21 +301,6 @@ def _last_to_arrive(cnt_ptr, arrivals):
 
 
 @triton.jit
-def _activate_partials(m_c, n_c, N, ws_ptr, WS_SPLIT, out_ptr, alpha, limit, SPLIT: tl.constexpr, ACT: tl.constexpr):
-    """h = act(gate, up) of one pair (``ws_ptr``: its row of SPLIT float32 partial sums of gate, then up; N = 2I)
-    at the gate columns of this fragment's columns (a gate tile's or its up tile's), rounded to out's dtype."""
-    inter = N // 2
-    col = tl.where(n_c >= inter, n_c - inter, n_c)
-    mask = m_c < 1
-    g = tl.zeros(m_c.shape, dtype=tl.float32)
-    u = tl.zeros(m_c.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        g += tl.load(ws_ptr + s * WS_SPLIT + col, mask=mask, other=0.0, cache_modifier=".cg")
-        u += tl.load(ws_ptr + s * WS_SPLIT + inter + col, mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(out_ptr + col, expert_activation(g, u, ACT, alpha, limit).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _weighted_partials(m_c, n_c, N, ws_ptr, WS_SPLIT, out_ptr, ids_ptr, tw_ptr, token, E, SPLIT: tl.constexpr,
                        TOPK: tl.constexpr):
     """out's row (the token's) at this fragment's columns: over the token's slots j with an expert in [0, E), their
@@ -336,14 +320,13 @@ def _weighted_partials(m_c, n_c, N, ws_ptr, WS_SPLIT, out_ptr, ids_ptr, tw_ptr, 
 
 @triton.jit
 def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, ids_ptr, tw_ptr,
-                     M, N, K, stride_xm, stride_om, E, XDIV, alpha, limit,
+                     M, N, K, stride_xm, stride_om, E, XDIV,
                      G: tl.constexpr, HAS_BIAS: tl.constexpr, FP16: tl.constexpr, USE_ASM: tl.constexpr,
                      ASM: tl.constexpr, CONS: tl.constexpr, ASM2: tl.constexpr, CONS2: tl.constexpr,
                      RAWQ: tl.constexpr, FRAGS: tl.constexpr, NT: tl.constexpr, PLANES: tl.constexpr,
                      DEPTH: tl.constexpr, WARPS: tl.constexpr, GROUPS: tl.constexpr, SPLIT: tl.constexpr,
                      PDL: tl.constexpr, HOLD: tl.constexpr, HOLD_CONS: tl.constexpr, KW: tl.constexpr,
-                     KSUM: tl.constexpr, KSUM_CONS: tl.constexpr, EXPERTS: tl.constexpr = 0, FUSE: tl.constexpr = 0,
-                     ACT: tl.constexpr = 0, TOPK: tl.constexpr = 1):
+                     KSUM: tl.constexpr, KSUM_CONS: tl.constexpr, EXPERTS: tl.constexpr = 0, TOPK: tl.constexpr = 0):
     # NT packed tiles per warp: NT 16-row tiles of N (4-bit), or one tile's two nibble planes (8-bit, PLANES 2).
     # A program takes ROWS rows of x as FRAGS 8-row B fragments, all multiplied with each A fragment it
     # unpacks; with more rows than that, the programs of a column tile are adjacent, so the weight tile
@@ -351,10 +334,9 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     # Experts (EXPERTS 1 or 2): each block of rows has its own weight, block b's expert ids[b] of E (one outside
     # [0, E) skips the block); the experts' layouts, scales and zeros are stacked. EXPERTS 1: M (token, slot) pairs,
     # a block of one row each, x's row b // XDIV, out's row b; EXPERTS 2: blocks of ROWS rows of x and out. Their
-    # split-K partials stay in the workspace (SPLIT x M x N) for the next kernel to sum, or (EXPERTS 1, FUSE) for
-    # the last program to publish a tile's: FUSE 1 (N = 2I: a gate tile and its up tile count together) writes the
-    # pair's activation to out (pairs x I); FUSE 2 the token's TOPK rows times their weights (tw), summed, to out
-    # (tokens x N), a skipped slot's programs counting too.
+    # split-K partials stay in the workspace (SPLIT x M x N) for the next kernel to sum, or (EXPERTS 1, TOPK > 0)
+    # for the last program to publish a token's column tile: it writes the token's TOPK rows times their weights
+    # (tw), summed, to out (tokens x N); a skipped slot's programs count there too.
     ROWS: tl.constexpr = 16 if FRAGS <= 2 else 8 * FRAGS
     if EXPERTS == 1:
         blocks = M
@@ -365,7 +347,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     pid_s = tl.program_id(1)
     WS_SPLIT = M * N  # (workspace: SPLIT x M x N partials)
     WN: tl.constexpr = WARPS // KW  # (warps along N; KW warps split the program's K range, summed in shared memory)
-    PARTIAL: tl.constexpr = SPLIT > 1 or FUSE > 0  # (partial sums to the workspace)
+    PARTIAL: tl.constexpr = SPLIT > 1 or TOPK > 0  # (partial sums to the workspace)
     if EXPERTS == 0:
         x_ptr += pid_m * ROWS * stride_xm
         out_ptr += pid_m * ROWS * stride_om
@@ -374,7 +356,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     else:
         e = tl.load(ids_ptr + pid_m).to(tl.int64)
         if (e < 0) | (e >= E):
-            if FUSE == 2:
+            if TOPK > 0:
                 n_c, m_c = _acc_coords(pid_n, 32 * WARPS, WN, NT, PLANES)
                 token = pid_m // TOPK
                 if _last_to_arrive(cnt_ptr + token * (tl.num_programs(0) // blocks) + pid_n, TOPK * SPLIT):
@@ -386,7 +368,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         z_ptr += e * (K // G) * N
         if EXPERTS == 1:
             x_ptr += (pid_m // XDIV) * stride_xm
-            if FUSE == 0:
+            if TOPK == 0:
                 out_ptr += pid_m * stride_om
             ws_ptr += pid_m * N
             M = 1
@@ -525,13 +507,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                     _reduce(m_c + 8 * f, n_c + 16 * ti, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_BIAS,
                             SPLIT)
             tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # ready for the next launch
-    if FUSE == 1:  # (KW 1: the coordinates are every warp's)
-        half = tl.num_programs(0) // blocks // 2
-        if _last_to_arrive(cnt_ptr + pid_m * half + pid_n % half, 2 * SPLIT):
-            for ti in tl.static_range(TILES):
-                _activate_partials(m_c, n_c + 16 * ti, N, ws_ptr, WS_SPLIT, out_ptr + pid_m * stride_om, alpha, limit,
-                                   SPLIT, ACT)
-    if FUSE == 2:
+    if TOPK > 0:  # (KW 1: the coordinates are every warp's)
         token = pid_m // TOPK
         if _last_to_arrive(cnt_ptr + token * (tl.num_programs(0) // blocks) + pid_n, TOPK * SPLIT):
             for ti in tl.static_range(TILES):
@@ -617,7 +593,7 @@ def launch_mma_gemv(x2, packed, scales, zeros, bias, out, workspace, counters, *
     launch_plan.launch(
         _mma_gemv_kernel, (grid.programs * grid.row_programs(m), grid.split),
         x2, packed, scales, zeros, bias if bias is not None else out, out, workspace, counters, counters, counters,
-        m, n, k, x2.stride(0), out.stride(0), 0, 1, 0.0, 0.0,
+        m, n, k, x2.stride(0), out.stride(0), 0, 1,
         **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=bits,
                             has_bias=bias is not None, use_asm=use_asm, pdl=pdl),
         num_warps=grid.warps * grid.kwarps, num_stages=1, **({"launch_pdl": True} if pdl and use_asm else {}))
@@ -628,41 +604,39 @@ _MMA_EXPERTS = launch_plan.KernelReplays(_mma_gemv_kernel)
 
 def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool, x_div: int, n: int, k: int,
                        group_size: int, grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, replay: bool = True,
-                       fuse: int = 0, out=None, counters=None, topk_weights=None, top_k: int = 1, act: int = 0,
-                       alpha: float = 0.0, limit: float = 0.0) -> None:
+                       out=None, counters=None, topk_weights=None) -> None:
     """Mixture-of-experts blocks of rows, each times its own expert's 4-bit weight: ``words`` (E, N/16, K/64, 32,
     4) stacks the experts' :func:`~quantpack.kernels.mma_layout.mma_pack` layouts, ``scales``/``zeros`` (E, K/g,
     N). ``per_row``: row b of ``partials`` is x's row ``b // x_div`` times expert ``ids[b]`` (decode: one (token,
     slot) pair a row); else ``x2``'s rows are blocks of 16, block b times expert ``ids[b]`` (pairs sorted by
     expert). An id outside [0, E) leaves its rows unwritten. ``partials`` (grid.split, rows, N) float32 receives
-    each split's partial sums for the next kernel to add, or, ``per_row`` with ``fuse``, for the last program of
-    each tile (``counters`` int32, zero at rest: grid.programs / 2 a pair, or grid.programs a token): ``fuse`` 1,
-    gate_up (N = 2I), ``out`` (pairs, I) = the activation ``act`` (activation.py's code; ``alpha``, ``limit``);
-    ``fuse`` 2, down, ``out`` (pairs / ``top_k``, N) = each token's rows times ``topk_weights``, summed over its
-    used slots. ``grid`` from :func:`mma_grid` (one 16-row block a program; ``fuse``: one K warp, and an even
-    number of programs for 1). ``replay``: launches after a key's first go straight to the compiled kernel
-    (launch_plan.KernelReplays; the caller passes whether launch plans are on)."""
+    each split's partial sums for the next kernel to add; or, ``per_row`` with ``out`` (tokens, N), for the last
+    program of each token's column tile (``counters``: tokens x grid.programs int32, zero at rest), which writes
+    the token's rows times ``topk_weights`` (tokens, top-k), summed over its used slots, to ``out``. ``grid``
+    from :func:`mma_grid` (one 16-row block a program; one K warp with ``out``). ``replay``: launches after a
+    key's first go straight to the compiled kernel (launch_plan.KernelReplays; the caller passes whether launch
+    plans are on)."""
     assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, 4, 1, grid.kwarps), \
         "grid must come from mma_grid"
     rows = partials.shape[1]
     assert partials.shape == (grid.split, rows, n) and partials.dtype == torch.float32 and partials.is_contiguous()
     assert per_row or rows == 16 * ids.numel()
-    if fuse:
-        assert per_row and grid.kwarps == 1 and (fuse == 2 or grid.programs % 2 == 0) and out.is_contiguous()
-        topk_weights = ids if topk_weights is None else topk_weights  # (gate_up: an unused pointer)
+    top_k = 0 if out is None else topk_weights.shape[1]
+    if top_k:
+        assert per_row and grid.kwarps == 1 and out.is_contiguous() and counters.numel() >= out.shape[0] * grid.programs
     else:
         out, counters, topk_weights = partials, partials, ids
     m = 1 if per_row else 16
     # (a mixture-of-experts layer launches it twice a call, eagerly at prefill and in eager decode: binding its
     # thirty-odd arguments through Triton would be most of the call's host time)
     key = ((launch_plan.tensor_key(x2, words, scales, zeros, partials, ids, out, counters, topk_weights), per_row,
-            x_div, group_size, grid, depth, rawq, use_asm, fuse, top_k, act) if replay else None)
+            x_div, group_size, grid, depth, rawq, use_asm) if replay else None)
     _MMA_EXPERTS(key, (grid.programs * ids.numel(), grid.split, 1), x2,
                  x2, words, scales, zeros, partials, out, partials, counters, ids, topk_weights,
-                 rows, n, k, x2.stride(0), out.stride(0) if fuse else n, words.shape[0], x_div, alpha, limit,
+                 rows, n, k, x2.stride(0), out.stride(0) if top_k else n, words.shape[0], x_div,
                  **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=4,
-                                     has_bias=False, use_asm=use_asm), EXPERTS=1 if per_row else 2, FUSE=fuse,
-                 ACT=act, TOPK=top_k, num_warps=grid.warps * grid.kwarps, num_stages=1)
+                                     has_bias=False, use_asm=use_asm), EXPERTS=1 if per_row else 2, TOPK=top_k,
+                 num_warps=grid.warps * grid.kwarps, num_stages=1)
 
 
 @functools.lru_cache(maxsize=4096)  # (pure; building the PTX strings costs more than a launch: callers never mutate it)

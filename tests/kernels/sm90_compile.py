@@ -22,8 +22,7 @@ from quantpack.kernels import mma_gemv  # noqa: E402
 
 ARGS = {"x_ptr": "*{x}", "qm_ptr": "*i32", "s_ptr": "*{x}", "z_ptr": "*{x}", "bias_ptr": "*{x}", "out_ptr": "*{x}",
         "ws_ptr": "*fp32", "cnt_ptr": "*i32", "ids_ptr": "*i32", "tw_ptr": "*fp32", "M": "i32", "N": "i32",
-        "K": "i32", "stride_xm": "i32", "stride_om": "i32", "E": "i32", "XDIV": "i32", "alpha": "fp32",
-        "limit": "fp32"}
+        "K": "i32", "stride_xm": "i32", "stride_om": "i32", "E": "i32", "XDIV": "i32"}
 # (x dtype, rows of x, bits, rawq asked, tiles per warp, 16-row blocks per program, depth, warps, PDL): each
 # zero mode, 1 / 2 / 4 fragments of x, two and four tiles per warp, 8-bit planes, fp16, launched with PDL,
 # depth 0 (every load up front, through _hold's PTX), warps splitting K (a tenth field: kwarps)
@@ -37,9 +36,9 @@ VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2, False), ("bf16", 16, 4, True, 2, 1,
             ("fp16", 9, 4, False, 1, 1, 2, 2, False, 2), ("bf16", 1, 8, True, 1, 1, 2, 1, False, 8),
             ("bf16", 33, 4, False, 1, 2, 2, 1, False, 4),
             ("bf16", 1, 4, True, 1, 1, 0, 2, False, 1, 1), ("bf16", 16, 4, False, 1, 1, 2, 2, False, 1, 2),
-            ("bf16", 1, 4, True, 1, 1, 0, 2, False, 1, 1, 1), ("bf16", 1, 4, True, 1, 1, 2, 2, False, 1, 1, 2)]
+            ("bf16", 1, 4, True, 1, 1, 0, 2, False, 1, 1, 8), ("bf16", 1, 4, True, 1, 1, 2, 2, False, 1, 1, 6)]
 # (an eleventh field: mixture-of-experts rows, 1 a (token, slot) pair per row, 2 blocks of 16 rows per expert; a
-# twelfth: the pair rows' fused epilogue, 1 the activation, 2 the top-k weighted sum)
+# twelfth: pair rows whose token's top-k slots the launch sums)
 N, K, GROUP = 4096, 4096, 128
 
 
@@ -56,14 +55,14 @@ def run_script(name: str, variants: list) -> list[dict]:
     return lines
 
 
-def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl, kwarps=1, experts=0, fuse=0):
+def compile_variant(xname, m, bits, rawq, tiles, blocks, depth, warps, pdl, kwarps=1, experts=0, top_k=0):
     """Compile one variant; return (its constexprs, mma.sync count in the PTX, cubin bytes)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[xname]
     grid = mma_gemv.mma_grid(N, K, GROUP, warps, 16 // kwarps if depth == 0 else 4, tiles, bits, blocks,
                              kwarps)  # (depth 0: short programs)
     const = mma_gemv.kernel_constexprs(dtype, m, grid, group_size=GROUP, depth=depth, rawq=rawq, bits=bits,
                                        has_bias=not experts, use_asm=True, pdl=pdl) | {"EXPERTS": experts,
-                                                                                        "FUSE": fuse, "TOPK": 8, "ACT": 0}
+                                                                                        "TOPK": top_k}
     sig = {name: ty.format(x=xname) for name, ty in ARGS.items()} | {name: "constexpr" for name in const}
     kernel = triton.compile(ASTSource(fn=mma_gemv._mma_gemv_kernel, signature=sig, constexprs=const),
                             target=GPUTarget("cuda", 90, 32),

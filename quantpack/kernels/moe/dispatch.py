@@ -26,7 +26,7 @@ import torch
 from ..dequant import cdiv, interpreting
 from ..dispatch import DeviceProps, Flags, device_props, wgmma_device
 from ..wgmma_mm import wgmma_layout_fits
-from .mma_experts import mma_experts_grid
+from .mma_experts import SUMMED_BY_DOWN_MAX_TOKENS, mma_experts_grid
 from .routing import max_blocks
 
 __all__ = ["ExpertsConfig", "ExpertsDecision", "choose", "explain", "PAIRS_PER_EXPERT", "PAIRS_MAX",
@@ -213,9 +213,10 @@ def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, 
                 f"activation, the wgmma kernel for down, and the top-k weighted sum over slots (float32), because "
                 f"{d.reason}.")
     if d.path == "mma" and d.gate_up.block_m == 1:
-        return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up} (the activation by each tile's "
-                f"last program) and down as {d.down} (the top-k weighted sum over slots, float32, likewise), because "
-                f"{d.reason}.")
+        return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up}, the activation, and down as "
+                f"{d.down}" + (" (the top-k weighted sum over slots, float32, by each column tile's last program)"
+                               if tokens <= SUMMED_BY_DOWN_MAX_TOKENS else ", the top-k weighted sum over slots "
+                               "(float32)") + f", because {d.reason}.")
     if d.path == "mma":
         return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up}, the activation, down as "
                 f"{d.down}, and the top-k weighted sum over slots (float32), because {d.reason}.")

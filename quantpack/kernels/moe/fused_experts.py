@@ -26,7 +26,7 @@ from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, dequant_pair_tile, interpreting, on_device, triton_usable
 from ..dispatch import device_props
-from ..activation import ACTIVATIONS, expert_activation
+from .activation import ACTIVATIONS, expert_activation
 from .dispatch import ExpertsConfig, choose
 from .grouped import grouped_experts, grouped_usable
 from .mma_experts import MmaExperts, mma_experts, reference_experts

@@ -12,10 +12,10 @@ bytes; modules/experts.py converts a block once its tensors are on a GPU). Each 
 * prefill, many pairs per expert: grouped.py dequantizes ranges of experts (from this layout, :meth:`MmaExperts.rows`)
   for ``torch._grouped_mm``.
 
-gate_up's split-K partials are summed and activated, down's summed over splits and each token's slots with their
-top-k weights, in float32, rounded once: at decode by the last program of each tile to finish (two launches a block;
-an H200 ran Qwen3-30B-A3B's batch-1 block in four before), for sorted blocks by a small kernel after each
-projection. No host sync: a decode step is captured in a CUDA graph and replayed with new routing.
+Between the projections one small kernel sums gate_up's split-K partials and applies the activation; after down one
+sums its partials and each token's slots with their top-k weights, in float32, rounded once (for one or two tokens,
+down's own last program of each tile does this: three launches a block). No host sync: a decode step is captured in
+a CUDA graph and replayed with new routing.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from ..caches import counter_slice
 from ..launch_plan import KernelReplays, tensor_key
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
 from ..mma_layout import CHUNK, mma_pack, mma_unpack
-from ..activation import ACTIVATIONS, expert_activation
+from .activation import ACTIVATIONS, expert_activation
 from .routing import align_block_size
 
 BLOCK_ROWS = 16  # rows of a sorted block (one 16-row block of the mma kernel)
@@ -42,6 +42,10 @@ PROGRAMS_PER_SM = 8  # two-warp programs per SM the launch aims at (column tiles
 ACT_BLOCK = 256  # columns per program of the activation kernel
 SUM_BLOCK = 256  # columns per program of the final sum (at batch 1 its programs are few: small ones, more of them)
 ELEMENTWISE_WARPS = 2  # warps of those two kernels' programs (four columns a thread)
+SUMMED_BY_DOWN_MAX_TOKENS = 2  # decode up to this many tokens: down's last programs sum each token's slots (H200:
+# 19.1 -> 17.4 us for Qwen3-30B-A3B's batch-1 block, 70.4 -> 69.3 for Mixtral's; from 4 tokens, 1-5% slower: the
+# arrivals' round trips hold each program's slot, and the launches span several waves). gate_up's activation done
+# the same way ran 0.4 us faster for Qwen3 and 15 us slower for Mixtral: not done.
 PACK_EXPERTS = 16  # experts repacked per step (the repack's transient tensors are about 16x their packed bytes)
 
 
@@ -152,42 +156,44 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, H, R, E, TOPK:
     tl.store(out_ptr + t * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, sms: int, **fuse) -> torch.Tensor:
-    """One projection: (split, rows, N) float32 partial sums (see launch_mma_experts); with ``fuse`` (its
-    keywords), what the launch's fused epilogue writes to ``fuse["out"]``."""
+def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, sms: int, out=None,
+             topk_weights=None) -> torch.Tensor:
+    """One projection: (split, rows, N) float32 partial sums (see launch_mma_experts); with ``out`` (tokens, N),
+    each token's rows times ``topk_weights``, summed, written there by the launch itself."""
     n, k = pe.shape
     blocks = ids.numel()
     grid = mma_experts_grid(blocks, n, k, pe.group_size, sms)
     partials = dequant._alloc((grid.split, rows, n), torch.float32, x2.device)
-    if fuse:
-        tiles = rows * grid.programs // 2 if fuse["fuse"] == 1 else fuse["out"].shape[0] * grid.programs
-        fuse["counters"] = counter_slice(x2.device, tiles)
+    counters = counter_slice(x2.device, out.shape[0] * grid.programs) if out is not None else None
     # (rawq: the zeros applied in float32)
     launch_mma_experts(x2, pe.words, pe.scales, pe.zeros, partials, ids, per_row=per_row, x_div=x_div, n=n, k=k,
                        group_size=pe.group_size, grid=grid, depth=mma_depth(grid, pe.group_size, 0),
-                       rawq=True, use_asm=not interpreting(), replay=launch_plans_enabled(), **fuse)
-    return fuse["out"] if fuse else partials
+                       rawq=True, use_asm=not interpreting(), replay=launch_plans_enabled(), out=out,
+                       counters=counters, topk_weights=topk_weights)
+    return partials if out is None else out
 
 
 def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, per_row: bool, sms: int, activation: str = "silu",
                 alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """:func:`quantpack.reference.experts`'s semantics (no bias, weights on the output) on the mma layout, for
-    contiguous ``x`` (T, H), ``topk_ids`` and ``topk_weights`` (T, k): ``per_row``, one block per (token, slot) pair,
-    in two launches (the activation, then the top-k weighted sum, done by each tile's last program); else pairs
-    sorted into blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid sizing)."""
+    contiguous ``x`` (T, H), ``topk_ids`` and ``topk_weights`` (T, k): ``per_row``, one block per (token, slot) pair
+    (up to :data:`SUMMED_BY_DOWN_MAX_TOKENS` tokens, down's launch also sums the slots); else pairs sorted into
+    blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid sizing)."""
     tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
     inter = gate_up.shape[0] // 2
     with on_device(x):
-        if per_row:  # (gate_up's programs each hold gate or up columns: I is a multiple of 64, a program's 32)
+        if per_row:
             ids = topk_ids.reshape(-1)
-            act = dict(act=ACTIVATIONS[activation], alpha=float(alpha), limit=float(limit))
-            h = _project(x, gate_up, ids, per_row=True, x_div=top_k, rows=pairs, sms=sms, fuse=1,
-                         out=dequant._alloc((pairs, inter), x.dtype, x.device), **act)
-            return _project(h, down, ids, per_row=True, x_div=1, rows=pairs, sms=sms, fuse=2, top_k=top_k,
-                            topk_weights=topk_weights, out=dequant._alloc((tokens, x.shape[1]), x.dtype, x.device))
+            h = activate(_project(x, gate_up, ids, per_row=True, x_div=top_k, rows=pairs, sms=sms), x.dtype,
+                         activation, alpha, limit)
+            if tokens <= SUMMED_BY_DOWN_MAX_TOKENS:
+                return _project(h, down, ids, per_row=True, x_div=1, rows=pairs, sms=sms, topk_weights=topk_weights,
+                                out=dequant._alloc((tokens, x.shape[1]), x.dtype, x.device))
+            y = _project(h, down, ids, per_row=True, x_div=1, rows=pairs, sms=sms)
+            return weighted_sum(y, None, topk_ids, topk_weights, x.dtype, gate_up.num_experts)
         sorted_pairs, ids, pos = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS, positions=True)
         rows = sorted_pairs.numel()
         valid = sorted_pairs < pairs

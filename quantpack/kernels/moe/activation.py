@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import reference
+from ... import reference
 
 ACTIVATIONS = {name: i for i, name in enumerate(reference.EXPERT_ACTIVATIONS)}  # the kernels' ACT codes
 
