@@ -59,6 +59,7 @@ CASES = [
     (128, 8, 2, 256, 128, 128, torch.float16),
     (8, 2, 17, 128, 192, 64, torch.float16),
     (4, 4, 5, 320, 64, 64, torch.bfloat16),
+    (4, 4, 3, 2048, 256, 64, torch.bfloat16),  # (gate_up's programs hold 32 groups: two warps split K)
 ]
 
 
@@ -82,6 +83,8 @@ def test_dispatch_and_explain():
     assert d.gate_up.path == d.down.path == "mma" and d.gate_up.block_m == 1 and d.gate_up.split > 1
     d = choose(h200, 16, 2, 8, 4096, 14336, 128, mma=True)  # (4 pairs per expert: sorted blocks of 16)
     assert d.gate_up.path == "mma" and d.gate_up.block_m == 16
+    assert d.gate_up.num_warps == d.down.num_warps == 4  # (K's 32 and 112 groups: two warps over K)
+    assert choose(h200, 64, 8, 128, 2048, 768, 128, mma=True).gate_up.num_warps == 2
     # prefill: sorted blocks up to 127 pairs per expert, dequantize + grouped GEMM from 128
     assert choose(h200, 512, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "mma"
     assert choose(h200, 2048, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "grouped"

@@ -126,9 +126,9 @@ def _sorted_config(pairs: int, experts: int, n: int, k: int, group_size: int) ->
 
 
 def _mma_config(blocks: int, rows: int, n: int, k: int, group_size: int, sms: int) -> ExpertsConfig:
-    grid = mma_experts_grid(blocks, n, k, group_size, sms)
-    return ExpertsConfig("mma", rows, 16 * grid.warps * grid.tiles_per_warp, 0, num_warps=grid.warps, num_stages=1,
-                         split=grid.split)
+    grid = mma_experts_grid(blocks, n, k, group_size, sms, sorted_blocks=rows > 1)
+    return ExpertsConfig("mma", rows, 16 * grid.warps * grid.tiles_per_warp, 0, num_warps=grid.warps * grid.kwarps,
+                         num_stages=1, split=grid.split)
 
 
 @functools.lru_cache(maxsize=1024)  # (pure; eager decode asks once a layer and step)

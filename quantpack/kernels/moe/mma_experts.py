@@ -39,6 +39,9 @@ from .routing import align_block_size
 
 BLOCK_ROWS = 16  # rows of a sorted block (one 16-row block of the mma kernel)
 PROGRAMS_PER_SM = 8  # two-warp programs per SM the launch aims at (column tiles, then K split)
+KWARPS_MIN_GROUPS = 32  # sorted blocks: K split over two warps of a program from this many groups in it (H200:
+# Mixtral-8x7B's 32 and 112 at 16 and 64 tokens, 412 -> 380 and 555 -> 508 us; Qwen3-30B-A3B's 16 and 6 were 20%
+# slower so; a block per pair: 10% slower at Mixtral's batch 1)
 ACT_BLOCK = 256  # columns per program of the activation kernel
 SUM_BLOCK = 256  # columns per program of the final sum (at batch 1 its programs are few: small ones, more of them)
 ELEMENTWISE_WARPS = 2  # warps of those two kernels' programs (four columns a thread)
@@ -103,13 +106,17 @@ def mma_experts_fit(pe: PackedExperts, dtype: torch.dtype) -> bool:
             and n % 16 == 0 and dtype in (torch.float16, torch.bfloat16) and pe.scales.dtype == dtype)
 
 
-def mma_experts_grid(blocks: int, n: int, k: int, group_size: int, sms: int):
+def mma_experts_grid(blocks: int, n: int, k: int, group_size: int, sms: int, sorted_blocks: bool = False):
     """The mma grid for ``blocks`` blocks of rows over an (N, K) expert: two-warp programs, one 16-row tile of N per
     warp, K split until the GPU has about PROGRAMS_PER_SM programs per SM (a decode GEMV is latency-bound: the
-    more loads in flight, the nearer the copy bandwidth)."""
+    more loads in flight, the nearer the copy bandwidth); for ``sorted_blocks`` (16 rows) whose programs still
+    hold KWARPS_MIN_GROUPS groups or more, two more warps split each program's K range."""
     along_n = max(1, n // 32)
     split = max(1, cdiv(PROGRAMS_PER_SM * sms, blocks * along_n))
-    return mma_grid(n, k, group_size, 2, split, 1, 4)
+    grid = mma_grid(n, k, group_size, 2, split, 1, 4)
+    if sorted_blocks and grid.groups >= KWARPS_MIN_GROUPS:
+        grid = mma_grid(n, k, group_size, 2, split, 1, 4, kwarps=2)
+    return grid
 
 
 @triton.jit
@@ -162,7 +169,7 @@ def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, s
     each token's rows times ``topk_weights``, summed, written there by the launch itself."""
     n, k = pe.shape
     blocks = ids.numel()
-    grid = mma_experts_grid(blocks, n, k, pe.group_size, sms)
+    grid = mma_experts_grid(blocks, n, k, pe.group_size, sms, sorted_blocks=not per_row)
     partials = dequant._alloc((grid.split, rows, n), torch.float32, x2.device)
     counters = counter_slice(x2.device, out.shape[0] * grid.programs) if out is not None else None
     # (rawq: the zeros applied in float32)
