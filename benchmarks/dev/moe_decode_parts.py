@@ -51,19 +51,20 @@ def kernel_times(calls) -> list:
 
 
 def sweep(calls, floor):
-    """The whole call's time with the mma grid aiming at other programs per SM, and with 2 warps splitting K."""
-    grid_fn, pps = mma_experts.mma_experts_grid, mma_experts.PROGRAMS_PER_SM
+    """The whole call's time with the mma grid aiming at other programs per SM, and with 2 warps splitting K (for
+    every launch, pair rows and sorted blocks alike)."""
+    grid_fn = mma_experts.mma_experts_grid
     try:
         for kwarps in (1, 2):
             for programs in (4, 8, 16, 32):
-                def grid(blocks, n, k, group_size, sms, programs=programs, kwarps=kwarps):
+                def grid(blocks, n, k, group_size, sms, sorted_blocks=False, programs=programs, kwarps=kwarps):
                     split = max(1, -(-programs * sms // (blocks * max(1, n // 32))))
                     return mma_grid(n, k, group_size, 2, split, 1, 4, kwarps=kwarps)
                 mma_experts.mma_experts_grid = grid
                 us = graph_time(calls, warmup=10, rep=60)[0] * 1e3
                 print(f"    programs/SM {programs:2d}, K warps {kwarps}: {us:7.1f} us ({floor / us:.1%})", flush=True)
     finally:
-        mma_experts.mma_experts_grid, mma_experts.PROGRAMS_PER_SM = grid_fn, pps
+        mma_experts.mma_experts_grid = grid_fn
 
 
 def fusions(calls, floor, tokens):

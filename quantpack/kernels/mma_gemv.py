@@ -301,21 +301,26 @@ def _last_to_arrive(cnt_ptr, arrivals):
 
 
 @triton.jit
-def _weighted_partials(m_c, n_c, N, ws_ptr, WS_SPLIT, out_ptr, ids_ptr, tw_ptr, token, E, SPLIT: tl.constexpr,
-                       TOPK: tl.constexpr):
-    """out's row (the token's) at this fragment's columns: over the token's slots j with an expert in [0, E), their
-    top-k weight times their SPLIT partial sums (``ws_ptr``: slot 0's row; slot j's N further), rounded once."""
-    mask = (m_c < 1) & (n_c < N)
-    acc = tl.zeros(m_c.shape, dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        p = token * TOPK + j
-        e = tl.load(ids_ptr + p)
-        ok = (e >= 0) & (e < E)
-        w = tl.where(ok, tl.load(tw_ptr + p).to(tl.float32), 0.0)
-        m = mask & ((tl.zeros_like(m_c) + ok.to(tl.int32)) != 0)  # (the interpreter's & with a scalar flag)
-        for s in tl.static_range(SPLIT):
-            acc += w * tl.load(ws_ptr + s * WS_SPLIT + j * N + n_c, mask=m, other=0.0, cache_modifier=".cg")
-    tl.store(out_ptr + n_c, acc.to(out_ptr.dtype.element_ty), mask=mask)
+def _sum_token(cnt_ptr, pid_m, pid_n, programs_n, n_c, m_c, N, ws_ptr, WS_SPLIT, out_ptr, stride_om, ids_ptr, tw_ptr,
+               E, SPLIT: tl.constexpr, TOPK: tl.constexpr, TILES: tl.constexpr):
+    """Pair pid_m's arrival at its token's column tile pid_n; the last of the token's TOPK * SPLIT programs there
+    writes the token's out row at the tile's columns: over its slots j with an expert in [0, E), their top-k weight
+    times their SPLIT partial sums (the launch's ``ws_ptr``: pair p's row at p * N), rounded once."""
+    token = pid_m // TOPK
+    if _last_to_arrive(cnt_ptr + token * programs_n + pid_n, TOPK * SPLIT):
+        for ti in tl.static_range(TILES):
+            cols = n_c + 16 * ti
+            mask = (m_c < 1) & (cols < N)
+            acc = tl.zeros(m_c.shape, dtype=tl.float32)
+            for j in tl.static_range(TOPK):
+                p = token * TOPK + j
+                e = tl.load(ids_ptr + p)
+                ok = (e >= 0) & (e < E)
+                w = tl.where(ok, tl.load(tw_ptr + p).to(tl.float32), 0.0)
+                m = mask & ((tl.zeros_like(m_c) + ok.to(tl.int32)) != 0)  # (the interpreter's & with a scalar flag)
+                for s in tl.static_range(SPLIT):
+                    acc += w * tl.load(ws_ptr + s * WS_SPLIT + p * N + cols, mask=m, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + token * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -348,6 +353,7 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     WS_SPLIT = M * N  # (workspace: SPLIT x M x N partials)
     WN: tl.constexpr = WARPS // KW  # (warps along N; KW warps split the program's K range, summed in shared memory)
     PARTIAL: tl.constexpr = SPLIT > 1 or TOPK > 0  # (partial sums to the workspace)
+    TILES: tl.constexpr = NT // PLANES  # 16-row tiles of N per warp (each with its own scales and zeros)
     if EXPERTS == 0:
         x_ptr += pid_m * ROWS * stride_xm
         out_ptr += pid_m * ROWS * stride_om
@@ -356,12 +362,10 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     else:
         e = tl.load(ids_ptr + pid_m).to(tl.int64)
         if (e < 0) | (e >= E):
-            if TOPK > 0:
+            if TOPK > 0:  # (a skipped slot still counts at its token's tiles)
                 n_c, m_c = _acc_coords(pid_n, 32 * WARPS, WN, NT, PLANES)
-                token = pid_m // TOPK
-                if _last_to_arrive(cnt_ptr + token * (tl.num_programs(0) // blocks) + pid_n, TOPK * SPLIT):
-                    _weighted_partials(m_c, n_c, N, ws_ptr + token * TOPK * N, WS_SPLIT, out_ptr + token * stride_om,
-                                       ids_ptr, tw_ptr, token, E, SPLIT, TOPK)
+                _sum_token(cnt_ptr, pid_m, pid_n, tl.num_programs(0) // blocks, n_c, m_c, N, ws_ptr, WS_SPLIT,
+                           out_ptr, stride_om, ids_ptr, tw_ptr, E, SPLIT, TOPK, TILES)
             return
         qm_ptr += e * (N // 16) * (K // 64) * 128
         s_ptr += e * (K // G) * N
@@ -409,7 +413,6 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
     part_w = pid_s * KW + tl.arange(0, WARPS) // WN
     kc0_w = part_w * STEPS
     grp0_w = part_w * GROUPS
-    TILES: tl.constexpr = NT // PLANES  # 16-row tiles of N per warp (each with its own scales and zeros)
 
     zero = tl.zeros((32 * WARPS, 4), dtype=tl.float32)
     acc = (zero,) * (TILES * FRAGS)  # tile i, fragment f of x at i * FRAGS + f
@@ -508,11 +511,8 @@ def _mma_gemv_kernel(x_ptr, qm_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                             SPLIT)
             tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # ready for the next launch
     if TOPK > 0:  # (KW 1: the coordinates are every warp's)
-        token = pid_m // TOPK
-        if _last_to_arrive(cnt_ptr + token * (tl.num_programs(0) // blocks) + pid_n, TOPK * SPLIT):
-            for ti in tl.static_range(TILES):
-                _weighted_partials(m_c, n_c + 16 * ti, N, ws_ptr - (pid_m % TOPK) * N, WS_SPLIT,
-                                   out_ptr + token * stride_om, ids_ptr, tw_ptr, token, E, SPLIT, TOPK)
+        _sum_token(cnt_ptr, pid_m, pid_n, tl.num_programs(0) // blocks, n_c, m_c, N, ws_ptr - pid_m * N, WS_SPLIT,
+                   out_ptr, stride_om, ids_ptr, tw_ptr, E, SPLIT, TOPK, TILES)
 
 
 def mma_layout_fits(m: int, n: int, k: int, group_size: int, bits: int, axis: int, dtype: torch.dtype) -> bool:

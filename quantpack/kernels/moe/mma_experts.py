@@ -190,7 +190,6 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
     tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
-    inter = gate_up.shape[0] // 2
     with on_device(x):
         if per_row:
             ids = topk_ids.reshape(-1)
