@@ -32,7 +32,6 @@ weights. Prints a table and writes JSON (``--json``).
     python benchmarks/bench_decode.py --profile                    # + where a decode step's GPU time goes
     python benchmarks/bench_decode.py --model qwen3-moe            # Qwen3-30B-A3B's shape (128 experts, top-8)
     python benchmarks/bench_decode.py --model mixtral --modes default graph compiled   # Mixtral-8x7B's shape
-      (eager's second bf16 copy does not fit next to Mixtral's 94 GB)
 
 The mixture-of-experts presets quantize each expert's matrices with ``--method`` on the GPU as convert does
 (``QuantExperts.from_experts``) and keep the routers in bf16; rows carry ``shape.experts`` and ``shape.top_k``.
@@ -60,7 +59,6 @@ paths on the CPU (a smoke test of the script at a tiny shape; no bandwidth meani
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -641,13 +639,18 @@ def main(argv=None) -> int:
     if ttft_prompt is not None:
         results["ttft"] = [{"batch": 1, "context": args.ttft_prompt, "model": "bf16", "path": "ttft",
                             "ttft_ms": time_to_first_token(model, ttft_prompt, quantized=False)}]
-    bf16 = copy.deepcopy(model) if "eager" in args.modes else None  # (the quantized models' eager rounds alternate
-    # with it: GPU memory for a second bf16 copy)
-
     t = time.perf_counter()
     results["quantized_layers"] = quantize_in_place(model, bits=args.bits, group_size=args.group_size,
                                                     method=args.method)
     results["quantize_s"] = time.perf_counter() - t
+    bf16 = None
+    if "eager" in args.modes:
+        # the quantized models' eager rounds (and the first token's) alternate with a bf16 model: the same one built
+        # again from the same seed next to the quantized copy, where a copy taken before quantizing would need two bf16
+        # models at once (Mixtral's 94 GB does not fit twice)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        bf16 = build_model(args, device)
     results["quant_weight_bytes"] = weight_bytes(model)
     from quantpack.modules import fused
 
