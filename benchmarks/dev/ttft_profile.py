@@ -51,7 +51,9 @@ def host_table(model, prompt, top: int = 25) -> list[str]:
     torch.cuda.synchronize()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(2 * top)
     return out.getvalue().splitlines()
 
 
@@ -96,6 +98,8 @@ def main() -> None:
     prompt = torch.randint(0, model.config.vocab_size, (1, a.prompt), device="cuda")
     out = {"bf16_ms": bench_decode.time_to_first_token(model, prompt, quantized=False),
            "bf16_kernels": kernel_table(model, prompt)}
+    if a.host:
+        out["bf16_host"] = host_table(model, prompt)
     bench_decode.quantize_in_place(model, bits=4, group_size=128, method="rtn")
     from quantpack.modules.experts import use_mma_layouts
 

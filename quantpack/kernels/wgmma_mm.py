@@ -641,15 +641,15 @@ def _descriptors(x2, qweight, scales, zeros, n: int, grid: WgmmaGrid, bits: int)
 
 
 def _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n: int, k: int, group_size: int, bits: int, grid: WgmmaGrid,
-         warmup: bool = False, trace: torch.Tensor | None = None, block_expert: torch.Tensor | None = None):
+         warmup: bool = False, trace: torch.Tensor | None = None, block_expert: torch.Tensor | None = None, launch=None):
     experts = qweight.shape[0] if block_expert is not None else 1
     if block_expert is not None:  # (the stacked experts read as one (E K/2, N) matrix)
         qweight, scales, zeros = (t.reshape(-1, t.shape[-1]) for t in (qweight, scales, zeros))
     x_desc, q_desc, sz_desc, s_plane = _descriptors(x2, qweight, scales, zeros, n, grid, bits)
     m = x2.shape[0]
-    # (a warmup compiles only; a launch goes through launch_plan, which notes it when a plan is being made)
-    kernel = (_wgmma_kernel.warmup if warmup
-              else functools.partial(launch_plan.launch, _wgmma_kernel, (grid.programs(m, n), )))
+    # (a warmup compiles only; a launch goes through ``launch`` or launch_plan, which notes it for a plan)
+    kernel = (_wgmma_kernel.warmup if warmup else functools.partial(launch or launch_plan.launch, _wgmma_kernel,
+                                                                    (grid.programs(m, n), )))
     extra = {"grid": (1, )} if warmup else {}
     if grid.producer:
         extra["maxnreg"] = producer_maxnreg(grid)
@@ -688,13 +688,13 @@ def resident_programs(x2, qweight, scales, zeros, bias, out, *, n: int, k: int, 
 
 
 def launch_wgmma(x2, qweight, scales, zeros, bias, out, ws, cnt, *, n: int, k: int, group_size: int, bits: int,
-                 grid: WgmmaGrid, trace: torch.Tensor | None = None,
-                 block_expert: torch.Tensor | None = None) -> torch.Tensor:
+                 grid: WgmmaGrid, trace: torch.Tensor | None = None, block_expert: torch.Tensor | None = None,
+                 launch=None) -> torch.Tensor:
     """out (M, N) = x2 (M, K) @ W.T (+ bias) for ``bits``-bit weights in quantpack's layout. When grid.split > 1,
     ws holds grid.split x grid.split_tiles float32 blocks of BLOCK_N x BLOCK_M and cnt one int32 (zero) per split
     tile. ``trace`` (int64, 16 per program, zeroed): each program records its timeline (_stamp). ``block_expert`` (MoE;
     no bias or split, K % BLOCK_K == 0): block b of BLOCK_M rows times expert ``block_expert[b]`` (E or more: rows
-    left as they were) of qweight (E, K/2, N), scales (E, K/G, N)."""
+    left as they were) of qweight (E, K/2, N), scales (E, K/G, N). ``launch``: in place of launch_plan.launch."""
     _run(x2, qweight, scales, zeros, bias, out, ws, cnt, n, k, group_size, bits, grid, trace=trace,
-         block_expert=block_expert)
+         block_expert=block_expert, launch=launch)
     return out

@@ -16,7 +16,8 @@ import torch
 from ...format import PackedExperts
 from .. import dequant
 from ..dequant import on_device
-from ..dispatch import Flags, device_props, wgmma_device
+from ..dispatch import Flags, device_props, launch_plans_enabled, wgmma_device
+from ..launch_plan import KernelReplays, tensor_key
 from ..wgmma_host import WgmmaGrid
 from ..wgmma_mm import launch_wgmma
 from .mma_experts import MmaExperts, activate, weighted_sum
@@ -38,6 +39,12 @@ def wgmma_experts_usable(x: torch.Tensor, gate_up, down) -> bool:
                and wgmma_shape_fits(*pe.shape, pe.group_size, pe.bits, x.dtype) for pe in (gate_up, down))
 
 
+# A prefill's launches replayed to the compiled kernel by call key (per kernel launch_wgmma hands over): Triton's
+# binding and specialization cost about as much host time a call as the rest of the block's launches, and the first
+# token is the host's
+_LAUNCHES: dict = {}
+
+
 def _grid(pe, rows: int) -> WgmmaGrid:
     return WgmmaGrid(rows, BLOCK_N, wgmma_block_k(pe.group_size), 1, STAGES, BLOCK_N // 16, producer=PRODUCER)
 
@@ -49,8 +56,18 @@ def _project(a: torch.Tensor, pe, block_expert: torch.Tensor, rows: int) -> torc
         pe = pe.rows()
     n, k = pe.shape
     out = dequant._alloc((a.shape[0], n), torch.float32, a.device)
+    grid = _grid(pe, rows)
+    # (the key fixes what Triton specializes on: each tensor's dtype and alignment, the integers derived from the
+    # shapes, the compile-time arguments derived from the grid and the group size)
+    key = ((tensor_key(a, pe.qweight, pe.scales, pe.zeros, out, block_expert), n, k, pe.group_size, pe.bits, grid)
+           if launch_plans_enabled() else None)
+
+    def launch(kernel, programs, *args, **kwargs):
+        replays = _LAUNCHES.get(kernel) or _LAUNCHES.setdefault(kernel, KernelReplays(kernel))
+        replays(key, (programs[0], 1, 1), a, *args, **kwargs)
+
     return launch_wgmma(a, pe.qweight, pe.scales, pe.zeros, None, out, out, block_expert, n=n, k=k,
-                        group_size=pe.group_size, bits=pe.bits, grid=_grid(pe, rows), block_expert=block_expert)
+                        group_size=pe.group_size, bits=pe.bits, grid=grid, block_expert=block_expert, launch=launch)
 
 
 def wgmma_experts(x: torch.Tensor, gate_up: PackedExperts | MmaExperts, down: PackedExperts | MmaExperts,
