@@ -84,6 +84,7 @@ def test_dispatch_and_explain():
     d = choose(h200, 16, 2, 8, 4096, 14336, 128, mma=True)  # (4 pairs per expert: sorted blocks of 16)
     assert d.gate_up.path == "mma" and d.gate_up.block_m == 16
     assert d.gate_up.num_warps == d.down.num_warps == 4  # (K's 32 and 112 groups: two warps over K)
+    assert d.gate_up.k_warps == 2 and "warps=2 along N x 2 along K" in str(d.gate_up)
     assert choose(h200, 64, 8, 128, 2048, 768, 128, mma=True).gate_up.num_warps == 2
     # prefill: sorted blocks up to 127 pairs per expert, dequantize + grouped GEMM from 128
     assert choose(h200, 512, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "mma"

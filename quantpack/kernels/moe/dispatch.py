@@ -72,7 +72,8 @@ def wgmma_block_rows(per_expert: float) -> int:
 class ExpertsConfig:
     """One projection's launch: ``path`` ``pairs`` or ``sorted``; ``block_m`` pairs per program (1 for ``pairs``),
     ``block_n`` output columns per program, ``block_r`` pair rows (2 in-features each) per K step, ``split`` programs
-    splitting K (``pairs`` only: their float32 partial sums are added by the next kernel)."""
+    splitting K (``pairs`` only: their float32 partial sums are added by the next kernel); ``k_warps`` (``mma``) of
+    the ``num_warps`` split each program's K range."""
 
     path: str
     block_m: int
@@ -81,10 +82,13 @@ class ExpertsConfig:
     num_warps: int = 4
     num_stages: int = 2
     split: int = 1
+    k_warps: int = 1
 
     def __str__(self) -> str:
+        warps = (f"{self.num_warps // self.k_warps} along N x {self.k_warps} along K" if self.k_warps > 1
+                 else self.num_warps)
         return (f"{self.path}(block_m={self.block_m}, block_n={self.block_n}, block_r={self.block_r}, "
-                f"split={self.split}, warps={self.num_warps}, stages={self.num_stages})")
+                f"split={self.split}, warps={warps}, stages={self.num_stages})")
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ def _sorted_config(pairs: int, experts: int, n: int, k: int, group_size: int) ->
 def _mma_config(blocks: int, rows: int, n: int, k: int, group_size: int, sms: int) -> ExpertsConfig:
     grid = mma_experts_grid(blocks, n, k, group_size, sms, sorted_blocks=rows > 1)
     return ExpertsConfig("mma", rows, 16 * grid.warps * grid.tiles_per_warp, 0, num_warps=grid.warps * grid.kwarps,
-                         num_stages=1, split=grid.split)
+                         num_stages=1, split=grid.split, k_warps=grid.kwarps)
 
 
 @functools.lru_cache(maxsize=1024)  # (pure; eager decode asks once a layer and step)
