@@ -9,7 +9,7 @@ from oracles import random_experts, rel_err  # tests/oracles.py
 from quantpack import reference
 from quantpack.kernels.dispatch import DeviceProps
 from quantpack.kernels.moe import ExpertsConfig, choose, explain, fused_experts
-from quantpack.kernels.moe.routing import align_block_size, max_blocks
+from quantpack.kernels.moe.routing import align_block_size, gather_rows, max_blocks
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and __import__("os").environ.get("TRITON_INTERPRET") != "1",
@@ -156,6 +156,28 @@ def test_routing_blocks_hold_each_experts_pairs_once(monkeypatch, experts, token
     assert block_expert.tolist() == sorted(block_expert.tolist())
     for p in want:  # each used pair's position in sorted_pairs
         assert sorted_pairs[pos[p]] == p
+
+
+@pytest.mark.parametrize("experts,tokens,top_k,block_m,hidden", [(6, 9, 2, 4, 40), (60, 5, 4, 16, 1100)])
+@pytest.mark.parametrize("kernels", [True, False], ids=["triton", "torch"])
+def test_gathered_rows_follow_the_blocks(monkeypatch, experts, tokens, top_k, block_m, hidden, kernels):
+    from quantpack.kernels.moe import routing
+
+    if not kernels:
+        monkeypatch.setattr(routing, "triton_usable", lambda t: False)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    ids[0, 0] = -1  # unused
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).to(DEV)
+    sorted_pairs, block_expert = align_block_size(ids.to(DEV), experts, block_m)
+    xg = gather_rows(x, sorted_pairs, block_expert, top_k, block_m, experts).cpu()
+    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
+    filled = (block_expert < experts).repeat_interleave(block_m)  # (rows of the other blocks: unset)
+    pairs = ids.numel()
+    for r in filled.nonzero().flatten().tolist():
+        p = int(sorted_pairs[r])
+        want = x[p // top_k].cpu() if p < pairs else torch.zeros(hidden, dtype=x.dtype)
+        assert torch.equal(xg[r], want), (r, p)
 
 
 def test_dispatch_decode_pairs_prefill_sorted_and_explain():

@@ -35,7 +35,7 @@ from ..launch_plan import KernelReplays, tensor_key
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
 from ..mma_layout import CHUNK, mma_pack, mma_unpack
 from .activation import ACTIVATIONS, expert_activation
-from .routing import align_block_size
+from .routing import align_block_size, gather_rows
 
 BLOCK_ROWS = 16  # rows of a sorted block (one 16-row block of the mma kernel)
 PROGRAMS_PER_SM = 8  # two-warp programs per SM the launch aims at (column tiles, then K split)
@@ -202,9 +202,7 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
             return weighted_sum(y, None, topk_ids, topk_weights, x.dtype, gate_up.num_experts)
         sorted_pairs, ids, pos = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS, positions=True)
         rows = sorted_pairs.numel()
-        valid = sorted_pairs < pairs
-        token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
-        xg = torch.where(valid[:, None], x.index_select(0, token), 0)
+        xg = gather_rows(x, sorted_pairs, ids, top_k, BLOCK_ROWS, gate_up.num_experts)
         gu = _project(xg, gate_up, ids, per_row=False, x_div=1, rows=rows, sms=sms)
         h = activate(gu, x.dtype, activation, alpha, limit)
         y = _project(h, down, ids, per_row=False, x_div=1, rows=rows, sms=sms)

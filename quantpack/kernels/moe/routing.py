@@ -64,9 +64,29 @@ def _place_kernel(ids_ptr, rank_ptr, starts_ptr, sorted_ptr, pos_ptr, P, E, BLOC
     tl.store(pos_ptr + p, tl.where(ok, dest, 0), mask=p < P)
 
 
+@triton.jit
+def _gather_kernel(x_ptr, sorted_ptr, block_expert_ptr, out_ptr, H, P, E, TOP_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of the blocks: x's row of the token of pair sorted[r], zeros for a padding slot (the sentinel P); rows of
+    blocks past the filled ones (expert E) are left alone: no kernel reads them."""
+    r = tl.program_id(0)
+    if tl.load(block_expert_ptr + r // BLOCK_M) < E:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        p = tl.load(sorted_ptr + r)
+        ok = p < P
+        t = tl.where(ok, p // TOP_K, 0).to(tl.int64)
+        mask = cols < H
+        m = mask & ((tl.zeros_like(cols) + ok.to(tl.int32)) != 0)  # (a block mask: the interpreter's & with a
+        # scalar flag is not one)
+        v = tl.load(x_ptr + t * H + cols, mask=m, other=0.0)
+        tl.store(out_ptr + r.to(tl.int64) * H + cols, v, mask=mask)
+
+
 PAIR_BLOCK = 1024  # pairs per program of the rank and place kernels
-_RANK, _BLOCKS, _PLACE = (KernelReplays(k) for k in (_rank_kernel, _blocks_kernel, _place_kernel))  # (prefill and
-# eager decode call them once a layer: Triton's binding would be most of their host time)
+GATHER_BLOCK = 1024  # columns per program of the gather
+_RANK, _BLOCKS, _PLACE, _GATHER = (KernelReplays(k) for k in (_rank_kernel, _blocks_kernel, _place_kernel,
+                                                               _gather_kernel))  # (prefill and eager decode call
+# them once a layer: Triton's binding would be most of their host time)
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, positions: bool = False):
@@ -117,3 +137,23 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, pos
     pos = torch.zeros(pairs, dtype=torch.int32, device=device)
     pos[order] = torch.where(dest < capacity, dest, 0).to(torch.int32)
     return sorted_pairs[:capacity], block_expert, pos
+
+
+def gather_rows(x: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor, top_k: int,
+                block_m: int, num_experts: int) -> torch.Tensor:
+    """(len(sorted_pairs), H): x's (T, H) rows in the order of :func:`align_block_size`'s blocks, each pair's row
+    being its token's, a padding slot's zeros; rows of the blocks past the filled ones are unset (no kernel reads
+    them). One Triton launch where Triton runs."""
+    rows, (tokens, hidden) = sorted_pairs.numel(), x.shape
+    pairs = tokens * top_k
+    if triton_usable(x):
+        out = dequant._alloc((rows, hidden), x.dtype, x.device)
+        key = (tensor_key(x, sorted_pairs, block_expert), top_k, block_m, num_experts) if launch_plans_enabled() \
+            else None
+        with on_device(x):
+            _GATHER(key, (rows, cdiv(hidden, GATHER_BLOCK), 1), x, x, sorted_pairs, block_expert, out, hidden, pairs,
+                    num_experts, TOP_K=top_k, BLOCK_M=block_m, BLOCK=GATHER_BLOCK, num_warps=4)
+        return out
+    valid = sorted_pairs < pairs
+    token = torch.where(valid, sorted_pairs // top_k, 0).to(torch.int64)
+    return torch.where(valid[:, None], x.index_select(0, token), 0)

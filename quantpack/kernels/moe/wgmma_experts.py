@@ -22,7 +22,7 @@ from ..wgmma_host import WgmmaGrid
 from ..wgmma_mm import launch_wgmma
 from .mma_experts import MmaExperts, activate, weighted_sum
 from .dispatch import wgmma_block_k, wgmma_block_rows, wgmma_shape_fits
-from .routing import align_block_size
+from .routing import align_block_size, gather_rows
 
 BLOCK_N = 64  # weight rows (out-features) per program: four warps
 STAGES = 3  # TMA ring depth
@@ -84,8 +84,7 @@ def wgmma_experts(x: torch.Tensor, gate_up: PackedExperts | MmaExperts, down: Pa
     with on_device(x):
         sorted_pairs, block_expert, pos = align_block_size(topk_ids, gate_up.num_experts, block_rows,
                                                            positions=True)
-        # (a padding row, the sentinel pairs, reads the last token: its results are never read)
-        xg = x.index_select(0, (sorted_pairs // top_k).clamp_(max=tokens - 1))
+        xg = gather_rows(x, sorted_pairs, block_expert, top_k, block_rows, gate_up.num_experts)
         if weight_on_input:  # (x * w rounded to x's dtype, as the reference; the sum then weighs by 1)
             w = topk_weights.reshape(-1).float()[sorted_pairs.clamp(max=pairs - 1)]
             xg = (xg.float() * w[:, None]).to(x.dtype)
