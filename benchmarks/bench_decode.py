@@ -8,7 +8,7 @@ so no 16 GB files are involved. Decode tokens/s = batch * tokens / time of the d
 * ``default``: plain ``model.generate(prompt, max_new_tokens=N)`` on the model as ``quantpack.load`` returns it:
   a static KV cache and each decode step replayed from a CUDA graph (quantpack.generation). What a user gets.
 * ``eager``: transformers' ``generate`` (dynamic cache), what bf16 gives out of the box and ``decode="eager"`` opts into;
-  bound by the host's Python, whose speed drifts by more than the models differ: bf16 (a copy kept for this) and
+  bound by the host's Python, whose speed drifts by more than the models differ: bf16 (built again after quantizing) and
   each quantized model are timed in alternating rounds (``--eager-rounds``), tok/s from the median step time over
   all rounds, and the ratio is the median of the rounds' ratios. ``--no-plans`` also times the quantized model
   with its launch plans off (``QUANTPACK_LAUNCH_PLANS=0``), the cost those plans save.
