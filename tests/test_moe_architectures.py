@@ -105,6 +105,26 @@ def test_kernel_path_logits_equal_the_reference_path(packed, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_path_logits_equal_the_reference_path_on_the_gpu(packed, dtype, monkeypatch):
+    """On a GPU the loaded model's experts run the fused kernel: its logits are the reference path's (the same model
+    with the kernel's entry swapped for quantpack.reference.experts), at prefill and at one decode token."""
+    from quantpack import reference
+    from quantpack.kernels import moe
+
+    _, _, out, _ = packed
+    model = load(out, device="cuda", dtype=dtype)
+    for ids in (torch.tensor([[5, 17, 3, 88, 41, 9, 60, 2, 33, 71]]), torch.tensor([[41]])):
+        with torch.no_grad(), monkeypatch.context() as patch:
+            got = model(ids.cuda()).logits.float()
+            patch.setattr(moe, "fused_experts", reference.experts)
+            want = model(ids.cuda()).logits.float()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert float((got - want).norm() / want.norm()) < tol, (dtype, ids.shape)
+
+
 def test_an_experts_block_quantpack_cannot_pack_is_refused(tmp_path, monkeypatch):
     """A block with stacked experts that is none of the forms quantpack packs (here Llama 4's, its parent lacking the
     router that the top-k routing uses) is refused in one line naming the block, and nothing is written, instead of
