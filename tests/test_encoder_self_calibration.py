@@ -8,7 +8,7 @@ import torch
 from oracles import assert_stored_layer_matches_float_product, stored_tensors
 from test_gptq import assert_refused, cli_convert
 
-from quantpack import calibration as cal
+from quantpack.quantization import calibration as cal
 from quantpack.convert import convert
 from quantpack.tiny import make_tiny_encoder, quiet_transformers
 

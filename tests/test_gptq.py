@@ -11,11 +11,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from quantpack.calibration import BUILTIN_FILE
+from quantpack.quantization.calibration import BUILTIN_FILE
 from quantpack.cli import cli
 from quantpack.convert import convert
-from quantpack.gptq import gptq_quantize
-from quantpack.quantize import quantize
+from quantpack.quantization.gptq import gptq_quantize
+from quantpack.quantization.groupwise import quantize
 from quantpack.reference import dequantize
 from quantpack.tiny import PASSAGE, make_random_checkpoint
 
@@ -89,7 +89,7 @@ def test_gptq_shrinks_the_hessian_towards_its_diagonal():
 
 @pytest.mark.parametrize("shrink", [-0.1, 1.5, float("nan")])
 def test_gptq_refuses_a_shrinkage_outside_0_1(shrink, tmp_path):
-    from quantpack.gptq import quantize_blocks
+    from quantpack.quantization.gptq import quantize_blocks
 
     w, _ = correlated(n=16, k=128, tokens=8)
     with pytest.raises(ValueError, match=r"^gptq: shrink=.* must lie in \[0, 1\]") as info:
@@ -111,7 +111,7 @@ def test_gptq_argument_errors():
 
 def spy_shrink(monkeypatch) -> list:
     """The Hessian shrinkage of every quantize_blocks call a conversion makes."""
-    from quantpack import gptq
+    from quantpack.quantization import gptq
 
     shrinks, real = [], gptq.quantize_blocks
 

@@ -53,7 +53,7 @@ def test_hqq_never_worse_than_rtn_both_axes(axis, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_refit_lowers_hqqs_error_in_every_group(axis, bits):
     """Least-squares scales and zeros: below hqq's squared error overall, and never above it in a group."""
-    from quantpack.quantize import grouped
+    from quantpack.quantization.groupwise import grouped
 
     w = _weight(128, 256, seed=11)
     deq = {m: dequantize(quantize(w, bits=bits, group_size=64, axis=axis, method=m, dtype=torch.float32))
@@ -67,7 +67,7 @@ def test_refit_lowers_hqqs_error_in_every_group(axis, bits):
 def test_refit_weighted_by_input_moments_lowers_the_weighted_error(bits):
     """With per-input-feature weights (activation second moments), refit minimizes the error those inputs see:
     below hqq's and the unweighted refit's weighted error overall, and never above hqq's in a group."""
-    from quantpack.quantize import grouped
+    from quantpack.quantization.groupwise import grouped
 
     w = _weight(64, 256, seed=5)
     g = torch.Generator().manual_seed(6)

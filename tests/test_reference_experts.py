@@ -5,7 +5,7 @@ import torch
 
 from quantpack import reference
 from quantpack.format import PackedExperts
-from quantpack.quantize import quantize
+from quantpack.quantization.groupwise import quantize
 
 
 def stacked(num_experts, n, k, *, bias=False, seed=0):

@@ -5,10 +5,10 @@ import torch
 from oracles import assert_stored_layer_matches_float_product
 from test_gptq import assert_refused, cli_convert, correlated, output_error, spy_shrink
 
-from quantpack import calibration as cal
+from quantpack.quantization import calibration as cal
 from quantpack.convert import convert
-from quantpack.gptq import gptq_quantize
-from quantpack.quantize import quantize
+from quantpack.quantization.gptq import gptq_quantize
+from quantpack.quantization.groupwise import quantize
 from quantpack.reference import dequantize
 from quantpack.tiny import quiet_transformers
 

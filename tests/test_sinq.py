@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from quantpack import sinq
+from quantpack.quantization import sinq
 from quantpack.tiny import quiet_transformers
 
 from oracles import assert_stored_layer_matches_float_product, stored_tensors

@@ -366,7 +366,7 @@ def test_w8a8_kl_is_below_the_4bit_schemes(report_w8a8, report4):
 def test_kernel_check_catches_a_wrong_forward(w8a8, monkeypatch):
     """The oracle is tight: a float32 forward off by one unit in one activation code fails it (in
     bfloat16 such an error is below the output's own rounding)."""
-    from quantpack import quantize_w8a8
+    from quantpack.quantization import w8a8 as quantize_w8a8
     from quantpack.verify import kernel_errors
 
     real = quantize_w8a8.quantize_activations_reference

@@ -3,7 +3,7 @@
     python benchmarks/dev/encoder_synthetic.py [--configs 4:128] [--runs hqq,gptq:zipf,wrefit:zipf,...]
 
 Each run is ``SOLVER:SOURCE[:OPTION...]``. SOLVER: ``hqq`` (no SOURCE; must come first, the ratios' reference),
-``gptq`` (quantpack.gptq.gptq_quantize, layers in forward order, each with the Hessian of its inputs through the model
+``gptq`` (quantpack.quantization.gptq.gptq_quantize, layers in forward order, each with the Hessian of its inputs through the model
 quantized so far), ``wrefit`` (quantpack's ``refit`` weighted by the per-input-feature second moments of each layer's
 inputs on SOURCE through the source model), ``wrefit-seq`` (the same, inputs through the model quantized so far, as a
 block-streamed conversion sees them); a ``+guard`` suffix keeps hqq's rounding for a layer where hqq has the lower
@@ -30,9 +30,9 @@ from bench_quality import (capture_inputs, encoder_case, fetch_minilm, hessian_e
                            sentences)
 from train_witness import corpus  # noqa: E402
 
-from quantpack import calibration as calibration_mod  # noqa: E402
-from quantpack.gptq import gptq_quantize  # noqa: E402
-from quantpack.quantize import quantize  # noqa: E402
+from quantpack.quantization import calibration as calibration_mod  # noqa: E402
+from quantpack.quantization.gptq import gptq_quantize  # noqa: E402
+from quantpack.quantization.groupwise import quantize  # noqa: E402
 from quantpack.reference import dequantize  # noqa: E402
 
 

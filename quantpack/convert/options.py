@@ -7,19 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..calibration import CalibrationText, SelfCalibration, read_calibration
+from ..quantization.calibration import CalibrationText, SelfCalibration, read_calibration
 from ..checkpoint import W8A8_CONFIG, SourceCheckpoint, weight_only_scheme
 from ..sizes import parse_size
 from ..format import SUPPORTED_AXES, SUPPORTED_BITS, check_group_size
-from ..quantize import METHODS
+from ..quantization.groupwise import METHODS
 from ..schemes import SCHEMES
 
 DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_METHOD = "hqq"
 OUTPUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-# sinq: hqq's solver after Sinkhorn column scales moved into the norms and producing rows (quantpack.sinq)
-# gptq: error-compensating rounding on hqq's group parameters, calibrated on text (quantpack.gptq)
+# sinq: hqq's solver after Sinkhorn column scales moved into the norms and producing rows (quantpack.quantization.sinq)
+# gptq: error-compensating rounding on hqq's group parameters, calibrated on text (quantpack.quantization.gptq)
 CONVERT_METHODS = (*METHODS, "sinq", "gptq")
 
 

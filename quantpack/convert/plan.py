@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import CONFIG_NAME, CheckpointError, dtype_name
-from ..quantize_w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES
+from ..quantization.w8a8 import MAX_IN_FEATURES as W8A8_MAX_IN_FEATURES
 from ..format import MAX_GROUP_SIZE, MIN_GROUP_SIZE, check_layout_args
 from ..modules.linear import linear_dims
-from ..quantize import resolve_group_size
+from ..quantization.groupwise import resolve_group_size
 from .summary import LayerResult
 
 GROUP_SIZE_MISFIT = "group size does not fit its shape"

@@ -41,7 +41,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 
     ``scheme``: ``None`` (weight-only ``w<bits>a16``: ``bits`` 4 by default, ``method`` hqq by
     default; ``"sinq"`` first moves Sinkhorn column scales into the norms and producing rows of
-    Llama-style decoder blocks where they lower the estimated error, see :mod:`quantpack.sinq`),
+    Llama-style decoder blocks where they lower the estimated error, see :mod:`quantpack.quantization.sinq`),
     ``"w4a16"``, ``"w8a16"``, or ``"w8a8"`` (int8 weights, one float32 scale per output channel, for
     the int8 x int8 kernels; the weight-only arguments ``bits``, ``group_size``,
     ``axis``, ``method`` and ``bits_for`` must then be left out, see :func:`resolve_scheme`).
@@ -52,13 +52,13 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
     ``dtype`` (bfloat16/float16) is the output dtype of scales, zeros and every unquantized floating
     tensor; default: the source weights' dtype if half precision, else bfloat16.
     ``calibration``: a UTF-8 text file (or ``"builtin"``, a short shipped passage; or ``"self"``: text the causal
-    LM samples itself at the start, see :mod:`quantpack.calibration`) for ``method="gptq"``
+    LM samples itself at the start, see :mod:`quantpack.quantization.calibration`) for ``method="gptq"``
     (implied): GPTQ's error-compensating rounding on hqq's group parameters, with the Hessians of each decoder
-    block's inputs on that text, one block at a time (see :mod:`quantpack.gptq`); ``calibration_length``:
+    block's inputs on that text, one block at a time (see :mod:`quantpack.quantization.gptq`); ``calibration_length``:
     tokens per calibration sequence (default 512, at most the model's context). ``"self"`` on a model that is not
     a causal LM (an encoder), with ``method`` left out: ``refit`` of the 4-bit layers weighted by the second moments
     of their inputs on token sequences sampled from the vocabulary (8-bit layers: hqq; see
-    :func:`quantpack.calibration.zipf_token_sequences`); ``calibration_length`` caps those sequences.
+    :func:`quantpack.quantization.calibration.zipf_token_sequences`); ``calibration_length`` caps those sequences.
     ``trust_remote_code``: let transformers run the Python code the checkpoint ships for its config and
     model (``auto_map``); off by default, so such a checkpoint is refused and nothing ever prompts.
     Raises ``ValueError`` (:class:`~quantpack.checkpoint.CheckpointError` for checkpoint and disk
@@ -140,8 +140,8 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             raise ValueError(nothing_to_quantize(summary.layers, bits, group_size, axis))
         encoder_batch = None  # --calibration on a model that is not a causal LM: the inputs its refit is weighted by
         if method == "gptq":  # refused or tokenized before anything is written
-            from .. import calibration as cal
-            from ..gptq import SELF_SHRINK, check_model, decoder_blocks
+            from ..quantization import calibration as cal
+            from ..quantization.gptq import SELF_SHRINK, check_model, decoder_blocks
 
             try:
                 decoder_blocks(model, config, advice=(
@@ -260,7 +260,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
         summary.resumed_shards = len(done)
         rescale = {}
         if method == "sinq":
-            from .. import sinq
+            from ..quantization import sinq
 
             source_of = {v: k for k, v in canonical.items()}
             rescale, kept = sinq.plan(source_of, lambda n: src.get(source_of[n]), model, bits=bits,
@@ -269,7 +269,7 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
             settings["sinq_scales"] = kept  # recorded (not fingerprinted: derived), so verify can redo them
         precomputed = {}
         if method == "gptq" and len(done) < len(names):
-            from ..gptq import quantize_blocks
+            from ..quantization.gptq import quantize_blocks
 
             source_of = {v: k for k, v in canonical.items()}
             if tokens is None:
@@ -362,10 +362,10 @@ def convert(source, output=None, *, bits: int | None = None, group_size: int | N
 def _encoder_inputs(config, quant_plan: dict, expert_blocks, path: Path, calibration, calibration_length: int | None,
                     trust_remote_code: bool) -> dict[str, torch.Tensor]:
     """``--calibration`` on a model that is not a causal LM: the token sequences its refit is weighted by, sampled
-    from its vocabulary (``self``, :func:`quantpack.calibration.zipf_token_sequences`) or cut from the text
-    (:func:`quantpack.calibration.encoder_text_sequences`), after refusing, with one line, what it cannot
+    from its vocabulary (``self``, :func:`quantpack.quantization.calibration.zipf_token_sequences`) or cut from the text
+    (:func:`quantpack.quantization.calibration.encoder_text_sequences`), after refusing, with one line, what it cannot
     calibrate."""
-    from .. import calibration as cal
+    from ..quantization import calibration as cal
 
     label = cal.SELF if isinstance(calibration, cal.SelfCalibration) else calibration.source
     if expert_blocks:

@@ -50,7 +50,7 @@ def write_shards(src, shards, names, partial, done, fingerprint, scheme, axis, m
                     pending = reader.submit(src.get, shard[j + 1].source)
                 _check_finite(src, unit.source, tensor)
                 if rescale and unit.source in rescale:
-                    from ..sinq import scale_tensor
+                    from ..quantization.sinq import scale_tensor
 
                     tensor = scale_tensor(tensor.float(), *rescale[unit.source])  # one rounding, at the end
                 if unit.layer is None:

@@ -1,6 +1,6 @@
 """W8A8 Triton kernels: per-token int8 activation quantization and an int8 x int8 -> int32 matmul.
 
-Math and layout: :mod:`quantpack.quantize_w8a8` and docs/w8a8.md. The weight is stored (N, K)
+Math and layout: :mod:`quantpack.quantization.w8a8` and docs/w8a8.md. The weight is stored (N, K)
 row-major int8, K contiguous: int8 tensor-core instructions (Hopper's wgmma, Ampere's mma) want
 both operands K-major, so the (N, K) layout is read with no transpose in shared memory, and it
 is also what ``torch._int_mm`` wants for its second operand (as ``qweight.t()``).
@@ -20,7 +20,7 @@ try:  # host-side tensor descriptors (TMA on Hopper); Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
     TensorDescriptor = None
 
-from ..quantize_w8a8 import (ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, dequantize_w8a8,  # noqa: F401
+from ..quantization.w8a8 import (ACT_AMAX_FLOOR, MAX_IN_FEATURES, OUT_DTYPES, QMAX, dequantize_w8a8,  # noqa: F401
                              quantize_weight_w8a8, w8a8_linear_reference)
 from .dequant import cdiv, interpreting, next_power_of_2, on_device
 from .fused_call import FusedOp
@@ -97,14 +97,14 @@ def _check_activations(x: torch.Tensor, name: str = "x") -> None:
         raise ValueError(f"{name}: expected shape (..., K) with K > 0, got {tuple(x.shape)}")
     if not (x.is_cuda or interpreting()):
         raise ValueError(f"{name}: on {x.device}; the Triton kernels need a CUDA tensor "
-                         f"(on CPU use quantpack.quantize_w8a8.w8a8_linear_reference)")
+                         f"(on CPU use quantpack.quantization.w8a8.w8a8_linear_reference)")
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8 quantization of ``x`` (..., K) in one Triton pass.
 
     Returns ``(x_q, x_scale)``: int8 of ``x.shape`` and float32 of ``x.shape[:-1]``, bit-identical to
-    :func:`quantpack.quantize_w8a8.quantize_activations_reference`. NaN/inf in ``x`` are not checked.
+    :func:`quantpack.quantization.w8a8.quantize_activations_reference`. NaN/inf in ``x`` are not checked.
     """
     _check_activations(x)
     k = x.shape[-1]

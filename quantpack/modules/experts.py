@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import reference
 from ..format import PackedExperts, PackedWeight, check_layout_args
-from ..quantize import resolve_group_size
+from ..quantization.groupwise import resolve_group_size
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FIELDS = ("qweight", "scales", "zeros", "bias")
@@ -281,7 +281,7 @@ class QuantExperts(nn.Module):
                      method: str = "rtn", dtype: torch.dtype | None = None) -> "QuantExperts":
         """Quantize a transformers experts block (see :func:`fused_experts_dims`) in memory, expert by expert as
         ``convert`` does, on the device its weights are on (benchmarks build random models this way)."""
-        from ..quantize import quantize
+        from ..quantization.groupwise import quantize
 
         dims = fused_experts_dims(block)
         if dims is None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..format import PackedWeight, packed_shapes, check_layout_args
-from ..quantize import quantize, resolve_group_size
+from ..quantization.groupwise import quantize, resolve_group_size
 from .. import kernels, reference
 from ..kernels.launch_plan import PlanCache
 from ..kernels.dispatch import w4a8_reference

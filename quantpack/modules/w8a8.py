@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantize_w8a8 import MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8, w8a8_linear_reference
+from ..quantization.w8a8 import MAX_IN_FEATURES, dequantize_w8a8, quantize_weight_w8a8, w8a8_linear_reference
 
 
 class W8A8Linear(nn.Module):

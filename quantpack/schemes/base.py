@@ -52,7 +52,7 @@ class Scheme:
       conversion's output dtype.
     * ``quantize(weight, bits, group_size, axis, method, dtype, input_weights=None)``: what convert stores for one
       (N, K) weight: ``({suffix: tensor}, the dequantized float32 weight)``, the tensors as :attr:`stored` says;
-      ``input_weights`` (K,): per-input-feature weights for ``method="refit"`` (see quantpack.quantize.quantize).
+      ``input_weights`` (K,): per-input-feature weights for ``method="refit"`` (see quantpack.quantization.groupwise.quantize).
     * ``check``: how verify checks its modules (:class:`ModuleCheck`).
     """
 

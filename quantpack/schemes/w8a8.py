@@ -9,7 +9,7 @@ from torch import nn
 
 from ..modules.linear import linear_dims
 from ..modules.w8a8 import W8A8Linear
-from ..quantize_w8a8 import dequantize_w8a8, int8_matmul_exact, quantize_activations_reference, quantize_weight_w8a8
+from ..quantization.w8a8 import dequantize_w8a8, int8_matmul_exact, quantize_activations_reference, quantize_weight_w8a8
 from .base import ModuleCheck, Scheme
 
 

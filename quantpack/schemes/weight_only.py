@@ -9,7 +9,7 @@ from torch import nn
 
 from ..format import PackedWeight, packed_shapes, unpack
 from ..modules.linear import QuantLinear, linear_dims
-from ..quantize import grouped, quantize, ungrouped
+from ..quantization.groupwise import grouped, quantize, ungrouped
 from .. import reference
 from ..kernels.dispatch import w4a8_runs
 from ..reference import dequantize, expand_meta
@@ -60,13 +60,13 @@ def _locate(read: Callable[[str], torch.Tensor], name: str, module: QuantLinear,
     """Which of ``<name>.qweight/.scales/.zeros`` changed since conversion from ``weight``.
 
     The codes are a pure function of the weight and the stored scales and zeros
-    (``round(W / scale + zero)`` clamped, see :func:`quantpack.quantize.quantize`), so codes that
+    (``round(W / scale + zero)`` clamped, see :func:`quantpack.quantization.groupwise.quantize`), so codes that
     disagree mean one of the three changed. Re-quantizing the weight with the recorded settings tells
     which: on the kind of device the conversion ran on (not recorded in the manifests that need this
     fallback, those without per-tensor digests: each available one is tried) it reproduces the
     untouched tensors bit for bit. When no re-quantization does, the layer is named.
     """
-    from ..quantize import quantize as requantize  # (looked up per call, as a stand-in for another device's rounding)
+    from ..quantization.groupwise import quantize as requantize  # (looked up per call, as a stand-in for another device's rounding)
 
     pw = PackedWeight(read(f"{name}.qweight"), read(f"{name}.scales"), read(f"{name}.zeros"), module.bits,
                       module.group_size, module.axis, (module.out_features, module.in_features))

@@ -6,7 +6,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import checkpoint, schemes, sinq
+from .. import checkpoint, schemes
+from ..quantization import sinq
 from .integrity import quantized_modules, reference_name, reference_weight
 from .report import WORST_LAYERS
 

@@ -9,7 +9,7 @@ import torch
 from quantpack import reference
 from quantpack.format import PackedWeight
 from quantpack.kernels import dequantize
-from quantpack.quantize import quantize
+from quantpack.quantization.groupwise import quantize
 
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
                                  reason="needs TRITON_INTERPRET=1 or a GPU"),

@@ -16,7 +16,7 @@ dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
 caches_mod = importlib.import_module("quantpack.kernels.caches")
 launcher_mod = importlib.import_module("quantpack.kernels.launcher")
 autotune_mod = importlib.import_module("quantpack.kernels.autotune")
-from quantpack.quantize import quantize
+from quantpack.quantization.groupwise import quantize
 from oracles import pretend_device, scripted_gpu_timing  # tests/oracles.py
 
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),

@@ -6,7 +6,7 @@ import torch
 from quantpack import reference
 from quantpack.format import PackedExperts
 from quantpack.kernels.moe.grouped import grouped_experts, grouped_usable
-from quantpack.quantize import quantize
+from quantpack.quantization.groupwise import quantize
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
 

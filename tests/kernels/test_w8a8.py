@@ -1,4 +1,4 @@
-"""W8A8 Triton kernels against the pure-torch reference (quantpack.quantize_w8a8).
+"""W8A8 Triton kernels against the pure-torch reference (quantpack.quantization.w8a8).
 
 Runs under ``TRITON_INTERPRET=1`` on CPU tensors (CI) and on CUDA tensors where a GPU exists.
 The interpreter does int8 ``tl.dot`` with exact int32 accumulation (checked below with sums past
@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from quantpack.quantize_w8a8 import (
+from quantpack.quantization.w8a8 import (
     ACT_AMAX_FLOOR, int8_matmul_exact, quantize_activations_reference, quantize_weight_w8a8,
     w8a8_linear_reference,
 )

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from quantpack.modules.w8a8 import W8A8Linear
-from quantpack.quantize_w8a8 import (
+from quantpack.quantization.w8a8 import (
     MAX_IN_FEATURES, dequantize_w8a8, quantize_activations_reference, quantize_weight_w8a8,
     w8a8_linear_reference,
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import PackedWeight, check_layout_args, pack
+from ..format import PackedWeight, check_layout_args, pack
 
 METHODS = ("hqq", "rtn", "refit")
 REFIT_ITERS = 10

@@ -5,7 +5,7 @@ streamed one decoder block at a time.
 rounding error is spread over the columns not yet rounded, weighted by the inverse of the Hessian
 ``H = 2 X^T X`` of the layer's inputs (optionally shrunk towards its diagonal, damped by 1% of its mean
 diagonal; its inverse's Cholesky factor, updated lazily in blocks of 128 columns). The group scale and float
-zero point come from hqq's solver, as :func:`quantpack.quantize.quantize` computes them, once from the
+zero point come from hqq's solver, as :func:`quantpack.quantization.groupwise.quantize` computes them, once from the
 original weight (static, the default: measured better here) or from the partially updated weight when the
 loop reaches a group's first column (GPTQ's usual choice); the result is the ordinary packed format.
 
@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .format import PackedWeight, check_layout_args, pack
-from .quantize import quantize
-from .reference import dequantize
+from ..format import PackedWeight, check_layout_args, pack
+from .groupwise import quantize
+from ..reference import dequantize
 
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_DAMP = 0.01
@@ -269,7 +269,7 @@ def quantize_blocks(model_class, config, read, quant_plan: dict, tokens: torch.T
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from .tiny import quiet_transformers
+    from ..tiny import quiet_transformers
 
     check_shrink(shrink)  # before any work
     device = torch.device(device)

@@ -9,7 +9,7 @@ the model's own data, a few hundred thousand tokens or more.
 random first token; LLM-QAT's data-free generation), once, at the start of the conversion, on the
 conversion device. Generating holds the whole model there (an 8B model in bfloat16: 16 GB, plus the
 KV cache of :data:`SELF_BATCH` sequences); the block-streamed quantizing that follows does not, and it
-trusts their Hessians only halfway (:data:`quantpack.gptq.SELF_SHRINK`).
+trusts their Hessians only halfway (:data:`quantpack.quantization.gptq.SELF_SHRINK`).
 
 For a model that is not a causal LM (a BERT-style encoder), ``self`` samples token sequences from the
 vocabulary instead (:func:`zipf_token_sequences`: WordPiece vocabularies list their words in frequency
@@ -108,7 +108,7 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The source checkpoint's tokenizer; a one-line ``ValueError`` when it has none."""
     from transformers import AutoTokenizer
 
-    from .tiny import quiet_transformers
+    from ..tiny import quiet_transformers
 
     try:
         with quiet_transformers():
@@ -175,7 +175,7 @@ def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *
     a seed on one device."""
     from transformers import GenerationConfig
 
-    from .tiny import quiet_transformers
+    from ..tiny import quiet_transformers
 
     device = next(model.parameters()).device
     rows = model.get_output_embeddings().out_features
@@ -230,7 +230,7 @@ def _on_whole_model(model_class, path: Path, dtype: torch.dtype, device: torch.d
     """``use(model)`` for the model stored at ``path`` (built as ``model_class``), loaded whole on ``device`` in
     ``dtype``; the model is dropped and its device memory handed back before returning (out-of-memory errors pass
     through: each caller says what to do instead)."""
-    from .tiny import quiet_transformers
+    from ..tiny import quiet_transformers
 
     with quiet_transformers():
         model = model_class.from_pretrained(path, dtype=dtype, device_map={"": device},

@@ -20,7 +20,7 @@ Layers whose input cannot take a scale keep their weight as it is; so do q/k/v a
 the norms multiply by ``1 + weight`` (Gemma's): ``(1 + w) t - 1`` is no rescaling of the stored
 weight; the norm modules themselves tell (:func:`norm_gain`), and norms of no known kind are left
 alone too; a block holding more than attention, MLP and norms keeps all its weights (:func:`plain_block`).
-The weights are then quantized by the ``hqq`` solver; see :func:`quantpack.quantize.quantize`.
+The weights are then quantized by the ``hqq`` solver; see :func:`quantpack.quantization.groupwise.quantize`.
 
 A vector does not always help: the scaled-down columns' inputs grow by the same factor, so their
 quantization error counts more. Given the target bits and group size, each block's vectors are kept
@@ -82,8 +82,8 @@ def column_scales(weights: list[torch.Tensor], *, iters: int = DEFAULT_ITERS, ti
 def _weighted_error(weights, act, bits: int, group_size: int) -> float:
     """sum_k act_k^2 ||column k of (Q(W) - W)||^2 over ``weights``: the output error for inputs whose
     feature k has magnitude ``act_k`` (uncorrelated features)."""
-    from .quantize import quantize
-    from .reference import dequantize
+    from .groupwise import quantize
+    from ..reference import dequantize
 
     total = 0.0
     for w in weights:
