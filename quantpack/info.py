@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from . import checkpoint_json
-from .checkpoint_json import BUILT_IN_SCHEMES, CheckpointError, read_quantization_config
+from .checkpoint import metadata
+from .checkpoint.metadata import BUILT_IN_SCHEMES, CheckpointError, read_quantization_config
 from .sizes import format_size
 
 
@@ -25,23 +25,23 @@ def info(packed, *, revision: str | None = None, token: str | None = None) -> di
     Raises :class:`~quantpack.checkpoint.CheckpointError` (one line) when ``packed`` is not a packed
     checkpoint.
     """
-    from .hub import resolve_checkpoint
+    from .checkpoint.hub import resolve_checkpoint
 
     try:
         root = resolve_checkpoint(packed, revision=revision, token=token)
     except CheckpointError as e:
         raise _fail("packed" + str(e).removeprefix("path_or_repo_id")) from None
-    manifest = checkpoint_json.read_manifest(root)
+    manifest = metadata.read_manifest(root)
     if not isinstance(manifest, dict):
-        raise _fail(f"{root / checkpoint_json.MANIFEST_NAME}: not a quantpack manifest (a JSON object); re-convert")
+        raise _fail(f"{root / metadata.MANIFEST_NAME}: not a quantpack manifest (a JSON object); re-convert")
     try:
-        config = json.loads((root / checkpoint_json.CONFIG_NAME).read_text())
+        config = json.loads((root / metadata.CONFIG_NAME).read_text())
     except FileNotFoundError:
         raise _fail(f"{root}: no config.json; not a packed checkpoint directory") from None
     except ValueError:
-        raise _fail(f"{root / checkpoint_json.CONFIG_NAME}: not valid JSON") from None
+        raise _fail(f"{root / metadata.CONFIG_NAME}: not valid JSON") from None
     if not isinstance(config, dict):
-        raise _fail(f"{root / checkpoint_json.CONFIG_NAME}: not a JSON object; not a packed checkpoint")
+        raise _fail(f"{root / metadata.CONFIG_NAME}: not a JSON object; not a packed checkpoint")
     qc = read_quantization_config(config)
     if qc["scheme"] not in BUILT_IN_SCHEMES:  # one registered later: only the registry (which imports torch) knows it
         from .schemes import get

@@ -5,7 +5,7 @@ The model is built on the meta device, every converted linear layer is swapped f
 put on the device it belongs to, one tensor at a time. Full-precision linear weights never exist.
 
 Before any tensor data is read, the files are checked against ``config.json``, the shard index and
-the manifest ``quantpack.json`` by the checks ``quantpack verify`` runs (:mod:`quantpack.integrity`): a tensor
+the manifest ``quantpack.json`` by the checks ``quantpack verify`` runs (:mod:`quantpack.checkpoint.integrity`): a tensor
 with the wrong shape or dtype, a missing or unexpected tensor, a file whose checksum differs, or an unsupported
 layout version raises :class:`~quantpack.checkpoint.CheckpointError` (a ``ValueError``) naming the tensor or
 file; so does a tensor whose data differs from its recorded sha256 or holds NaN or infinity, as it is read.
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from . import checkpoint, generation
-from .hub import resolve_checkpoint
-from .integrity import check_checkpoint, fail, read_checked, refuse
+from .checkpoint.hub import resolve_checkpoint
+from .checkpoint.integrity import check_checkpoint, fail, read_checked, refuse
 from .modules import fused
 from .modules.experts import QuantExperts, skip_experts_switch, use_mma_layouts
 from .modules.merged import merge_projections

@@ -295,7 +295,7 @@ def make_random_checkpoint(path, config, *, dtype: torch.dtype = torch.bfloat16,
 
     from .checkpoint import SHARD_METADATA
     from .sizes import parse_size
-    from .checkpoint_writer import make_index, shard_name, write_json, write_safetensors
+    from .checkpoint.writer import make_index, shard_name, write_json, write_safetensors
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

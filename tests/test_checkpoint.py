@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from quantpack.sizes import parse_size
 from quantpack.checkpoint import (SHARD_METADATA, CheckpointError, PackedCheckpoint, SourceCheckpoint,
                                   read_quantization_config, read_safetensors_header, sha256_file, sha256_tensor_data)
-from quantpack.checkpoint_writer import make_quantization_config, safetensors_size, shard_name, write_safetensors
+from quantpack.checkpoint.writer import make_quantization_config, safetensors_size, shard_name, write_safetensors
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_write_safetensors_roundtrip_and_alignment(tmp_path, dtype):
 def test_write_safetensors_digests_are_the_sha256_of_each_tensors_stored_bytes(tmp_path, monkeypatch):
     import hashlib
 
-    import quantpack.checkpoint_writer as checkpoint_writer
+    import quantpack.checkpoint.writer as checkpoint_writer
 
     g = torch.Generator().manual_seed(0)
     tensors = {"big": torch.randn(300, 1000, generator=g).to(torch.bfloat16),  # 600 KB: hashed on the second thread

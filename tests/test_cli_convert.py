@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from quantpack.checkpoint import SourceCheckpoint, read_safetensors_header
-from quantpack.checkpoint_writer import shard_name, write_safetensors
+from quantpack.checkpoint.writer import shard_name, write_safetensors
 from quantpack.cli import cli
 from quantpack.tiny import make_random_checkpoint
 

@@ -9,7 +9,7 @@ import torch
 import quantpack
 from quantpack.checkpoint import (CheckpointError, PackedCheckpoint, SourceCheckpoint, check_index,
                                   check_manifest_files, read_safetensors_header, sha256_file, sha256_tensor_data)
-from quantpack.checkpoint_writer import shard_name, write_safetensors
+from quantpack.checkpoint.writer import shard_name, write_safetensors
 from quantpack.convert import convert
 from quantpack.reference import dequantize
 from quantpack.tiny import make_tiny_llama
@@ -350,7 +350,7 @@ def test_bad_arguments(tiny_llama_dir, tmp_path, kwargs, match):
                                             ("/abs/model", True), ("a/b/c", True), ("~/models/x", True),
                                             ("bad repo/name", True)])
 def test_source_path_or_repo_id(source, is_path):
-    from quantpack.hub import looks_like_path
+    from quantpack.checkpoint.hub import looks_like_path
 
     assert looks_like_path(source) is is_path
 

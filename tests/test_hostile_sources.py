@@ -311,7 +311,7 @@ def test_huge_norm_weight_that_float16_cannot_hold_is_refused(src, tmp_path):
 
 
 def test_write_json_writes_null_for_non_finite_numbers(tmp_path):
-    from quantpack.checkpoint_writer import write_json
+    from quantpack.checkpoint.writer import write_json
 
     write_json(tmp_path / "x.json", {"a": float("nan"), "b": [1.5, float("inf")], "c": (float("-inf"),)})
     assert strict_json((tmp_path / "x.json").read_text()) == {"a": None, "b": [1.5, None], "c": [None]}

@@ -1,11 +1,11 @@
-"""quantpack.hub against a pre-filled Hugging Face cache, offline (the ``hub_cache`` fixture)."""
+"""quantpack.checkpoint.hub against a pre-filled Hugging Face cache, offline (the ``hub_cache`` fixture)."""
 import fnmatch
 
 import huggingface_hub
 import pytest
 
 from quantpack.checkpoint import CheckpointError
-from quantpack.hub import resolve_source
+from quantpack.checkpoint.hub import resolve_source
 
 
 @pytest.mark.parametrize("revision", [None, "main", "commit"])

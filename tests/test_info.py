@@ -20,7 +20,7 @@ def run(*args):
 
 
 def test_info_json_describes_the_checkpoint(packed_mixed, tiny_llama_dir, monkeypatch):
-    monkeypatch.setattr(checkpoint, "read_tensor", None)  # nothing is loaded: no tensor data read
+    monkeypatch.setattr(checkpoint.reading, "read_tensor", None)  # nothing is loaded: no tensor data read
     r = run(packed_mixed, "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)

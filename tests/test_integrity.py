@@ -1,5 +1,5 @@
 """One verdict for every folder: ``quantpack.load`` and ``quantpack verify`` run the same integrity check
-(quantpack/integrity.py), so a folder one refuses the other refuses, with the same first line."""
+(quantpack/checkpoint/integrity.py), so a folder one refuses the other refuses, with the same first line."""
 from __future__ import annotations
 
 import shutil
@@ -9,7 +9,8 @@ import torch
 from click.testing import CliRunner
 
 import quantpack
-from quantpack import checkpoint, checkpoint_writer
+from quantpack import checkpoint
+from quantpack.checkpoint import writer as checkpoint_writer
 from quantpack.checkpoint import CheckpointError
 from quantpack.cli import cli
 from quantpack.convert import convert

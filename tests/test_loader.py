@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpack import checkpoint, checkpoint_writer
+from quantpack import checkpoint
+from quantpack.checkpoint import writer as checkpoint_writer
 from quantpack.checkpoint import CheckpointError
 from quantpack.convert import convert
 from quantpack.loader import load
@@ -399,7 +400,7 @@ def test_verified_load_reads_each_shard_once(packed_llama, monkeypatch):
         hashed.append(Path(path).name)
         return real(path, *a, **k)
 
-    monkeypatch.setattr(checkpoint, "sha256_file", sha256_file)
+    monkeypatch.setattr(checkpoint.reading, "sha256_file", sha256_file)
     assert load(packed_llama) is not None
     assert hashed and not [name for name in hashed if name.endswith(".safetensors")]
 

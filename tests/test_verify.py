@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpack import checkpoint, checkpoint_writer
+from quantpack import checkpoint
+from quantpack.checkpoint import writer as checkpoint_writer
 from quantpack.convert import convert
 from quantpack.modules.linear import QuantLinear
 

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from torch import nn
 
 import quantpack
-from quantpack import checkpoint, checkpoint_writer
+from quantpack import checkpoint
+from quantpack.checkpoint import writer as checkpoint_writer
 from quantpack.checkpoint import CheckpointError, read_quantization_config
 from quantpack.cli import cli
 from quantpack.convert import convert

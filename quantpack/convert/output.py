@@ -17,7 +17,7 @@ import torch
 from .. import __version__
 from ..format import LAYOUT_VERSION
 from ..checkpoint import MANIFEST_NAME, MANIFEST_VERSION, CheckpointError, SourceCheckpoint, read_manifest, sha256_file
-from ..checkpoint_writer import write_json
+from ..checkpoint.writer import write_json
 
 PARTIAL_SUFFIX = ".qp-partial"
 LOCK_SUFFIX = ".qp-lock"

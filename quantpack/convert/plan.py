@@ -149,7 +149,7 @@ _EXPERT_PROJ = {"w1": "gate_proj", "gate_proj": "gate_proj", "w3": "up_proj", "u
 def expert_tensors(model, names) -> tuple[dict[str, tuple[str, str, int]], dict[str, str]]:
     """Checkpoint tensors that are one expert's matrix (``.weight``) or bias (``.bias``) of an experts block of the
     model (see :func:`quantpack.modules.experts.experts_block`; a stacked block's tensors as
-    quantpack.checkpoint_experts splits them): {tensor: (block path, projection, expert)}, plus the renames of
+    quantpack.checkpoint.experts splits them): {tensor: (block path, projection, expert)}, plus the renames of
     the blocks' parents ({``model.layers.0.block_sparse_moe.``: ``model.layers.0.mlp.``}) that the block's other
     tensors (the router) follow. A block is found by the decoder layer that holds it, so the checkpoint may name its
     parent differently."""
@@ -207,7 +207,7 @@ def check_complete(model, canonical: dict[str, str], expert_blocks) -> None:
     """Every tensor the model needs is in the checkpoint (by the loader's rule: its persistent
     parameters and buffers, a shared tensor once, tied weights excepted); a packed checkpoint without
     one would be refused by ``quantpack.load`` and ``verify``."""
-    from ..integrity import expected_tensors
+    from ..checkpoint.integrity import expected_tensors
     from ..modules.replace import tied_targets
 
     expected, _ = expected_tensors(model)

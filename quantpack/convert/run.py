@@ -14,9 +14,9 @@ from .. import __version__
 from ..card import CARD_NAME, write_model_card
 from ..checkpoint import (CONFIG_NAME, MANIFEST_NAME, SAFE_INDEX_NAME, SHARD_METADATA, CheckpointError,
                           SourceCheckpoint, dtype_name, is_disk_full, sha256_file)
-from ..checkpoint_experts import split_stacked_experts
-from ..checkpoint_writer import make_index, make_quantization_config, safetensors_size, shard_name, write_json
-from ..hub import resolve_source
+from ..checkpoint.experts import split_stacked_experts
+from ..checkpoint.writer import make_index, make_quantization_config, safetensors_size, shard_name, write_json
+from ..checkpoint.hub import resolve_source
 from ..modules.linear import linear_dims
 from ..schemes import SCHEMES
 from .options import DEFAULT_GROUP_SIZE, check_arguments, default_output_name, resolve_dtype

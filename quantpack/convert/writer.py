@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..checkpoint import SHARD_METADATA, CheckpointError, SourceCheckpoint, dtype_name
-from ..checkpoint_writer import write_safetensors
+from ..checkpoint.writer import write_safetensors
 from ..schemes import SCHEMES
 from .output import write_progress
 from .summary import LayerResult

@@ -33,8 +33,8 @@ from pathlib import Path
 
 from .. import checkpoint, generation
 from ..checkpoint import QUANT_METHOD, CheckpointError, TensorInfo
-from ..hub import resolve_checkpoint
-from ..integrity import check_files, check_model, fail, read_checked, refuse, use_model
+from ..checkpoint.hub import resolve_checkpoint
+from ..checkpoint.integrity import check_files, check_model, fail, read_checked, refuse, use_model
 from ..modules import fused
 from ..modules.experts import skip_experts_switch, use_mma_layouts
 from ..modules.merged import merge_projections
@@ -174,7 +174,7 @@ class QuantpackHfQuantizer(HfQuantizer):
 def _checkpoint_root(model, checkpoint_files) -> Path:
     """The packed checkpoint directory whose shards transformers is about to read. For a hub repository
     transformers fetches only the config and shards: the rest (manifest, tokenizer) comes into the same
-    snapshot through :func:`quantpack.hub.resolve_checkpoint`, at the commit being loaded."""
+    snapshot through :func:`quantpack.checkpoint.hub.resolve_checkpoint`, at the commit being loaded."""
     files = [Path(f) for f in checkpoint_files or []]
     if not files or not all(f.name.endswith(".safetensors") for f in files):
         raise fail("from_pretrained: a quantpack checkpoint loads from its safetensors shards; pass the packed "

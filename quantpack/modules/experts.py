@@ -12,7 +12,7 @@ the device of the first tensor it receives.
 
 gpt-oss's block (``GptOssExperts``: ``gate_up_proj`` (E, H, 2I) with gate and up interleaved, ``down_proj``
 (E, I, H), a bias for each, the clamped SwiGLU) is stored as those 3-D tensors; ``convert`` splits it into the same
-per-expert matrices (quantpack.checkpoint_experts), and it loads as a biased ``QuantExperts``. Llama 4's
+per-expert matrices (quantpack.checkpoint.experts), and it loads as a biased ``QuantExperts``. Llama 4's
 (``Llama4TextExperts``: the same shapes, gate's columns before up's, no bias) loads as a ``QuantExperts`` with
 ``weight_on_input``, its parent routed to the top-k experts (:func:`route_llama4_moe`).
 """

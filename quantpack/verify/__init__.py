@@ -2,7 +2,7 @@
 
 A report in four sections, each building on the one before:
 
-* **integrity**: the checks :func:`quantpack.load` runs (:mod:`quantpack.integrity`, one verdict for every
+* **integrity**: the checks :func:`quantpack.load` runs (:mod:`quantpack.checkpoint.integrity`, one verdict for every
   folder), every problem reported: ``config.json`` and its ``quantization_config`` (layout version, scheme), the
   manifest ``quantpack.json`` (its files, layers and per-tensor sha256s), the shard index against the
   shard headers, every tensor's shape and dtype against the model the config describes, and every

@@ -1,4 +1,4 @@
-"""The integrity section of verify: the checks :func:`quantpack.load` runs (:mod:`quantpack.integrity`), every
+"""The integrity section of verify: the checks :func:`quantpack.load` runs (:mod:`quantpack.checkpoint.integrity`), every
 problem reported; a changed file of a manifest without per-tensor digests is searched for the tensors that changed."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch import nn
 
 from .. import checkpoint, schemes
 from ..checkpoint import CheckpointError, TensorInfo
-from ..checkpoint_experts import split_stacked_experts
-from ..integrity import Checked, Problem, check_checkpoint, read_checked
+from ..checkpoint.experts import split_stacked_experts
+from ..checkpoint.integrity import Checked, Problem, check_checkpoint, read_checked
 
 
 # Quantized modules: each scheme says how its modules are checked (quantpack.schemes)
@@ -37,7 +37,7 @@ def quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def check_integrity(root, *, reference: Path | None = None,
                     allow_pickle: bool = False, trust_remote_code: bool = False) -> tuple[dict, list[Problem], dict | None]:
-    """Check a packed checkpoint's files with the checks :func:`quantpack.load` runs (:mod:`quantpack.integrity`),
+    """Check a packed checkpoint's files with the checks :func:`quantpack.load` runs (:mod:`quantpack.checkpoint.integrity`),
     every tensor's data included, and report every problem rather than the first.
 
     Returns (summary counts, problems, validated quantization_config or None). With ``reference``

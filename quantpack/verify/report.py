@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 
 from .. import __version__, checkpoint
-from ..integrity import PROBLEM_KINDS, Problem  # noqa: F401 (part of the report)
+from ..checkpoint.integrity import PROBLEM_KINDS, Problem  # noqa: F401 (part of the report)
 
 
 SCHEMA_VERSION = 1

@@ -10,7 +10,7 @@ import torch
 
 from .. import checkpoint
 from ..checkpoint import CheckpointError
-from ..checkpoint_experts import split_stacked_experts
+from ..checkpoint.experts import split_stacked_experts
 from .end_to_end import run_end_to_end
 from .integrity import check_integrity, quantized_modules
 from .kernels import kernel_errors
@@ -46,7 +46,7 @@ def _check_threshold(name: str, value, *, low=None, high=None) -> None:
 def _resolve_reference(reference, manifest: dict | None, *, revision=None, token=None, allow_pickle: bool = False,
                        trust_remote_code: bool = False):
     """(directory, description) of the reference checkpoint: ``reference`` or the manifest's source."""
-    from ..hub import resolve_source
+    from ..checkpoint.hub import resolve_source
 
     if reference is None:
         src = (manifest or {}).get("source") or {}
@@ -138,7 +138,7 @@ def verify(packed, *, reference=None, text: str | None = None, text_file=None, d
         raise ValueError("text: is empty; pass some text to evaluate on")
     dev = _resolve_device(device)
 
-    from ..hub import resolve_checkpoint
+    from ..checkpoint.hub import resolve_checkpoint
 
     try:
         root = resolve_checkpoint(packed, revision=revision, token=token)

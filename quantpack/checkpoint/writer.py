@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import DTYPE_CODES, QUANT_METHOD, finite_or_none, sha256_bytes, weight_only_scheme
-from .format import LAYOUT_VERSION
+from .reading import DTYPE_CODES, QUANT_METHOD, finite_or_none, sha256_bytes, weight_only_scheme
+from ..format import LAYOUT_VERSION
 
 _THREADED_DIGEST_BYTES = 1 << 20  # smaller tensors are hashed inline: a thread hand-off costs more
 

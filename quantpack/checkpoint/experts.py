@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import SourceCheckpoint, TensorInfo
+from .reading import SourceCheckpoint, TensorInfo
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def split_stacked_experts(model, src: SourceCheckpoint):
     """``src`` as :class:`StackedExpertsSource` where ``model`` has experts blocks that ``src`` stores stacked (gpt-oss's
     blocks as transformers builds them, or their :class:`~quantpack.modules.experts.QuantExperts` when ``src`` is the
     reference of a packed checkpoint), else ``src`` itself."""
-    from .modules.experts import QuantExperts, experts_block
+    from ..modules.experts import QuantExperts, experts_block
 
     blocks = {}
     for name, module in model.named_modules():

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_json import CheckpointError
+from .metadata import CheckpointError
 
 # What a conversion reads or copies besides the weights, fetched first; then only the safetensors files the index
 # names (else model.safetensors), as transformers reads them: never a consolidated.safetensors or other weight
@@ -67,7 +67,7 @@ def _weight_files(folder: Path) -> list[str]:
     import glob
     import json
 
-    from .checkpoint_json import SAFE_INDEX_NAME, SAFE_SINGLE_NAME
+    from .metadata import SAFE_INDEX_NAME, SAFE_SINGLE_NAME
 
     try:
         weight_map = json.loads((folder / SAFE_INDEX_NAME).read_text())["weight_map"]

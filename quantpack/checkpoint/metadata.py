@@ -1,6 +1,6 @@
 """A checkpoint's JSON files: ``config.json`` and its ``quantization_config``, the manifest ``quantpack.json``, and
 the names of a checkpoint's files. Nothing here needs torch, so that what reads only these (``quantpack info``)
-starts as fast as ``--help``; :mod:`quantpack.checkpoint` re-exports every name. docs/format.md is the spec.
+starts as fast as ``--help``; the package :mod:`quantpack.checkpoint` gives every name. docs/format.md is the spec.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from .format import LAYOUT_VERSION, SUPPORTED_AXES, SUPPORTED_BITS
+from ..format import LAYOUT_VERSION, SUPPORTED_AXES, SUPPORTED_BITS
 
 CONFIG_NAME = "config.json"
 SAFE_INDEX_NAME = "model.safetensors.index.json"

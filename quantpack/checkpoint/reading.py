@@ -5,11 +5,11 @@
   every header up front (truncation, LFS pointers, missing shards) and then reads one tensor at a
   time with plain positioned reads, so memory holds only the tensor asked for (no mmap pages of
   whole shards count against the process).
-* Writing is :mod:`quantpack.checkpoint_writer`'s.
+* Writing is :mod:`quantpack.checkpoint.writer`'s.
 * Packed checkpoints: index validation (:func:`check_index`) and :class:`PackedCheckpoint` to get a layer back
   as a :class:`~quantpack.format.PackedWeight`. The JSON files (``config.json``, :func:`read_quantization_config`,
-  the manifest ``quantpack.json``) are read by :mod:`quantpack.checkpoint_json`, without torch; its names are
-  re-exported here.
+  the manifest ``quantpack.json``) are read by :mod:`quantpack.checkpoint.metadata`, without torch; its names are
+  imported here.
 
 docs/format.md is the written spec of everything here.
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_json import (BIN_INDEX_NAME, BIN_SINGLE_NAME, CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION,  # noqa: F401
+from .metadata import (BIN_INDEX_NAME, BIN_SINGLE_NAME, CONFIG_NAME, MANIFEST_NAME, MANIFEST_VERSION,  # noqa: F401
                               QUANT_METHOD, SAFE_INDEX_NAME, SAFE_SINGLE_NAME, W8A8_CONFIG, WEIGHT_ONLY_SCHEMES,
                               CheckpointError, finite_or_none, read_config, read_manifest, read_quantization_config,
                               weight_only_scheme)
-from .format import LAYOUT_VERSION, PackedWeight, check_layout_args
+from ..format import LAYOUT_VERSION, PackedWeight, check_layout_args
 
 SHARD_METADATA = {"format": "pt", "quantpack_layout_version": str(LAYOUT_VERSION)}
 # Files that hold weights: never copied as "other files" of a source checkpoint.

@@ -21,9 +21,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from . import checkpoint
-from .checkpoint import CheckpointError, TensorInfo
-from .format import LAYOUT_VERSION
+from . import reading
+from .reading import CheckpointError, TensorInfo
+from ..format import LAYOUT_VERSION
 
 # Kinds of problems, in the order they are reported (the first is the one a loader raises, and verify's error line).
 # A stored tensor the model lacks comes before the model's tensors it leaves missing: it names what was stored.
@@ -108,18 +108,18 @@ def check_checkpoint(root, *, verify: bool = True, trust_remote_code: bool = Fal
 
 def check_files(root, *, verify: bool = True) -> Checked:
     """config.json and its quantization_config, the manifest (``verify``), the index and the shard headers."""
-    from .schemes import read_quantization_config
+    from ..schemes import read_quantization_config
 
     checked = Checked(Path(root), verify)
     root = checked.root
-    if not (root / checkpoint.CONFIG_NAME).is_file():
-        checked.add("config", f"{root}: no config.json; not a packed checkpoint directory", file=checkpoint.CONFIG_NAME)
+    if not (root / reading.CONFIG_NAME).is_file():
+        checked.add("config", f"{root}: no config.json; not a packed checkpoint directory", file=reading.CONFIG_NAME)
         return checked
     try:
-        checked.config = checkpoint.read_config(root)
+        checked.config = reading.read_config(root)
         checked.qc = read_quantization_config(checked.config)
     except CheckpointError as e:
-        checked.add("layout" if "layout_version" in str(e) else "config", str(e), file=checkpoint.CONFIG_NAME)
+        checked.add("layout" if "layout_version" in str(e) else "config", str(e), file=reading.CONFIG_NAME)
     if verify:
         _check_manifest(checked)
     shard_files, weight_map = _shard_files(checked)
@@ -131,25 +131,25 @@ def check_files(root, *, verify: bool = True) -> Checked:
 
 def _check_manifest(checked: Checked) -> None:
     try:
-        manifest = checkpoint.read_manifest(checked.root)
+        manifest = reading.read_manifest(checked.root)
     except CheckpointError as e:
-        checked.add("manifest", str(e), file=checkpoint.MANIFEST_NAME)
+        checked.add("manifest", str(e), file=reading.MANIFEST_NAME)
         return
     if not isinstance(manifest, dict):
-        checked.add("manifest", f"{checked.root / checkpoint.MANIFEST_NAME}: not a quantpack manifest (a JSON "
-                                f"object); download it again or re-convert", file=checkpoint.MANIFEST_NAME)
+        checked.add("manifest", f"{checked.root / reading.MANIFEST_NAME}: not a quantpack manifest (a JSON "
+                                f"object); download it again or re-convert", file=reading.MANIFEST_NAME)
         return
     checked.manifest = manifest
     if manifest.get("layout_version") != LAYOUT_VERSION:
-        checked.add("layout", f"{checkpoint.MANIFEST_NAME}: layout_version={manifest.get('layout_version')!r}; this "
+        checked.add("layout", f"{reading.MANIFEST_NAME}: layout_version={manifest.get('layout_version')!r}; this "
                               f"quantpack reads layout version {LAYOUT_VERSION}: upgrade quantpack or re-convert",
-                    file=checkpoint.MANIFEST_NAME)
+                    file=reading.MANIFEST_NAME)
 
 
 def _shard_files(checked: Checked) -> tuple[list[str], dict[str, str] | None]:
     """Shard file names and the index's weight map (None without an index)."""
     root = checked.root
-    index = root / checkpoint.SAFE_INDEX_NAME
+    index = root / reading.SAFE_INDEX_NAME
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -166,10 +166,10 @@ def _shard_files(checked: Checked) -> tuple[list[str], dict[str, str] | None]:
                                      f"the index is corrupt or crafted: download it again", file=index.name)
                 return [], None
         return files, weight_map
-    if (root / checkpoint.SAFE_SINGLE_NAME).is_file():
-        return [checkpoint.SAFE_SINGLE_NAME], None
-    checked.add("index", f"{root}: no {checkpoint.SAFE_INDEX_NAME} or {checkpoint.SAFE_SINGLE_NAME}; not a packed "
-                         f"checkpoint directory", file=checkpoint.SAFE_INDEX_NAME)
+    if (root / reading.SAFE_SINGLE_NAME).is_file():
+        return [reading.SAFE_SINGLE_NAME], None
+    checked.add("index", f"{root}: no {reading.SAFE_INDEX_NAME} or {reading.SAFE_SINGLE_NAME}; not a packed "
+                         f"checkpoint directory", file=reading.SAFE_INDEX_NAME)
     return [], None
 
 
@@ -186,21 +186,21 @@ def _check_outputs(checked: Checked, shard_files: list[str]) -> None:
             continue
         checked.files_checked += 1
         if not isinstance(entry, dict):
-            checked.add("manifest", f"{checkpoint.MANIFEST_NAME}: the entry of {rel} is not an object; download the "
-                                    f"checkpoint again", file=checkpoint.MANIFEST_NAME)
+            checked.add("manifest", f"{reading.MANIFEST_NAME}: the entry of {rel} is not an object; download the "
+                                    f"checkpoint again", file=reading.MANIFEST_NAME)
         elif isinstance(entry.get("tensors"), dict):
             continue  # a shard with per-tensor digests: its header and every data byte are checked finer below
         elif f.stat().st_size != entry.get("size"):
-            checked.add("checksum", f"file {rel}: {f.stat().st_size} bytes, {checkpoint.MANIFEST_NAME} says "
+            checked.add("checksum", f"file {rel}: {f.stat().st_size} bytes, {reading.MANIFEST_NAME} says "
                                     f"{entry.get('size')}; the file is truncated or modified: download it again",
                         file=rel)
-        elif checkpoint.sha256_file(f) != entry.get("sha256"):
+        elif reading.sha256_file(f) != entry.get("sha256"):
             checked.changed_files.append(rel)
-            checked.add("checksum", f"file {rel}: sha256 differs from {checkpoint.MANIFEST_NAME}; the file is corrupt "
+            checked.add("checksum", f"file {rel}: sha256 differs from {reading.MANIFEST_NAME}; the file is corrupt "
                                     f"or modified, download it again", file=rel)
     for name in shard_files:
         if name not in outputs and (checked.root / name).is_file():
-            checked.add("manifest", f"file {name}: a shard that {checkpoint.MANIFEST_NAME} does not list; the "
+            checked.add("manifest", f"file {name}: a shard that {reading.MANIFEST_NAME} does not list; the "
                                     f"checkpoint was modified after conversion", file=name)
 
 
@@ -217,7 +217,7 @@ def _check_shards(checked: Checked, shard_files: list[str], weight_map: dict[str
             checked.missing_files.add(fname)
             continue
         try:
-            infos, meta = checkpoint.read_safetensors_header(f)
+            infos, meta = reading.read_safetensors_header(f)
         except CheckpointError as e:
             checked.add("checksum", f"file {fname}: {str(e).removeprefix(str(f) + ': ')}", file=fname)
             continue
@@ -234,7 +234,7 @@ def _check_shards(checked: Checked, shard_files: list[str], weight_map: dict[str
                             file=fname, tensor=tname)
             tensors[tname] = info
             if weight_map is not None and tname not in weight_map:
-                checked.add("index", f"tensor {tname} in {fname}: missing from {checkpoint.SAFE_INDEX_NAME}",
+                checked.add("index", f"tensor {tname} in {fname}: missing from {reading.SAFE_INDEX_NAME}",
                             file=fname, tensor=tname)
         entry = checked.outputs.get(fname)
         recorded = entry.get("tensors") if isinstance(entry, dict) else None
@@ -242,14 +242,14 @@ def _check_shards(checked: Checked, shard_files: list[str], weight_map: dict[str
             # The digests cover every data byte; the header's names, shapes and dtypes are checked against the
             # model, and its metadata must be what convert wrote: a changed header is caught without hashing
             # the whole file.
-            if meta != checkpoint.SHARD_METADATA and meta.get("format") == "pt" and version in (None, str(LAYOUT_VERSION)):
-                wrote = json.dumps(checkpoint.SHARD_METADATA, sort_keys=True)
+            if meta != reading.SHARD_METADATA and meta.get("format") == "pt" and version in (None, str(LAYOUT_VERSION)):
+                wrote = json.dumps(reading.SHARD_METADATA, sort_keys=True)
                 checked.add("checksum", f"file {fname}: its header's metadata {json.dumps(meta, sort_keys=True)} is "
                                         f"not what quantpack wrote ({wrote}); the file was modified: download it again",
                             file=fname)
             for tname in sorted(set(infos) ^ set(recorded)):
                 where = "is in the file but not" if tname in infos else "is missing from the file but listed"
-                checked.add("checksum", f"tensor {tname} in {fname}: {where} in {checkpoint.MANIFEST_NAME}; the file is "
+                checked.add("checksum", f"tensor {tname} in {fname}: {where} in {reading.MANIFEST_NAME}; the file is "
                                         f"corrupt or modified: download it again", file=fname, tensor=tname)
             checked.digests.update({t: d for t, d in recorded.items() if t in infos})
     for fname in sorted(checked.missing_files):
@@ -261,7 +261,7 @@ def _check_shards(checked: Checked, shard_files: list[str], weight_map: dict[str
     for tname, shard in sorted((weight_map or {}).items()):
         info = tensors.get(tname)
         if shard not in checked.missing_files and (info is None or info.file.name != shard):
-            checked.add("index", f"tensor {tname}: {checkpoint.SAFE_INDEX_NAME} says it is in {shard}, but it is not; "
+            checked.add("index", f"tensor {tname}: {reading.SAFE_INDEX_NAME} says it is in {shard}, but it is not; "
                                  f"the index does not match the shards", file=shard, tensor=tname)
 
 
@@ -294,8 +294,8 @@ def build_model(checked: Checked, *, dtype: torch.dtype | None = None, trust_rem
     meta device, its converted layers swapped for the scheme's modules; a config that cannot be built is a problem."""
     from accelerate import init_empty_weights
 
-    from .hf_config import auto_config, model_class
-    from .modules.replace import linear_modules_to_convert, replace_linear_layers
+    from ..hf_config import auto_config, model_class
+    from ..modules.replace import linear_modules_to_convert, replace_linear_layers
 
     tensors, qc = checked.tensors, checked.qc
     build_dtype = dtype or default_dtype(tensors)
@@ -316,20 +316,20 @@ def build_model(checked: Checked, *, dtype: torch.dtype | None = None, trust_rem
         names = linear_modules_to_convert(model, qc)
         replace_linear_layers(model, qc, names, compute_dtype)
     except CheckpointError as e:
-        checked.add("config", str(e), file=checkpoint.CONFIG_NAME)
+        checked.add("config", str(e), file=reading.CONFIG_NAME)
         return
     except Exception as e:  # transformers raises many kinds for a config it cannot build
         checked.add("config", f"file config.json: transformers cannot build the model it describes "
-                              f"({type(e).__name__}: {' '.join(str(e).split())[:160]})", file=checkpoint.CONFIG_NAME)
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:160]})", file=reading.CONFIG_NAME)
         return
     use_model(checked, model, names)
 
 
 def use_model(checked: Checked, model: nn.Module, converted: list[str]) -> None:
     """Check against ``model`` (its layers ``converted`` already swapped), one built elsewhere (transformers')."""
-    from .modules.experts import ExpertMatrix
-    from .modules.linear import QuantLinear
-    from .modules.replace import tied_targets
+    from ..modules.experts import ExpertMatrix
+    from ..modules.linear import QuantLinear
+    from ..modules.replace import tied_targets
 
     checked.model = model
     checked.expected, aliases = expected_tensors(model)
@@ -341,7 +341,7 @@ def use_model(checked: Checked, model: nn.Module, converted: list[str]) -> None:
 def check_model(checked: Checked) -> None:
     """Every stored tensor is one of the model's with its shape and dtype, every tensor of the model is stored,
     and (``verify``) each layer the manifest lists is stored quantized with the bits and shape it records."""
-    from . import schemes
+    from .. import schemes
 
     model, expected, tensors, qc = checked.model, checked.expected, checked.tensors, checked.qc
     out_dtype = ((checked.manifest or {}).get("settings") or {}).get("dtype")
@@ -367,15 +367,15 @@ def check_model(checked: Checked) -> None:
         if tuple(info.shape) != tuple(want.shape):
             checked.add("shape", f"{where}: shape {list(info.shape)}, expected {list(want.shape)} from config.json and "
                                  f"quantization_config", file=info.file.name, tensor=name)
-        stored = checkpoint.dtype_name(info.dtype)
+        stored = reading.dtype_name(info.dtype)
         if name in fixed_dtypes:
-            wanted = None if info.dtype == fixed_dtypes[name] else checkpoint.dtype_name(fixed_dtypes[name])
+            wanted = None if info.dtype == fixed_dtypes[name] else reading.dtype_name(fixed_dtypes[name])
         elif not want.is_floating_point():
-            wanted = None if info.dtype == want.dtype else checkpoint.dtype_name(want.dtype)
+            wanted = None if info.dtype == want.dtype else reading.dtype_name(want.dtype)
         elif not info.dtype.is_floating_point:
             wanted = "a floating-point dtype"
         else:
-            wanted = None if out_dtype in (None, stored) else f"{out_dtype}, the dtype {checkpoint.MANIFEST_NAME} records"
+            wanted = None if out_dtype in (None, stored) else f"{out_dtype}, the dtype {reading.MANIFEST_NAME} records"
         if wanted is not None:
             checked.add("dtype", f"{where}: dtype {stored}, expected {wanted}", file=info.file.name, tensor=name)
     missing = [n for n in expected if n not in tensors and n not in checked.tied and n not in checked.held_by_missing]
@@ -396,19 +396,19 @@ def _check_manifest_layer(checked: Checked, layer, misshapen: set[str]) -> None:
     qc, tensors = checked.qc, checked.tensors
     name = layer.get("name") if isinstance(layer, dict) else None
     if not isinstance(name, str):
-        checked.add("manifest", f"{checkpoint.MANIFEST_NAME}: a layers entry without a name ({layer!r:.80}); download "
-                                f"the checkpoint again", file=checkpoint.MANIFEST_NAME)
+        checked.add("manifest", f"{reading.MANIFEST_NAME}: a layers entry without a name ({layer!r:.80}); download "
+                                f"the checkpoint again", file=reading.MANIFEST_NAME)
         return
     qweight = tensors.get(name + ".qweight")
     if qweight is None:
         if name + ".qweight" not in checked.held_by_missing:
-            checked.add("missing_tensor", f"tensor {name}.qweight: missing, but {checkpoint.MANIFEST_NAME} lists "
+            checked.add("missing_tensor", f"tensor {name}.qweight: missing, but {reading.MANIFEST_NAME} lists "
                                           f"{name} as quantized", tensor=name + ".qweight")
         return
     bits = qc["bits_overrides"].get(name, qc["bits"])
     if "bits" in layer and layer["bits"] != bits:
-        checked.add("manifest", f"module {name}: {checkpoint.MANIFEST_NAME} says bits={layer['bits']} but "
-                                f"quantization_config gives bits={bits}", file=checkpoint.MANIFEST_NAME, tensor=name)
+        checked.add("manifest", f"module {name}: {reading.MANIFEST_NAME} says bits={layer['bits']} but "
+                                f"quantization_config gives bits={bits}", file=reading.MANIFEST_NAME, tensor=name)
     shape = layer.get("shape")
     if not (isinstance(shape, (list, tuple)) and len(shape) == 2 and all(isinstance(d, int) for d in shape)):
         return
@@ -417,14 +417,14 @@ def _check_manifest_layer(checked: Checked, layer, misshapen: set[str]) -> None:
     want = (n, k) if qc["scheme"] == "w8a8" else (k // 2, n) if bits == 4 else (k, n)
     if tuple(qweight.shape) != want and name + ".qweight" not in misshapen:
         checked.add("manifest", f"tensor {name}.qweight: shape {list(qweight.shape)} does not match the layer "
-                                f"shape [{n}, {k}] in {checkpoint.MANIFEST_NAME}", file=checkpoint.MANIFEST_NAME,
+                                f"shape [{n}, {k}] in {reading.MANIFEST_NAME}", file=reading.MANIFEST_NAME,
                     tensor=name + ".qweight")
     # convert records the group size it used: quantization_config's, or the whole grouped axis (per-channel)
     group_size = qc["group_size"] or (k if qc["axis"] == 1 else n)
     if "group_size" in layer and layer["group_size"] != group_size:
-        checked.add("manifest", f"module {name}: {checkpoint.MANIFEST_NAME} says group_size={layer['group_size']} "
+        checked.add("manifest", f"module {name}: {reading.MANIFEST_NAME} says group_size={layer['group_size']} "
                                 f"but quantization_config gives group_size={group_size}",
-                    file=checkpoint.MANIFEST_NAME, tensor=name)
+                    file=reading.MANIFEST_NAME, tensor=name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,7 +443,7 @@ def read_checked(checked: Checked, names=None) -> Iterator[tuple[str, TensorInfo
         for name in order:
             info = tensors[name]
             f = handles.get(info.file) or handles.setdefault(info.file, open(info.file, "rb", buffering=0))
-            tensor = checkpoint.read_tensor(info, f)
+            tensor = reading.read_tensor(info, f)
             yield name, info, tensor, data_problem(checked, name, info, tensor)
     finally:
         for f in handles.values():
@@ -457,13 +457,13 @@ def data_problem(checked: Checked, name: str, info: TensorInfo, tensor: torch.Te
     # NaN or infinity in any weight (a packed layer's scales or zeros above all) turns every output it touches into NaN
     values = f"{bad} of {tensor.numel()} values are NaN or infinite" if bad else None
     digest = checked.digests.get(name) if checked.verify else None
-    if digest is not None and checkpoint.sha256_of(tensor) != digest:
+    if digest is not None and reading.sha256_of(tensor) != digest:
         if _file_intact(checked, info.file.name):
-            return Problem("manifest", f"{where}: its data's sha256 differs from the one {checkpoint.MANIFEST_NAME} "
-                                       f"records; {checkpoint.MANIFEST_NAME} is corrupt or modified: download the "
-                                       f"checkpoint again", file=checkpoint.MANIFEST_NAME, tensor=name)
-        why = values or f"its data's sha256 differs from the one {checkpoint.MANIFEST_NAME} records"
-        return Problem("checksum", f"{where}: {why}; the file's sha256 differs from {checkpoint.MANIFEST_NAME}: it is "
+            return Problem("manifest", f"{where}: its data's sha256 differs from the one {reading.MANIFEST_NAME} "
+                                       f"records; {reading.MANIFEST_NAME} is corrupt or modified: download the "
+                                       f"checkpoint again", file=reading.MANIFEST_NAME, tensor=name)
+        why = values or f"its data's sha256 differs from the one {reading.MANIFEST_NAME} records"
+        return Problem("checksum", f"{where}: {why}; the file's sha256 differs from {reading.MANIFEST_NAME}: it is "
                                    f"corrupt or modified, download it again", file=info.file.name, tensor=name)
     if values:
         return Problem("values", f"{where}: {values}; the checkpoint is damaged: download it again or re-convert",
@@ -476,5 +476,5 @@ def _file_intact(checked: Checked, fname: str) -> bool:
     tensors disagrees with its digest: to tell a changed file from a changed manifest)."""
     if fname not in checked._file_intact:
         entry = checked.outputs.get(fname) or {}
-        checked._file_intact[fname] = checkpoint.sha256_file(checked.root / fname) == entry.get("sha256")
+        checked._file_intact[fname] = reading.sha256_file(checked.root / fname) == entry.get("sha256")
     return checked._file_intact[fname]
