@@ -50,7 +50,8 @@ FILE`` cuts it for a causal LM (quantpack.quantization.calibration.token_sequenc
 model's context, at most 128 of them).
 ``gptq-self`` is ``gptq`` calibrated on no text, as ``convert --calibration self`` runs it: on the witness, sequences
 the model samples itself (quantpack.quantization.calibration.sampled_token_sequences: BOS, a random token, then temperature 1;
-64 sequences of 128 tokens unless ``--self-samples`` says, where convert samples 128 of 512); on the encoder, which writes nothing, random ordinary tokens between
+64 sequences of 128 tokens unless ``--self-samples`` says, where convert samples 128 of 512; ``--self-seed`` and
+``--self-top-p`` change the seed and sample from the top-p nucleus); on the encoder, which writes nothing, random ordinary tokens between
 [CLS] and [SEP]; their Hessians shrunk towards the diagonal by quantpack.quantization.gptq.SELF_SHRINK. Candidates measured on
 the way: ``self-random`` (random ordinary tokens), ``self-gen`` (``gptq-self`` unshrunk), ``self-mix`` (half each).
 Options, combined with ``+``: ``+guard`` keeps hqq's rounding for a layer where it has the lower output error on the
@@ -373,7 +374,8 @@ def text_windows(tok, text: str, count: int, length: int) -> torch.Tensor:
 
 
 def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False, gguf_file: Path | None = None,
-                self_samples: tuple[int, int] = (64, 128)):
+                self_samples: tuple[int, int] = (64, 128), self_seed: int = calibration_mod.SELF_SEED,
+                self_top_p: float = 1.0):
     """``blockwise``: gptq and gptq-self quantize one block at a time (:func:`blockwise_gptq`); ``gguf_file``: the
     original the checkpoint was converted from, checked against llama.cpp's logits (:func:`check_against_llama_cpp`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -396,7 +398,7 @@ def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False
     ids_ok = calibration_mod.ordinary_token_ids(tok, model.config.vocab_size)
     count, length = self_samples  # (by default fewer and shorter than convert's, for the CPU's time)
     rand = calibration_mod.random_token_sequences(ids_ok, count, length, seed=0, lead=tok.bos_token_id)
-    gen = calibration_mod.sampled_token_sequences(model, ids_ok, count, length, seed=calibration_mod.SELF_SEED,
+    gen = calibration_mod.sampled_token_sequences(model, ids_ok, count, length, seed=self_seed, top_p=self_top_p,
                                                   bos=tok.bos_token_id)
     mix = torch.cat([rand[: count // 2], gen[count // 2:]])
     calib_runs = {"text": calib_run, **{name: (lambda m, t=t: m(t).logits) for name, t in
@@ -438,6 +440,7 @@ def causal_case(path: Path, text: str, calibration: str, blockwise: bool = False
 
 def checkpoint_cases(args, wanted: list[str], held_out: str, calibration: str, self_samples: tuple[int, int]) -> list:
     """(name, case) for each checkpoint in ``wanted``, fetched where not given."""
+    sampling = dict(self_samples=self_samples, self_seed=args.self_seed, self_top_p=args.self_top_p)
     cases = []
     if "minilm" in wanted:
         minilm = args.minilm or fetch_minilm(CACHE)
@@ -445,15 +448,14 @@ def checkpoint_cases(args, wanted: list[str], held_out: str, calibration: str, s
     if "witness" in wanted:
         if not (args.witness / "model.safetensors").exists():
             subprocess.run([sys.executable, str(HERE / "train_witness.py"), str(args.witness)], check=True)
-        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration,
-                                                         self_samples=self_samples)))
+        cases.append(("witness-llama-4x256", causal_case(args.witness, held_out, calibration, **sampling)))
     for key, source, given in (("smollm2", SMOLLM2, args.smollm2), ("gemma3", GEMMA3, args.gemma3),
                                  ("qwen2", QWEN2, args.qwen2)):
         if key in wanted:
             path = given or fetch_gguf_checkpoint(source, CACHE)
             cases.append((source.name, causal_case(path, held_out, calibration, blockwise=True,
                                                    gguf_file=None if given else fetch_gguf(source, CACHE),
-                                                   self_samples=self_samples)))
+                                                   **sampling)))
     return cases
 
 
@@ -475,6 +477,10 @@ def main() -> None:
     ap.add_argument("--self-samples", default="64x128", metavar="COUNTxLENGTH",
                     help="sequences the causal LMs sample for the self-calibrated methods (convert --calibration "
                          "self samples 128x512; the default is shorter, for the CPU's time)")
+    ap.add_argument("--self-seed", type=int, default=calibration_mod.SELF_SEED,
+                    help="the seed of the causal LMs' self-samples (convert's: %(default)s)")
+    ap.add_argument("--self-top-p", type=float, default=1.0,
+                    help="sample the self-samples from the likeliest tokens holding this much probability (convert: 1)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -526,7 +532,8 @@ def main() -> None:
                        f"{headline}_ratio_to_hqq": m[headline] / base_m[headline] if base_m[headline] else None,
                        **({f"{headline}_ratio_to_hqq_lib": m[headline] / results["hqq-lib"][0][headline]
                            if results["hqq-lib"][0][headline] else None} if "hqq-lib" in results else {}),
-                       **({"self_samples": list(self_samples)} if "self" in method else {}),
+                       **({"self_samples": list(self_samples), "self_seed": args.self_seed,
+                           "self_top_p": args.self_top_p} if "self" in method else {}),
                        "seconds": seconds, "layer_errors": errors}
                 rows.append(rec)
                 if not args.no_save:

@@ -61,6 +61,23 @@ def test_sampled_sequences_are_deterministic_and_respect_the_budget(tiny_llama_d
     assert (b[:, 2:] == favourite).all()
 
 
+def test_top_p_samples_from_the_likeliest_tokens_only(tiny_llama_dir):
+    """``top_p`` near 0 keeps only the likeliest allowed token: every drawn token is the model's argmax over the
+    ordinary tokens given what precedes it; at the default (1) the draws differ from that."""
+    model, tok = tiny_model_and_tokenizer(tiny_llama_dir)
+    ids = cal.ordinary_token_ids(tok, model.config.vocab_size)
+
+    def argmax_continuation(seqs):
+        with torch.no_grad():
+            logits = model(seqs).logits[:, 1:-1][..., ids]  # the prediction of each token after the random one
+        return ids[logits.argmax(-1)]
+
+    narrow = cal.sampled_token_sequences(model, ids, 4, 10, seed=3, bos=tok.bos_token_id, top_p=1e-6)
+    assert torch.equal(narrow[:, 2:], argmax_continuation(narrow))
+    full = cal.sampled_token_sequences(model, ids, 4, 10, seed=3, bos=tok.bos_token_id)
+    assert not torch.equal(full[:, 2:], argmax_continuation(full))
+
+
 def test_gptq_on_sampled_inputs_beats_hqq_on_the_real_inputs():
     # A layer fed by a "model" whose inputs share a structure (correlated features, outlier channels): sequences
     # it writes itself stand in for real text; rounding calibrated on them must beat hqq on fresh real inputs.

@@ -167,11 +167,11 @@ def random_token_sequences(ids: torch.Tensor, count: int, length: int, *, seed: 
 
 @torch.no_grad()
 def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *, seed: int, bos: int | None,
-                            batch: int = SELF_BATCH) -> torch.Tensor:
+                            batch: int = SELF_BATCH, top_p: float = 1.0) -> torch.Tensor:
     """(count, length) tokens the causal LM ``model`` writes itself: each sequence starts from BOS (when the
     tokenizer has one) and a random ordinary token, then samples at temperature 1 from the model's whole
-    next-token distribution (whatever its ``generation_config`` says), never a token outside ``ids`` (no EOS:
-    every sequence runs its full length). ``batch`` sequences at a time bound the KV cache. Deterministic for
+    next-token distribution (whatever its ``generation_config`` says; ``top_p`` < 1: from the fewest likeliest tokens
+    that hold that much of it), never a token outside ``ids`` (no EOS: every sequence runs its full length). ``batch`` sequences at a time bound the KV cache. Deterministic for
     a seed on one device."""
     from transformers import GenerationConfig
 
@@ -191,7 +191,7 @@ def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *
         return starts[:, :length]
     # a config of its own, with the model's set aside while generating (generate fills unset values from it): a
     # checkpoint's generation_config.json (top-k/top-p, repetition penalties, ...) does not apply
-    settings = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+    settings = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=top_p, max_new_tokens=new,
                                 min_new_tokens=new, suppress_tokens=suppress, use_cache=True,
                                 pad_token_id=bos if bos is not None else int(ids[0]))
     out = []
