@@ -3,6 +3,18 @@
 The package imports torch (and transformers) only when one of its names is first used, so that
 ``import quantpack`` and ``quantpack --help`` stay fast; ``import quantpack`` still lets
 ``from_pretrained`` load packed checkpoints (the quantizer registers when transformers loads).
+
+Where things are:
+
+* :mod:`.format` and :mod:`.reference`: the packed layout and its pure-torch meaning (docs/format.md), the spec
+  every other part follows.
+* :mod:`.quantization`: the methods that choose codes, scales and zeros (rtn, hqq, refit, sinq, gptq; calibration).
+* :mod:`.checkpoint`: checkpoint files: reading, writing, the hub, integrity.
+* :mod:`.convert`, :mod:`.verify`, :func:`load` (:mod:`.loader`): the three things a user does.
+* :mod:`.kernels`: the Triton kernels and their dispatch (:mod:`.kernels.moe` for mixtures of experts).
+* :mod:`.modules`: the ``nn.Module`` s a loaded model runs (``QuantLinear``, ``QuantExperts``, fused norms).
+* :mod:`.schemes`: what a checkpoint's scheme (w4a16, w8a16, w8a8) means to convert, load and verify.
+* :mod:`.generation`: ``generate`` from CUDA graphs; :mod:`.integrations`: transformers, PEFT, vLLM.
 """
 import importlib
 
