@@ -38,7 +38,8 @@ def test_hqq_4bit_matches_library_on_real_weight():
 def _real_checkpoint(name: str, fetch: bool) -> Path:
     """The float32 checkpoint ``name`` of benchmarks/real_checkpoints.py, fetched and converted if ``fetch``. In CI a
     checkpoint that cannot be fetched fails the test: the comparison must run there."""
-    sys.path.insert(0, str(BENCH))
+    if str(BENCH) not in sys.path:  # (real_checkpoints and bench_quality live there)
+        sys.path.insert(0, str(BENCH))
     import real_checkpoints
 
     source = getattr(real_checkpoints, name)
@@ -72,7 +73,6 @@ def test_default_method_output_error_at_most_the_library(name, group_size, fetch
     from quantpack.verify.report import DEFAULT_CONTEXT_LENGTH, DEFAULT_MAX_TOKENS, DEFAULT_TEXT
 
     src = _real_checkpoint(name, fetch)
-    sys.path.insert(0, str(BENCH))
     from bench_quality import hqq_library_weight, quantizable
 
     tok = AutoTokenizer.from_pretrained(src)
