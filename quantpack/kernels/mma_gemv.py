@@ -290,7 +290,7 @@ def _reduce(m_c, n_c, M, N, bias_ptr, out_ptr, stride_om, ws_ptr, WS_SPLIT, HAS_
 
 
 @triton.jit
-def _last_to_arrive(cnt_ptr, arrivals):
+def last_to_arrive(cnt_ptr, arrivals):
     """Whether this program is the last of ``arrivals`` counted at ``cnt_ptr`` (then reset for the next launch)."""
     tl.debug_barrier()  # (every warp's partials stored before the arrival is counted)
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -307,7 +307,7 @@ def _sum_token(cnt_ptr, pid_m, pid_n, programs_n, n_c, m_c, N, ws_ptr, WS_SPLIT,
     writes the token's out row at the tile's columns: over its slots j with an expert in [0, E), their top-k weight
     times their SPLIT partial sums (the launch's ``ws_ptr``: pair p's row at p * N), rounded once."""
     token = pid_m // TOPK
-    if _last_to_arrive(cnt_ptr + token * programs_n + pid_n, TOPK * SPLIT):
+    if last_to_arrive(cnt_ptr + token * programs_n + pid_n, TOPK * SPLIT):
         for ti in tl.static_range(TILES):
             cols = n_c + 16 * ti
             mask = (m_c < 1) & (cols < N)
