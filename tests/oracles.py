@@ -1,6 +1,7 @@
 """Test oracles shared by the loader and kernel tests (``from oracles import ...``; pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
@@ -10,6 +11,15 @@ from quantpack.modules.linear import linear_dims
 from quantpack.modules.experts import PROJECTIONS
 from quantpack.quantization.groupwise import quantize
 from quantpack.reference import dequantize
+
+# The kernel modules, by name: quantpack.kernels re-exports functions under some of the modules' names (mixed_mm), so
+# ``import quantpack.kernels.mixed_mm as m`` would bind the function.
+mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
+configs_mod = importlib.import_module("quantpack.kernels.configs")
+dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
+caches_mod = importlib.import_module("quantpack.kernels.caches")
+launcher_mod = importlib.import_module("quantpack.kernels.launcher")
+autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 
 
 def dequantized_source(src: Path, packed: Path, auto_cls=None):

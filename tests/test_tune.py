@@ -19,14 +19,8 @@ from quantpack.modules.linear import QuantLinear
 from quantpack.tune import parse_batch_sizes, tune
 from quantpack.convert import convert
 from quantpack.tiny import make_tiny_llama
-from oracles import pretend_device, scripted_gpu_timing  # tests/oracles.py
+from oracles import pretend_device, scripted_gpu_timing, mm_mod as MM, configs_mod  # tests/oracles.py
 
-MM = importlib.import_module("quantpack.kernels.mixed_mm")
-configs_mod = importlib.import_module("quantpack.kernels.configs")
-dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
-caches_mod = importlib.import_module("quantpack.kernels.caches")
-launcher_mod = importlib.import_module("quantpack.kernels.launcher")
-autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 MERGED = importlib.import_module("quantpack.kernels.merged_mm")
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 

@@ -1,6 +1,5 @@
 """Full-size GPU matrix (skipped without CUDA): every dispatched path, forward and transposed,
 bf16 and fp16, bits 4/8, group sizes 32/64/128, against an fp32 reference; outputs poisoned."""
-import importlib
 
 import pytest
 import torch
@@ -8,15 +7,10 @@ import torch
 from quantpack import reference
 from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, dequantize, mixed_mm
+from oracles import caches_mod  # tests/oracles.py
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("poisoned_outputs")]  # (tests/conftest.py)
-mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
-configs_mod = importlib.import_module("quantpack.kernels.configs")
-dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
-caches_mod = importlib.import_module("quantpack.kernels.caches")
-launcher_mod = importlib.import_module("quantpack.kernels.launcher")
-autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 

@@ -4,7 +4,6 @@ plans, on every kernel path (interpreter on the CPU; the compiled launch on the 
 NaN; then what must make a new plan (other tensors, in-place changes, environment switches, a moved module) and
 what must not be planned at all."""
 import copy
-import importlib
 import io
 import os
 import weakref
@@ -12,18 +11,12 @@ import weakref
 import pytest
 import torch
 
-from oracles import packed_weight, rel_err  # tests/oracles.py
+from oracles import packed_weight, rel_err, configs_mod, dispatch_mod, caches_mod  # tests/oracles.py
 from quantpack.kernels import KernelConfig, MixedMatmul, mixed_mm
 from quantpack.kernels import launch_plan
 from quantpack.kernels.launch_plan import Plan, PlanCache, Recording
 from quantpack.modules.linear import QuantLinear
 
-mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
-configs_mod = importlib.import_module("quantpack.kernels.configs")
-dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
-caches_mod = importlib.import_module("quantpack.kernels.caches")
-launcher_mod = importlib.import_module("quantpack.kernels.launcher")
-autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 DEV = "cuda" if ON_GPU else "cpu"
 pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py; replayed buffers included)

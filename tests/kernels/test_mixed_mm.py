@@ -1,7 +1,6 @@
 """mixed_mm against the fp32 reference under the Triton interpreter: every kernel path (FMA GEMV,
 tensor-core tiles both ways, split-K with the last-arriver reduction, dequant+matmul), forward and
 transposed, awkward shapes, outputs poisoned with NaN so unwritten elements fail."""
-import importlib
 import os
 
 import pytest
@@ -10,14 +9,9 @@ import torch
 from quantpack import reference
 from quantpack.format import PackedWeight
 from quantpack.kernels import KernelConfig, mixed_mm
-mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")  # the module, not the function of that name
-configs_mod = importlib.import_module("quantpack.kernels.configs")
-dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
-caches_mod = importlib.import_module("quantpack.kernels.caches")
-launcher_mod = importlib.import_module("quantpack.kernels.launcher")
-autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 from quantpack.quantization.groupwise import quantize
-from oracles import pretend_device, scripted_gpu_timing  # tests/oracles.py
+from oracles import (  # tests/oracles.py
+    pretend_device, scripted_gpu_timing, mm_mod, configs_mod, dispatch_mod, caches_mod, launcher_mod, autotune_mod)
 
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
                                  reason="needs TRITON_INTERPRET=1 or a GPU"),

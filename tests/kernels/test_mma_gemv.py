@@ -1,23 +1,16 @@
 """The tensor-core decode GEMV (``mma`` path): the repacked layout against the PTX definition of
 the mma.sync.m16n8k16 fragments (a pure-torch oracle), the kernel against the reference (its
 interpreter emulation in CI, inline PTX on the GPU), and mixed_mm's dispatch and fallbacks."""
-import importlib
 
 import pytest
 import torch
 
-from oracles import packed_weight as packed, rel_err  # tests/oracles.py
+from oracles import packed_weight as packed, rel_err, mm_mod, dispatch_mod, caches_mod, launcher_mod  # tests/oracles.py
 from quantpack.kernels import mixed_mm
 from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_depth, mma_grid
 from quantpack.kernels.mma_layout import mma_pack, mma_unpack
 
-mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
-configs_mod = importlib.import_module("quantpack.kernels.configs")
-dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
-caches_mod = importlib.import_module("quantpack.kernels.caches")
-launcher_mod = importlib.import_module("quantpack.kernels.launcher")
-autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -1,25 +1,19 @@
 """The Hopper wgmma path: its tile clamping and dispatch (CPU), its sm_90 compile with ptxas keeping the
 MMAs asynchronous (CPU, no GPU needed), and the kernel against the reference at awkward and full sizes
 (GPU: Gluon has no interpreter)."""
-import importlib
 import os
 
 import pytest
 import torch
 
-from oracles import packed_weight as packed, rel_err  # tests/oracles.py
+from oracles import (  # tests/oracles.py
+    packed_weight as packed, rel_err, mm_mod, dispatch_mod, launcher_mod, autotune_mod)
 from quantpack.kernels.launch_plan import PlanCache
 from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.wgmma_host import (TRACE_EVENTS, balance_last_wave, read_trace, scale_zero_planes, trace_buffer,
                                           wgmma_grid)
 from quantpack.kernels.wgmma_mm import HAVE_GLUON, wgmma_usable
 
-mm_mod = importlib.import_module("quantpack.kernels.mixed_mm")
-configs_mod = importlib.import_module("quantpack.kernels.configs")
-dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
-caches_mod = importlib.import_module("quantpack.kernels.caches")
-launcher_mod = importlib.import_module("quantpack.kernels.launcher")
-autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 

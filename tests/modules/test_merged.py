@@ -21,15 +21,11 @@ from quantpack.kernels.mma_layout import mma_pack
 from quantpack.loader import load
 from quantpack.modules.linear import QuantLinear
 from quantpack.modules.merged import MERGE_MAX_M, merge_projections, unmerge_projections
-from oracles import MIXED_MM, GraphRecorder, pretend_device, scripted_gpu_timing
+from oracles import (  # tests/oracles.py
+    MIXED_MM, GraphRecorder, pretend_device, scripted_gpu_timing, mm_mod as MIXED_MM_MODULE, configs_mod,
+    dispatch_mod, caches_mod, launcher_mod)
 from test_loader import llama_src, packed_llama, prompt_ids, rel_err  # noqa: F401
 
-MIXED_MM_MODULE = importlib.import_module("quantpack.kernels.mixed_mm")
-configs_mod = importlib.import_module("quantpack.kernels.configs")
-dispatch_mod = importlib.import_module("quantpack.kernels.dispatch")
-caches_mod = importlib.import_module("quantpack.kernels.caches")
-launcher_mod = importlib.import_module("quantpack.kernels.launcher")
-autotune_mod = importlib.import_module("quantpack.kernels.autotune")
 MERGED = {torch.ops.quantpack.merged_mm.default, torch.ops.quantpack.merged_mm}
 
 
