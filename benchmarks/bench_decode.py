@@ -400,45 +400,48 @@ FAMILIES = [
 
 @torch.no_grad()
 def profile_decode(model, prompt, steps: int = 16) -> dict:
-    """GPU time of ``steps`` decode steps on the default path, per op family, from the profiler's kernel records;
-    'gaps' is the wall time no kernel ran (launch latency between graph nodes, host work between steps)."""
-    import re
-
+    """GPU time of ``steps`` decode steps on the default path, per op family: the profiler's kernel records of a
+    ``generate`` of ``steps + 1`` tokens less those of a 1-token one (the prefill), per step (:func:`step_profile`).
+    'gaps' is the step's wall time no kernel ran (launch gaps between graph nodes, host work between steps)."""
     from quantpack import generation
 
     generation.enable(model, "graphs")
     try:
         model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-        n = steps + 1
-        _sync()
-        t1 = time.perf_counter()
-        model.generate(prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
-        _sync()
-        t1 = time.perf_counter() - t1
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            _sync()
-            t = time.perf_counter()
-            model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-            _sync()
-            wall = time.perf_counter() - t
+        runs = {}
+        for n in (1, steps + 1):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                _sync()
+                t = time.perf_counter()
+                model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                _sync()
+                wall = time.perf_counter() - t
+            kernels = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+                    kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total
+            runs[n] = (kernels, wall)
     finally:
         generation.disable(model)
-    kernels = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total
-    # The prefill is in the profile too: take it out in proportion, by the time of a 1-token generate.
-    decode_share = max(wall - t1, 1e-9) / wall
+    return step_profile(*runs[steps + 1], *runs[1], steps)
+
+
+def step_profile(kernels: dict, wall: float, prefill_kernels: dict, prefill_wall: float, steps: int) -> dict:
+    """Per decode step, from a profiled ``generate`` of ``steps`` decode steps and one of the prefill alone (kernel
+    name -> total us, and wall seconds, each): each kernel's time less the prefill's, by op family (FAMILIES), the
+    step's wall time, its gaps, and the twelve largest kernels."""
+    import re
+
+    per_kernel = {name: max(us - prefill_kernels.get(name, 0.0), 0.0) / steps for name, us in kernels.items()}
     per_step_us = {}
-    for name, us in kernels.items():
+    for name, us in per_kernel.items():
         family = next((f for f, rx in FAMILIES if re.search(rx, name)), "other")
-        per_step_us[family] = per_step_us.get(family, 0.0) + us * decode_share / steps
+        per_step_us[family] = per_step_us.get(family, 0.0) + us
     busy = sum(per_step_us.values())
-    step_us = (wall - t1) * 1e6 / steps
+    step_us = max(wall - prefill_wall, 0.0) * 1e6 / steps
     per_step_us["gaps (no kernel running)"] = max(step_us - busy, 0.0)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    return {"step_us": step_us, "families_us": per_step_us,
-            "top_kernels_us": {k[:120]: v * decode_share / steps for k, v in top}}
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {"step_us": step_us, "families_us": per_step_us, "top_kernels_us": {k[:120]: v for k, v in top}}
 
 
 def append_results(args, results) -> None:

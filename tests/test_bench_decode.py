@@ -64,3 +64,61 @@ def test_unread_expert_bytes_count_every_layout_of_the_experts():
         hit = experts * (1 - (1 - top_k / experts) ** batch)
         want = (experts * 64 * 64 + experts * 2 * 64 * 2) * (1 - hit / experts)
         assert unread_expert_bytes(rows, batch) == unread_expert_bytes(mma, batch) == want
+
+
+def test_step_profile_takes_the_prefill_out_by_kernel():
+    """--profile's accounting: a decode step's kernels are the long generate's less the prefill-only one's, name by
+    name (a kernel of the prefill alone adds nothing), over the steps; the gaps are the rest of the step's wall."""
+    sys.path.insert(0, str(BENCH.parent))
+    from bench_decode import step_profile
+
+    prefill = {"_wgmma_kernel": 900.0, "_rms_norm_kernel": 40.0, "indexSelectSmallIndex": 2.0}
+    long = {"_wgmma_kernel": 900.0, "_rms_norm_kernel": 40.0 + 4 * 3.0, "indexSelectSmallIndex": 2.0 + 4 * 1.0,
+            "_mma_gemv_kernel": 4 * 50.0, "void at::native::vectorized_elementwise_kernel<4, add>": 4 * 2.0}
+    got = step_profile(long, 1e-3 + 4 * 100e-6, prefill, 1e-3, 4)
+    assert abs(got["step_us"] - 100.0) < 1e-6
+    fam = got["families_us"]
+    assert fam["quantized linears"] == 50.0 and "cuBLAS GEMM/GEMV (bf16 linears, lm_head)" not in fam
+    assert fam["fused RMSNorm, rotary, SiLU*up (quantpack)"] == 3.0
+    assert fam["embedding"] == 1.0 and fam["elementwise mul/add"] == 2.0
+    assert abs(fam["gaps (no kernel running)"] - (100.0 - 56.0)) < 1e-6
+    assert list(got["top_kernels_us"])[0] == "_mma_gemv_kernel" and got["top_kernels_us"]["_wgmma_kernel"] == 0.0
+
+
+def test_profile_decode_subtracts_a_prefill_only_run(monkeypatch):
+    """profile_decode's wiring, with the profiler and the model stood in: the step's kernels are the (steps + 1)-token
+    generate's less the 1-token one's (a GPU runs the real profiler)."""
+    import contextlib
+
+    import torch
+
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_decode
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    class Event:
+        def __init__(self, name, us):
+            self.name, self.device_time_total, self.device_type = name, us, cuda
+
+    class Model:
+        calls = []
+
+        def generate(self, prompt, max_new_tokens, **kw):
+            self.calls.append(max_new_tokens)
+
+    model = Model()
+
+    @contextlib.contextmanager
+    def profile(activities):
+        class Prof:
+            def events(self):  # (read after the profiled call: a prefill kernel, and 30 us a decode step)
+                return [Event("_wgmma_kernel", 500.0), Event("_mma_gemv_kernel", 30.0 * (model.calls[-1] - 1))]
+        yield Prof()
+
+    monkeypatch.setattr(bench_decode.torch.profiler, "profile", profile)
+    monkeypatch.setattr(bench_decode, "_sync", lambda: None)
+    got = bench_decode.profile_decode(model, None, steps=5)
+    assert model.calls == [4, 1, 6]  # (warm-up, the prefill alone, five decode steps after it)
+    assert got["families_us"]["quantized linears"] == 30.0
+    assert got["top_kernels_us"]["_wgmma_kernel"] == 0.0
