@@ -33,7 +33,6 @@ import bench_moe  # noqa: E402
 from quantpack import reference  # noqa: E402
 from quantpack.kernels.moe import fused_experts  # noqa: E402
 from quantpack.kernels.moe.mma_experts import MmaExperts  # noqa: E402
-from quantpack.kernels import dequant  # noqa: E402
 from quantpack.kernels.caches import counter_slice  # noqa: E402
 from quantpack.kernels.dequant import on_device  # noqa: E402
 from quantpack.kernels.mma_gemv import last_to_arrive  # noqa: E402
@@ -138,10 +137,10 @@ def decode_experts(x: torch.Tensor, gate_up, down, topk_ids: torch.Tensor, topk_
     top_k = topk_ids.shape[1]
     inter = gate_up.shape[0] // 2
     with on_device(x):
-        h = dequant._alloc((tokens * top_k, inter), torch.float32, x.device)
+        h = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=x.device)
         y = counter_slice(x.device, tokens * hidden).view(torch.float32)  # (zero at rest, as the counters)
         counters = counter_slice(x.device, tokens)
-        out = dequant._alloc((tokens, hidden), x.dtype, x.device)
+        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
         _decode_experts_kernel[(tokens * top_k, inter // SLICE)](
             x, gate_up.words, gate_up.scales, gate_up.zeros, down.words, down.scales, down.zeros, topk_ids,
             topk_weights, h, y, counters, out, hidden, inter, gate_up.num_experts, float(alpha), float(limit),
@@ -222,7 +221,7 @@ def main():
                 us = ms * 1e3
                 print(f"  warps {nw} stages {ns} down tiles {dt}: {us:6.1f} us  {base / us:4.2f}x fused_experts, "
                       f"{floor_us / us:5.1%} of the floor (error {err:.1e}, {mode})", flush=True)
-            del blocks, loaded
+            blocks = loaded = None  # (their memory, before the next count's)
             torch.cuda.empty_cache()
 
 

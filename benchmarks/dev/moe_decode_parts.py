@@ -117,7 +117,7 @@ def main():
                 sweep(calls, floor)
             if args.fuse:
                 fusions(calls, floor, tokens)
-            del blocks, loaded
+            blocks = loaded = None  # (their memory, before the next count's)
             torch.cuda.empty_cache()
 
 
