@@ -55,8 +55,8 @@ def _chunk_products(w_ptrs, shift, a):
 
 @triton.jit
 def _decode_experts_kernel(x_ptr, gw_ptr, gs_ptr, gz_ptr, dw_ptr, ds_ptr, dz_ptr, ids_ptr, tw_ptr, h_ptr, y_ptr,
-                           cnt_ptr, out_ptr, H, I, E, alpha, limit, G: tl.constexpr, GD: tl.constexpr, TOPK: tl.constexpr,
-                           ACT: tl.constexpr, DOWN_TILES: tl.constexpr, OUT_BLOCK: tl.constexpr):
+                           cnt_ptr, out_ptr, H, I, E, alpha, limit, G: tl.constexpr, GD: tl.constexpr,
+                           TOPK: tl.constexpr, ACT: tl.constexpr, DOWN_TILES: tl.constexpr, OUT_BLOCK: tl.constexpr):
     p = tl.program_id(0)  # (token, slot) pair
     c = tl.program_id(1)  # 64-wide slice of the expert width
     t = p // TOPK

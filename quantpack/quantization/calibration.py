@@ -171,8 +171,8 @@ def sampled_token_sequences(model, ids: torch.Tensor, count: int, length: int, *
     """(count, length) tokens the causal LM ``model`` writes itself: each sequence starts from BOS (when the
     tokenizer has one) and a random ordinary token, then samples at temperature 1 from the model's whole
     next-token distribution (whatever its ``generation_config`` says; ``top_p`` < 1: from the fewest likeliest tokens
-    that hold that much of it), never a token outside ``ids`` (no EOS: every sequence runs its full length). ``batch`` sequences at a time bound the KV cache. Deterministic for
-    a seed on one device."""
+    that hold that much of it), never a token outside ``ids`` (no EOS: every sequence runs its full length).
+    ``batch`` sequences at a time bound the KV cache. Deterministic for a seed on one device."""
     from transformers import GenerationConfig
 
     from ..tiny import quiet_transformers
