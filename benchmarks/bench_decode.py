@@ -383,11 +383,15 @@ def default_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
 
 # Kernel name -> op family, first match wins (Triton kernels by their function names, PyTorch's by functor).
 FAMILIES = [
-    ("quantized linears", r"_fwd_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_tr_kernel|_w8a8|_dequant_kernel"),
+    ("quantized linears", r"forward_kernel|transposed_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_w8a8"
+                          r"|_w4a8_kernel|_quantize_fp8_kernel|_quantize_rows_kernel|_dequant(ize)?_kernel|_experts_kernel"),
+    ("experts' routing, activation and slot sums (quantpack)",
+     r"_rank_kernel|_blocks_kernel|_place_kernel|_gather_kernel|_activate_kernel|_weighted_sum_kernel"
+     r"|_sum_slots_kernel|_unpack_kernel"),
     ("attention", r"flash|fmha|attention|softmax|bmm|efficient"),
     ("cuBLAS GEMM/GEMV (bf16 linears, lm_head)", r"gemm|gemv|nvjet|cutlass|xmma|sm90_|splitKreduce"),
     ("fused RMSNorm, rotary, SiLU*up (quantpack)", r"_rms_norm_kernel|_rotary_kernel|_silu_mul_kernel"),
-    ("KV-cache update", r"index_copy|index_put|scatter"),
+    ("KV-cache update", r"_kv_write_kernel|index_copy|index_put|scatter"),
     ("norms (pow, mean, rsqrt)", r"pow|rsqrt|MeanOps|mean|norm"),
     ("rotary (cos, sin, neg, cat)", r"cos|sin|neg|CatArray|cat_"),
     ("activation (silu)", r"silu|sigmoid|gelu"),

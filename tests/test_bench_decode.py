@@ -85,6 +85,23 @@ def test_step_profile_takes_the_prefill_out_by_kernel():
     assert list(got["top_kernels_us"])[0] == "_mma_gemv_kernel" and got["top_kernels_us"]["_wgmma_kernel"] == 0.0
 
 
+def test_every_quantpack_kernel_has_a_profile_family():
+    """--profile sorts kernels into families by name: each Triton kernel quantpack launches (every ``*_kernel`` that
+    ``@triton.jit`` or Gluon defines in the package) lands in a named family, not in 'other'."""
+    import re
+
+    sys.path.insert(0, str(BENCH.parent))
+    from bench_decode import FAMILIES
+
+    root = BENCH.parent.parent / "quantpack"
+    names = set()
+    for path in root.rglob("*.py"):
+        names.update(re.findall(r"@(?:triton|gluon)\.jit[^\n]*\n\s*def (\w*kernel)\(", path.read_text()))
+    assert {"_mma_gemv_kernel", "_kv_write_kernel", "_wgmma_kernel", "_activate_kernel"} <= names
+    homeless = sorted(n for n in names if not any(re.search(rx, n) for _, rx in FAMILIES))
+    assert not homeless, homeless
+
+
 def test_profile_decode_subtracts_a_prefill_only_run(monkeypatch):
     """profile_decode's wiring, with the profiler and the model stood in: the step's kernels are the (steps + 1)-token
     generate's less the 1-token one's (a GPU runs the real profiler)."""
