@@ -3,7 +3,8 @@ them on a GPU, the mma layout) and each of its launches alone, under CUDA-graph 
 (past L2), plus the kernels' own durations from the profiler (what is left of the whole call is gaps between
 launches). Qwen3-30B-A3B's and Mixtral-8x7B's shapes at 1 and 16 tokens.
 
-    python benchmarks/dev/moe_decode_parts.py [--tokens 1,16] [--models qwen3-moe,mixtral]
+    python benchmarks/dev/moe_decode_parts.py [--tokens 1,16] [--models qwen3-moe,mixtral] [--sweep]
+        [--sweep-projections] [--fuse]
 """
 import argparse
 import math
@@ -57,7 +58,8 @@ def sweep(calls, floor):
     try:
         for kwarps in (1, 2):
             for programs in (4, 8, 16, 32):
-                def grid(blocks, n, k, group_size, sms, sorted_blocks=False, programs=programs, kwarps=kwarps):
+                def grid(blocks, n, k, group_size, sms, sorted_blocks=False, sums_slots=False, programs=programs,
+                         kwarps=kwarps):
                     split = max(1, -(-programs * sms // (blocks * max(1, n // 32))))
                     return mma_grid(n, k, group_size, 2, split, 1, 4, kwarps=kwarps)
                 mma_experts.mma_experts_grid = grid
@@ -65,6 +67,34 @@ def sweep(calls, floor):
                 print(f"    programs/SM {programs:2d}, K warps {kwarps}: {us:7.1f} us ({floor / us:.1%})", flush=True)
     finally:
         mma_experts.mma_experts_grid = grid_fn
+
+
+def sweep_projection(calls, floor, name, proj_n, proj_k, pairs, sms, kwarps_options=(1, 2, 4, 8)):
+    """The whole call's time with one projection's grid changed (the other's kept; the projections told apart by
+    their out-features ``proj_n``): warps along N, warps splitting each program's K range (the dense decode GEMV's
+    tuned configs at K = 2048-4096 take 4-8) and programs per SM."""
+    grid_fn = mma_experts.mma_experts_grid
+    best = None
+    try:
+        for warps in (1, 2, 4):
+            for kwarps in kwarps_options:
+                for programs in (2, 4, 8, 16):
+                    def grid(blocks, n, k, group_size, sms, sorted_blocks=False, sums_slots=False, warps=warps,
+                             kwarps=kwarps, programs=programs):
+                        if n != proj_n:
+                            return grid_fn(blocks, n, k, group_size, sms, sorted_blocks, sums_slots)
+                        split = max(1, -(-programs * sms // (blocks * max(1, n // (16 * warps)))))
+                        return mma_grid(n, k, group_size, warps, split, 1, 4, kwarps=kwarps)
+                    mma_experts.mma_experts_grid = grid
+                    g = grid(pairs, proj_n, proj_k, 128, sms)  # (what mma_grid made of the ask)
+                    us = graph_time(calls, warmup=10, rep=60)[0] * 1e3
+                    what = f"warps {g.warps} x {g.kwarps} over K, split {g.split}, {g.groups} groups a warp"
+                    best = min(best or (us, ""), (us, what))
+                    print(f"    {name} {what} (asked {warps} x {kwarps}, {programs}/SM): {us:7.1f} us "
+                          f"({floor / us:.1%})", flush=True)
+    finally:
+        mma_experts.mma_experts_grid = grid_fn
+    print(f"    best {name}: {best[0]:.1f} us ({floor / best[0]:.1%}), {best[1]}", flush=True)
 
 
 def fusions(calls, floor, tokens):
@@ -84,6 +114,9 @@ def main():
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--models", default="qwen3-moe,mixtral")
     ap.add_argument("--sweep", action="store_true", help="also time the mma grid's programs per SM 4-32 and K warps")
+    ap.add_argument("--sweep-projections", action="store_true",
+                    help="also time each projection's grid alone over warps along N and K and programs per SM (down's "
+                         "with the slots summed by its launch, then apart)")
     ap.add_argument("--fuse", action="store_true", help="also time the weighted sum by down's launch and apart")
     args = ap.parse_args()
     bw = copy_bandwidth()
@@ -115,6 +148,18 @@ def main():
                 print(f"    {us:7.2f} us  {name}", flush=True)
             if args.sweep:
                 sweep(calls, floor)
+            if args.sweep_projections:
+                sms, pairs = device_props(torch.device("cuda")).sms, tokens * top_k
+                sweep_projection(calls, floor, "gate_up", 2 * inter, hidden, pairs, sms)
+                summed = tokens <= mma_experts.SUMMED_BY_DOWN_MAX_TOKENS
+                sweep_projection(calls, floor, "down" + (" (slots summed by it)" if summed else ""), hidden, inter,
+                                 pairs, sms, (1,) if summed else (1, 2, 4, 8))
+                if summed:
+                    saved, mma_experts.SUMMED_BY_DOWN_MAX_TOKENS = mma_experts.SUMMED_BY_DOWN_MAX_TOKENS, 0
+                    try:
+                        sweep_projection(calls, floor, "down (slots summed apart)", hidden, inter, pairs, sms)
+                    finally:
+                        mma_experts.SUMMED_BY_DOWN_MAX_TOKENS = saved
             if args.fuse:
                 fusions(calls, floor, tokens)
             blocks = loaded = None  # (their memory, before the next count's)

@@ -89,6 +89,12 @@ def test_dispatch_and_explain():
     # prefill: sorted blocks up to 127 pairs per expert, dequantize + grouped GEMM from 128
     assert choose(h200, 512, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "mma"
     assert choose(h200, 2048, 8, 128, 2048, 768, 128, grouped=True, mma=True).path == "grouped"
+    # down summing the slots itself (up to two tokens) rounds its split down: its last programs add every split's
+    # rows; gate_up's rounds up (Qwen3-30B-A3B's block: down split 2 at one token, 1 at two; gate_up 2 at both)
+    for tokens, down_split in ((1, 2), (2, 1)):
+        d = choose(h200, tokens, 8, 128, 2048, 768, 128, mma=True)
+        assert (d.gate_up.split, d.down.split) == (2, down_split)
+    assert choose(h200, 4, 8, 128, 2048, 768, 128, mma=True).down.split == 1
     text = explain(1, 8, 128, 2048, 768, device=h200, mma=True)
     assert "mma layout" in text and "top-k weighted sum" in text and "last program" in text
     with pytest.raises(ValueError, match="not in the mma layout"):

@@ -129,8 +129,9 @@ def _sorted_config(pairs: int, experts: int, n: int, k: int, group_size: int) ->
                          num_warps=4, num_stages=3)
 
 
-def _mma_config(blocks: int, rows: int, n: int, k: int, group_size: int, sms: int) -> ExpertsConfig:
-    grid = mma_experts_grid(blocks, n, k, group_size, sms, sorted_blocks=rows > 1)
+def _mma_config(blocks: int, rows: int, n: int, k: int, group_size: int, sms: int,
+                sums_slots: bool = False) -> ExpertsConfig:
+    grid = mma_experts_grid(blocks, n, k, group_size, sms, sorted_blocks=rows > 1, sums_slots=sums_slots)
     return ExpertsConfig("mma", rows, 16 * grid.warps * grid.tiles_per_warp, 0, num_warps=grid.warps * grid.kwarps,
                          num_stages=1, split=grid.split, k_warps=grid.kwarps)
 
@@ -166,7 +167,8 @@ def choose(props: DeviceProps, tokens: int, top_k: int, num_experts: int, hidden
                f"{PAIRS_PER_EXPERT}, and <= {PAIRS_MAX} pairs): one program per pair and column tile, no sorting")
         if mma:
             return ExpertsDecision(_mma_config(pairs, 1, 2 * inter, hidden, group_size, props.sms),
-                                   _mma_config(pairs, 1, hidden, inter, group_size, props.sms),
+                                   _mma_config(pairs, 1, hidden, inter, group_size, props.sms,
+                                               sums_slots=tokens <= SUMMED_BY_DOWN_MAX_TOKENS),
                                    why + ", tensor-core GEMV on the experts' mma layout")
         return ExpertsDecision(_pairs_config(pairs, inter, hidden, group_size, props.sms),
                                _pairs_config(pairs, hidden, inter, group_size, props.sms), why)
