@@ -15,7 +15,7 @@ SWITCHES = {
     "QUANTPACK_AUTOTUNE": (False, ()),
     "QUANTPACK_MMA": (True, ()),
     "QUANTPACK_WGMMA": (True, ()),
-    "QUANTPACK_PDL": (False, ()),
+    "QUANTPACK_PDL": ("experts", ("experts",)),  # (unset: the mixture-of-experts decode launches only)
     "QUANTPACK_W4A8": (False, ("force",)),
     "QUANTPACK_LAUNCH_PLANS": (True, ()),
     "QUANTPACK_DECODE_ATTENTION": (True, ()),
@@ -43,8 +43,8 @@ def parse_switch(name: str, value: str | bytes | None) -> bool | str:
     if word in extra:
         return word
     accepted = ACCEPTED.replace(" or ", ", ") + "".join(f" or {w}" for w in extra) if extra else ACCEPTED
-    raise EnvError(f"{name}={value!r} is not a value it takes: use {accepted} (or unset it for the default, "
-                   f"{'on' if default else 'off'})")
+    said = default if isinstance(default, str) else "on" if default else "off"
+    raise EnvError(f"{name}={value!r} is not a value it takes: use {accepted} (or unset it for the default, {said})")
 
 
 def switch(name: str) -> bool | str:

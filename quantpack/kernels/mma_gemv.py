@@ -604,7 +604,7 @@ _MMA_EXPERTS = launch_plan.KernelReplays(_mma_gemv_kernel)
 
 def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool, x_div: int, n: int, k: int,
                        group_size: int, grid: MmaGrid, depth: int, rawq: bool, use_asm: bool, replay: bool = True,
-                       out=None, counters=None, topk_weights=None) -> None:
+                       out=None, counters=None, topk_weights=None, pdl: bool = False, release: bool = False) -> None:
     """Mixture-of-experts blocks of rows, each times its own expert's 4-bit weight: ``words`` (E, N/16, K/64, 32,
     4) stacks the experts' :func:`~quantpack.kernels.mma_layout.mma_pack` layouts, ``scales``/``zeros`` (E, K/g,
     N). ``per_row``: row b of ``partials`` is x's row ``b // x_div`` times expert ``ids[b]`` (decode: one (token,
@@ -615,7 +615,9 @@ def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool
     the token's rows times ``topk_weights`` (tokens, top-k), summed over its used slots, to ``out``. ``grid``
     from :func:`mma_grid` (one 16-row block a program; one K warp with ``out``). ``replay``: launches after a
     key's first go straight to the compiled kernel (launch_plan.KernelReplays; the caller passes whether launch
-    plans are on)."""
+    plans are on). ``pdl``: launched with PDL (as :func:`launch_mma_gemv`; the ids too are read before the wait, so
+    no kernel may be writing them then); ``release``: launched without, but the next grid may start once every
+    program is past its (then empty) wait."""
     assert grid == mma_grid(n, k, group_size, grid.warps, grid.split, grid.tiles_per_warp, 4, 1, grid.kwarps), \
         "grid must come from mma_grid"
     rows = partials.shape[1]
@@ -630,13 +632,14 @@ def launch_mma_experts(x2, words, scales, zeros, partials, ids, *, per_row: bool
     # (a mixture-of-experts layer launches it twice a call, eagerly at prefill and in eager decode: binding its
     # thirty-odd arguments through Triton would be most of the call's host time)
     key = ((launch_plan.tensor_key(x2, words, scales, zeros, partials, ids, out, counters, topk_weights), per_row,
-            x_div, group_size, grid, depth, rawq, use_asm) if replay else None)
+            x_div, group_size, grid, depth, rawq, use_asm, pdl, release) if replay else None)
     _MMA_EXPERTS(key, (grid.programs * ids.numel(), grid.split, 1), x2,
                  x2, words, scales, zeros, partials, out, partials, counters, ids, topk_weights,
                  rows, n, k, x2.stride(0), out.stride(0) if top_k else n, words.shape[0], x_div,
                  **kernel_constexprs(x2.dtype, m, grid, group_size=group_size, depth=depth, rawq=rawq, bits=4,
-                                     has_bias=False, use_asm=use_asm), EXPERTS=1 if per_row else 2, TOPK=top_k,
-                 num_warps=grid.warps * grid.kwarps, num_stages=1)
+                                     has_bias=False, use_asm=use_asm, pdl=pdl or release),
+                 EXPERTS=1 if per_row else 2, TOPK=top_k, num_warps=grid.warps * grid.kwarps, num_stages=1,
+                 **({"launch_pdl": True} if pdl and use_asm else {}))
 
 
 @functools.lru_cache(maxsize=4096)  # (pure; building the PTX strings costs more than a launch: callers never mutate it)

@@ -37,9 +37,11 @@ VARIANTS = [("bf16", 1, 4, True, 1, 1, 1, 2, False), ("bf16", 16, 4, True, 2, 1,
             ("bf16", 33, 4, False, 1, 2, 2, 1, False, 4),
             ("bf16", 1, 4, True, 1, 1, 0, 2, False, 1, 1), ("bf16", 16, 4, False, 1, 1, 2, 2, False, 1, 2),
             ("bf16", 1, 4, True, 1, 1, 0, 2, False, 1, 1, 8), ("bf16", 1, 4, True, 1, 1, 2, 2, False, 1, 1, 6),
-            ("bf16", 16, 4, True, 1, 1, 2, 2, False, 2, 2)]
+            ("bf16", 16, 4, True, 1, 1, 2, 2, False, 2, 2),
+            ("bf16", 1, 4, True, 1, 1, 2, 2, True, 1, 1), ("bf16", 1, 4, True, 1, 1, 0, 2, True, 1, 1, 8)]
 # (an eleventh field: mixture-of-experts rows, 1 a (token, slot) pair per row, 2 blocks of 16 rows per expert; a
-# twelfth: pair rows whose token's top-k slots the launch sums)
+# twelfth: pair rows whose token's top-k slots the launch sums; the last two: a MoE decode block's gate_up and down
+# with PDL)
 N, K, GROUP = 4096, 4096, 128
 
 

@@ -411,7 +411,8 @@ def _spy_pdl(monkeypatch):
 
 
 def test_pdl_is_opt_in(monkeypatch):
-    """PDL is off unless QUANTPACK_PDL=1, and never used off a Hopper GPU (nor by the interpreter)."""
+    """Dense decode kernels take PDL only with QUANTPACK_PDL=1; a mixture-of-experts decode block unless
+    QUANTPACK_PDL=0; neither off a Hopper GPU (nor in the interpreter)."""
     flags = _spy_pdl(monkeypatch)
     monkeypatch.delenv("QUANTPACK_PDL", raising=False)
     pw, w = packed(32, 128, 64)
@@ -421,14 +422,18 @@ def test_pdl_is_opt_in(monkeypatch):
     assert flags == [False, False]
     # the gate itself, on a pretend GPU: on only with QUANTPACK_PDL=1 and compute capability 9 or later
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    for env, major, want in ((None, 9, False), ("0", 9, False), ("1", 9, True), ("1", 8, False)):
+    for env, major, dense, experts in ((None, 9, False, True), ("0", 9, False, False), ("1", 9, True, True),
+                                       ("experts", 9, False, True), ("1", 8, False, False), (None, 8, False, False)):
         if env is None:
             monkeypatch.delenv("QUANTPACK_PDL", raising=False)
         else:
             monkeypatch.setenv("QUANTPACK_PDL", env)
         gpu = dispatch_mod.DeviceProps("gpu", (major, 0), 132)
-        assert dispatch_mod.pdl_device(gpu, dispatch_mod.Flags.from_env()) is want, (env, major)
+        assert dispatch_mod.pdl_device(gpu, dispatch_mod.Flags.from_env()) is dense, (env, major)
+        assert dispatch_mod.experts_pdl(gpu, dispatch_mod.Flags.from_env()) is experts, (env, major)
+    monkeypatch.delenv("QUANTPACK_PDL", raising=False)
     assert not dispatch_mod.pdl_device(dispatch_mod.INTERPRETER, dispatch_mod.Flags.from_env())
+    assert not dispatch_mod.experts_pdl(dispatch_mod.INTERPRETER, dispatch_mod.Flags.from_env())
 
 
 @pytest.mark.gpu

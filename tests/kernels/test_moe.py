@@ -221,9 +221,9 @@ def test_sm90_compile():
     import sys
     sys.path.insert(0, __import__("os").path.dirname(__file__))
     from sm90_compile import run_script  # tests/kernels/sm90_compile.py
-    from sm90_compile_moe import VARIANTS  # tests/kernels/sm90_compile_moe.py
+    from sm90_compile_moe import ACTIVATE_VARIANTS, VARIANTS  # tests/kernels/sm90_compile_moe.py
 
-    for line in run_script("sm90_compile_moe.py", VARIANTS):
+    for line in run_script("sm90_compile_moe.py", VARIANTS + ACTIVATE_VARIANTS):
         assert "error" not in line, line
         assert line["cubin"] > 0
         assert (line["mma"] > 0) == (line["variant"][1] == "sorted"), line  # tensor cores on the sorted path

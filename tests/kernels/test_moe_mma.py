@@ -77,7 +77,7 @@ def test_unused_slots_and_every_token_to_one_expert(poisoned_outputs, tokens):
     check(*case(8, 2, tokens, 128, 64, 64, torch.float16, ids=ids))
 
 
-def test_dispatch_and_explain():
+def test_dispatch_and_explain(monkeypatch):
     h200 = DeviceProps("NVIDIA H200", (9, 0), 132)
     d = choose(h200, 1, 8, 128, 2048, 768, 128, mma=True)
     assert d.gate_up.path == d.down.path == "mma" and d.gate_up.block_m == 1 and d.gate_up.split > 1
@@ -95,8 +95,13 @@ def test_dispatch_and_explain():
         d = choose(h200, tokens, 8, 128, 2048, 768, 128, mma=True)
         assert (d.gate_up.split, d.down.split) == (2, down_split)
     assert choose(h200, 4, 8, 128, 2048, 768, 128, mma=True).down.split == 1
+    monkeypatch.delenv("QUANTPACK_PDL", raising=False)
     text = explain(1, 8, 128, 2048, 768, device=h200, mma=True)
     assert "mma layout" in text and "top-k weighted sum" in text and "last program" in text
+    assert "chained with PDL" in text  # (Hopper, QUANTPACK_PDL unset)
+    monkeypatch.setenv("QUANTPACK_PDL", "0")
+    assert "PDL" not in explain(1, 8, 128, 2048, 768, device=h200, mma=True)
+    assert "PDL" not in explain(1, 8, 128, 2048, 768, device=DeviceProps("NVIDIA A100", (8, 0), 108), mma=True)
     with pytest.raises(ValueError, match="not in the mma layout"):
         gate_up, down, x, ids, w = case(8, 2, 1, 128, 64, 64, torch.float16)
         fused_experts(x, gate_up, down, ids, w, config=(ExpertsConfig("mma", 1, 32, 0),) * 2)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..dequant import cdiv, interpreting
-from ..dispatch import DeviceProps, Flags, device_props, wgmma_device
+from ..dispatch import DeviceProps, Flags, device_props, experts_pdl, wgmma_device
 from ..wgmma_mm import wgmma_layout_fits
 from .mma_experts import SUMMED_BY_DOWN_MAX_TOKENS, mma_experts_grid
 from .routing import max_blocks
@@ -219,10 +219,12 @@ def explain(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, 
                 f"activation, the wgmma kernel for down, and the top-k weighted sum over slots (float32), because "
                 f"{d.reason}.")
     if d.path == "mma" and d.gate_up.block_m == 1:
+        chained = (", the three launches chained with PDL (QUANTPACK_PDL=0 turns that off)"
+                   if experts_pdl(props, replace(Flags.from_env(), interpret=False)) else "")
         return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up}, the activation, and down as "
                 f"{d.down}" + (" (the top-k weighted sum over slots, float32, by each column tile's last program)"
                                if tokens <= SUMMED_BY_DOWN_MAX_TOKENS else ", the top-k weighted sum over slots "
-                               "(float32)") + f", because {d.reason}.")
+                               "(float32)") + f"{chained}, because {d.reason}.")
     if d.path == "mma":
         return (f"On {where}, fused experts with {shape} run gate_up as {d.gate_up}, the activation, down as "
                 f"{d.down}, and the top-k weighted sum over slots (float32), because {d.reason}.")

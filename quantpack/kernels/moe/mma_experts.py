@@ -24,12 +24,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import reference
 from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, interpreting, on_device, triton_usable
-from ..dispatch import launch_plans_enabled
+from ..dispatch import Flags, device_props, experts_pdl, launch_plans_enabled
 from ..caches import counter_slice
 from ..launch_plan import KernelReplays, tensor_key
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
@@ -126,9 +127,14 @@ def mma_experts_grid(blocks: int, n: int, k: int, group_size: int, sms: int, sor
 
 
 @triton.jit
-def _activate_kernel(p_ptr, h_ptr, R, I, alpha, limit, SPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _activate_kernel(p_ptr, h_ptr, R, I, alpha, limit, SPLIT: tl.constexpr, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """h[r] = act(sum_s gate[s, r], sum_s up[s, r]) in h's dtype: ``p`` (SPLIT, R, 2I) float32, gate then up (the
-    splits unrolled: their loads are in flight together)."""
+    splits unrolled: their loads are in flight together). ``PDL``: launched with PDL, it lets the next grid start
+    at once and waits for the previous one before reading."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -170,9 +176,10 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, ids_ptr, w_ptr, out_ptr, H, R, E, TOPK:
 
 
 def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, sms: int, out=None,
-             topk_weights=None) -> torch.Tensor:
+             topk_weights=None, pdl: bool = False, release: bool = False) -> torch.Tensor:
     """One projection: (split, rows, N) float32 partial sums (see launch_mma_experts); with ``out`` (tokens, N),
-    each token's rows times ``topk_weights``, summed, written there by the launch itself."""
+    each token's rows times ``topk_weights``, summed, written there by the launch itself. ``pdl``, ``release``: as
+    launch_mma_experts takes them."""
     n, k = pe.shape
     blocks = ids.numel()
     grid = mma_experts_grid(blocks, n, k, pe.group_size, sms, sorted_blocks=not per_row, sums_slots=out is not None)
@@ -182,7 +189,7 @@ def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, s
     launch_mma_experts(x2, pe.words, pe.scales, pe.zeros, partials, ids, per_row=per_row, x_div=x_div, n=n, k=k,
                        group_size=pe.group_size, grid=grid, depth=mma_depth(grid, pe.group_size, 0),
                        rawq=True, use_asm=not interpreting(), replay=launch_plans_enabled(), out=out,
-                       counters=counters, topk_weights=topk_weights)
+                       counters=counters, topk_weights=topk_weights, pdl=pdl, release=release)
     return partials if out is None else out
 
 
@@ -198,13 +205,17 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
     pairs = tokens * top_k
     with on_device(x):
         if per_row:
+            # PDL (dispatch.experts_pdl): the activation's grid starts while gate_up finishes, and down's loads its
+            # experts' weights while the activation runs (the routing that wrote ids came before gate_up, which is
+            # launched without PDL)
+            pdl = experts_pdl(device_props(x.device), Flags.from_env())
             ids = topk_ids.reshape(-1)
-            h = activate(_project(x, gate_up, ids, per_row=True, x_div=top_k, rows=pairs, sms=sms), x.dtype,
-                         activation, alpha, limit)
+            h = activate(_project(x, gate_up, ids, per_row=True, x_div=top_k, rows=pairs, sms=sms, release=pdl),
+                         x.dtype, activation, alpha, limit, pdl=pdl)
             if tokens <= SUMMED_BY_DOWN_MAX_TOKENS:
                 return _project(h, down, ids, per_row=True, x_div=1, rows=pairs, sms=sms, topk_weights=topk_weights,
-                                out=dequant._alloc((tokens, x.shape[1]), x.dtype, x.device))
-            y = _project(h, down, ids, per_row=True, x_div=1, rows=pairs, sms=sms)
+                                out=dequant._alloc((tokens, x.shape[1]), x.dtype, x.device), pdl=pdl)
+            y = _project(h, down, ids, per_row=True, x_div=1, rows=pairs, sms=sms, pdl=pdl)
             return weighted_sum(y, None, topk_ids, topk_weights, x.dtype, gate_up.num_experts)
         sorted_pairs, ids, pos = align_block_size(topk_ids, gate_up.num_experts, BLOCK_ROWS, positions=True)
         rows = sorted_pairs.numel()
@@ -218,15 +229,17 @@ def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids
 _ACTIVATE, _WEIGHTED_SUM = KernelReplays(_activate_kernel), KernelReplays(_weighted_sum_kernel)
 
 
-def activate(gu: torch.Tensor, dtype: torch.dtype, activation: str, alpha: float, limit: float) -> torch.Tensor:
+def activate(gu: torch.Tensor, dtype: torch.dtype, activation: str, alpha: float, limit: float,
+             pdl: bool = False) -> torch.Tensor:
     """h (rows, I) in ``dtype`` = the activation of gate_up's float32 (split, rows, 2I) partial sums (or (rows, 2I))
-    summed over their splits (on gu's device, which the caller made current)."""
+    summed over their splits (on gu's device, which the caller made current); ``pdl``: launched with PDL (a GPU)."""
     split, rows, two_i = (1, *gu.shape) if gu.dim() == 2 else gu.shape
     inter = two_i // 2
     h = dequant._alloc((rows, inter), dtype, gu.device)
-    key = (tensor_key(gu), dtype, activation, alpha, limit) if launch_plans_enabled() else None
+    key = (tensor_key(gu), dtype, activation, alpha, limit, pdl) if launch_plans_enabled() else None
     _ACTIVATE(key, (rows, cdiv(inter, ACT_BLOCK), 1), gu, gu, h, rows, inter, float(alpha), float(limit),
-              SPLIT=split, ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, num_warps=ELEMENTWISE_WARPS)
+              SPLIT=split, ACT=ACTIVATIONS[activation], BLOCK=ACT_BLOCK, PDL=pdl, num_warps=ELEMENTWISE_WARPS,
+              **({"launch_pdl": True} if pdl else {}))
     return h
 
 
