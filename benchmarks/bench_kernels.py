@@ -88,7 +88,7 @@ def ceilings():
     x = torch.randn(2 ** 29, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
     bw = 2 * x.numel() * 2 / (med(lambda: y.copy_(x)) * 1e-3)
-    del x, y
+    x = y = None  # (their memory, before the next test's)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     peak = 2 * 8192 ** 3 / (med(lambda: a @ b) * 1e-3)
@@ -382,7 +382,7 @@ def _bench_dequant_one(n, k, bits, axis, gs, bw, sweep):
     srcs = [torch.randn(nbytes // 4, dtype=torch.bfloat16, device="cuda") for _ in range(r)]
     dsts = [torch.empty_like(v) for v in srcs]
     same, _ = graph_time([lambda i=i: dsts[i].copy_(srcs[i]) for i in range(r)])
-    del srcs, dsts
+    srcs = dsts = None  # (their memory)
     choose = dq_mod._dequant_block
     shipped = choose(bits, axis, gs)
     variants = {}
@@ -423,7 +423,7 @@ def bench_stream(dtype):
         x = torch.randn(1, k, device="cuda", dtype=dtype)
         ws = [w] + [w.clone() for _ in range(replicas(2 * n * k, L2) - 1)]
         tc, _ = graph_time([lambda i=i: F.linear(x, ws[i]) for i in range(len(ws))])
-        del w, ws
+        w = ws = None  # (their memory)
         for bits in (4, 8):
             nbytes = n * k * bits // 8 + 4 * (k // GS) * n
             words = triton.cdiv(nbytes, 4 * 128 * 4 * 32) * 128 * 4 * 32  # whole programs of the largest shape

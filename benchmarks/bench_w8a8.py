@@ -155,8 +155,8 @@ def bench(ms, l2, rounds):
                 f"{name} {'/'.join(f'{t:.1f}' for t in times[name])}us ({flops / row[name] / 1e6:.0f} TF)"
                 for name in calls))
             rows.append(row)
-            del xs, xq
-        del w_bf16, quantized
+            xs = xq = calls = None  # (their memory, before the next shape's)
+        w_bf16 = quantized = None
         torch.cuda.empty_cache()
     return rows
 

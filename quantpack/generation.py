@@ -352,7 +352,7 @@ class DecodeGraphs:
             restore()
             self._give_up(e, kwargs)
             return self.model(**kwargs)
-        del saved
+        saved.clear()  # (the copies' memory, now)
         self.graphs[key] = _Captured(inputs, graph, output)
         graph.replay()  # (capturing ran nothing: this step's result)
         self.captures += 1

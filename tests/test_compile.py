@@ -18,7 +18,6 @@ from quantpack.kernels.mixed_mm import mixed_mm_op
 from quantpack.loader import load
 from quantpack.modules.linear import QuantLinear
 from quantpack.modules.w8a8 import W8A8Linear
-from quantpack.quantization.groupwise import quantize
 from oracles import MIXED_MM, GraphRecorder
 from test_loader import llama_src, packed_llama, prompt_ids, rel_err  # noqa: F401
 

@@ -289,7 +289,8 @@ def plan_experts(model, src, expert_sources, summary, quant_plan, bits_overrides
                 raise ValueError(f"--skip {matched.pattern} selects {name}, one matrix of the experts block {block}; "
                                  f"a block is quantized whole: skip none or all of it is not supported yet")
             layer_bits = next((b for p, b in bits_rules if p.search(name)), bits)
-            block_bits = block_bits if (proj, e) != (PROJECTIONS[0], 0) else layer_bits
+            if (proj, e) == (PROJECTIONS[0], 0):  # (first in this order: the block's width)
+                block_bits = layer_bits
             if layer_bits != block_bits:
                 raise ValueError(f"--bits-for gives {name} {layer_bits} bits but {block}.gate_proj.0 {block_bits}; "
                                  f"an experts block is quantized whole with one bit width: select all of it or none")

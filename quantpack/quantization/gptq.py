@@ -367,7 +367,7 @@ def _quantize_block(block: nn.Module, prefix: str, hidden: list[torch.Tensor], c
         first = linears[names[0]]
         hess = _Hessian(first.in_features, first.weight.device)
 
-        def capture(module, args):
+        def capture(module, args, hess=hess):
             hess.add(args[0])
             raise _Stop  # what comes after this layer does not matter for its Hessian
 
@@ -386,5 +386,5 @@ def _quantize_block(block: nn.Module, prefix: str, hidden: list[torch.Tensor], c
                                static_groups=static_groups, act_order=act_order, shrink=shrink)
             module.weight.data = dequantize(pw, torch.float32)
             packed.update({f"{name}.qweight": pw.qweight, f"{name}.scales": pw.scales, f"{name}.zeros": pw.zeros})
-        del hess
+        hess = None  # (its memory, before the next group's)
     return packed

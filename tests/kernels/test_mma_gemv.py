@@ -9,7 +9,7 @@ from oracles import packed_weight as packed, rel_err, mm_mod, dispatch_mod, cach
 from quantpack.kernels import mixed_mm
 from quantpack.kernels.mixed_mm import KernelConfig
 from quantpack.kernels.mma_gemv import launch_mma_gemv, mma_depth, mma_grid
-from quantpack.kernels.mma_layout import mma_pack, mma_unpack
+from quantpack.kernels.mma_layout import mma_pack
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
