@@ -384,7 +384,8 @@ def default_decode(model, prompt, new_tokens: int) -> tuple[float, float]:
 # Kernel name -> op family, first match wins (Triton kernels by their function names, PyTorch's by functor).
 FAMILIES = [
     ("quantized linears", r"forward_kernel|transposed_kernel|_gemv_kernel|_mma_gemv_kernel|_wgmma_kernel|_w8a8"
-                          r"|_w4a8_kernel|_quantize_fp8_kernel|_quantize_rows_kernel|_dequant(ize)?_kernel|_experts_kernel"),
+                          r"|_w4a8_kernel|_quantize_fp8_kernel|_quantize_rows_kernel|_dequant(ize)?_kernel"
+                          r"|_experts_kernel"),
     ("experts' routing, activation and slot sums (quantpack)",
      r"_rank_kernel|_blocks_kernel|_place_kernel|_gather_kernel|_activate_kernel|_weighted_sum_kernel"
      r"|_sum_slots_kernel|_unpack_kernel"),

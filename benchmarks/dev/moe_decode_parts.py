@@ -21,7 +21,7 @@ from quantpack.kernels.moe import fused_experts  # noqa: E402
 from quantpack.kernels.mma_gemv import mma_grid  # noqa: E402
 from quantpack.kernels.moe import mma_experts  # noqa: E402
 from quantpack.kernels.moe.mma_experts import MmaExperts  # noqa: E402
-from bench_moe import MODELS, check, copy_bandwidth, expert_bytes, random_block, routing  # noqa: E402
+from bench_moe import GS, MODELS, check, copy_bandwidth, expert_bytes, random_block, routing  # noqa: E402
 from timing import graph_time  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def sweep_projection(calls, floor, name, proj_n, proj_k, pairs, sms, kwarps_opti
                         split = max(1, -(-programs * sms // (blocks * max(1, n // (16 * warps)))))
                         return mma_grid(n, k, group_size, warps, split, 1, 4, kwarps=kwarps)
                     mma_experts.mma_experts_grid = grid
-                    g = grid(pairs, proj_n, proj_k, 128, sms)  # (what mma_grid made of the ask)
+                    g = grid(pairs, proj_n, proj_k, GS, sms)  # (what mma_grid made of the ask)
                     us = graph_time(calls, warmup=10, rep=60)[0] * 1e3
                     what = f"warps {g.warps} x {g.kwarps} over K, split {g.split}, {g.groups} groups a warp"
                     best = min(best or (us, ""), (us, what))

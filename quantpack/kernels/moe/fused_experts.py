@@ -25,7 +25,7 @@ from ... import reference
 from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, dequant_pair_tile, interpreting, on_device, triton_usable
-from ..dispatch import device_props
+from ..dispatch import Flags, device_props, experts_pdl
 from .activation import ACTIVATIONS, expert_activation
 from .dispatch import ExpertsConfig, choose
 from .grouped import grouped_experts, grouped_usable
@@ -285,8 +285,10 @@ def fused_experts(x: torch.Tensor, gate_up: PackedExperts, down: PackedExperts, 
     if mma != (cfg_gu.path == "mma"):
         raise ValueError(f"config {cfg_gu}: the experts are {'' if mma else 'not '}in the mma layout")
     if mma:
-        return mma_experts(x, gate_up, down, topk_ids, topk_weights, per_row=cfg_gu.block_m == 1, sms=props.sms,
-                           activation=activation, alpha=alpha, limit=limit)
+        per_row = cfg_gu.block_m == 1
+        return mma_experts(x, gate_up, down, topk_ids, topk_weights, per_row=per_row, sms=props.sms,
+                           activation=activation, alpha=alpha, limit=limit,
+                           pdl=per_row and experts_pdl(props, Flags.from_env()))
     with on_device(x):
         routes = {cfg: route(topk_ids, gate_up.num_experts, cfg) for cfg in config}
         h = gate_up_stage(x, gate_up, topk_ids, topk_weights, cfg_gu, routes[cfg_gu], activation=activation,

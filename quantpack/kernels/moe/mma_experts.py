@@ -14,8 +14,8 @@ bytes; modules/experts.py converts a block once its tensors are on a GPU). Each 
 
 Between the projections one small kernel sums gate_up's split-K partials and applies the activation; after down one
 sums its partials and each token's slots with their top-k weights, in float32, rounded once (for one or two tokens,
-down's own last program of each tile does this: three launches a block). No host sync: a decode step is captured in
-a CUDA graph and replayed with new routing.
+down's own last program of each tile does this: three launches a block, chained with programmatic dependent launch
+on Hopper). No host sync: a decode step is captured in a CUDA graph and replayed with new routing.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from ... import reference
 from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, interpreting, on_device, triton_usable
-from ..dispatch import Flags, device_props, experts_pdl, launch_plans_enabled
+from ..dispatch import launch_plans_enabled
 from ..caches import counter_slice
 from ..launch_plan import KernelReplays, tensor_key
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
@@ -195,20 +195,19 @@ def _project(x2, pe: MmaExperts, ids, *, per_row: bool, x_div: int, rows: int, s
 
 def mma_experts(x: torch.Tensor, gate_up: MmaExperts, down: MmaExperts, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, *, per_row: bool, sms: int, activation: str = "silu",
-                alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                alpha: float = 1.702, limit: float = 7.0, pdl: bool = False) -> torch.Tensor:
     """:func:`quantpack.reference.experts`'s semantics (no bias, weights on the output) on the mma layout, for
     contiguous ``x`` (T, H), ``topk_ids`` and ``topk_weights`` (T, k): ``per_row``, one block per (token, slot) pair
     (up to :data:`SUMMED_BY_DOWN_MAX_TOKENS` tokens, down's launch also sums the slots); else pairs sorted into
-    blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid sizing)."""
+    blocks of :data:`BLOCK_ROWS` per expert. ``sms``: the GPU's multiprocessors (grid sizing). ``pdl`` (``per_row``,
+    a Hopper GPU; dispatch.experts_pdl decides): the activation's grid starts while gate_up finishes, and down's
+    loads its experts' weights while the activation runs (the routing that wrote the ids came before gate_up, which
+    is launched without PDL)."""
     tokens = x.shape[0]
     top_k = topk_ids.shape[1]
     pairs = tokens * top_k
     with on_device(x):
         if per_row:
-            # PDL (dispatch.experts_pdl): the activation's grid starts while gate_up finishes, and down's loads its
-            # experts' weights while the activation runs (the routing that wrote ids came before gate_up, which is
-            # launched without PDL)
-            pdl = experts_pdl(device_props(x.device), Flags.from_env())
             ids = topk_ids.reshape(-1)
             h = activate(_project(x, gate_up, ids, per_row=True, x_div=top_k, rows=pairs, sms=sms, release=pdl),
                          x.dtype, activation, alpha, limit, pdl=pdl)
