@@ -302,7 +302,8 @@ _SILU_MUL = KernelReplays(_silu_mul_kernel)
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, len_ptr, H, S, L, ROWS, DK, DV,
                      k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program: it reads the count before it advances it, so no other program can see it half-way.
+    # One program: it reads the count before it advances it, so no other program can see it half-way. A block
+    # of rows is loaded (keys and values at once) before it is stored: each block costs one round trip.
     pos0 = tl.load(len_ptr)
     d = tl.arange(0, BLOCK_D)
     for r0 in range(0, ROWS, BLOCK_R):
@@ -310,18 +311,22 @@ def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, len_ptr, H, S, L, ROWS, DK, D
         s = r % S
         b = r // S // H
         h = r // S % H
+        row_in = r < ROWS
+        key = tl.load(k_ptr + (b * k_sb + h * k_sh + s * k_ss)[:, None] + d[None, :],
+                      mask=row_in[:, None] & (d < DK)[None, :])
+        value = tl.load(v_ptr + (b * v_sb + h * v_sh + s * v_ss)[:, None] + d[None, :],
+                        mask=row_in[:, None] & (d < DV)[None, :])
         pos = pos0 + s
-        row_ok = (r < ROWS) & (pos < L)
-        km = row_ok[:, None] & (d < DK)[None, :]
-        x = tl.load(k_ptr + (b * k_sb + h * k_sh + s * k_ss)[:, None] + d[None, :], mask=km)
-        tl.store(kc_ptr + (b * kc_sb + h * kc_sh + pos * kc_ss)[:, None] + d[None, :], x, mask=km)
-        vm = row_ok[:, None] & (d < DV)[None, :]
-        x = tl.load(v_ptr + (b * v_sb + h * v_sh + s * v_ss)[:, None] + d[None, :], mask=vm)
-        tl.store(vc_ptr + (b * vc_sb + h * vc_sh + pos * vc_ss)[:, None] + d[None, :], x, mask=vm)
+        row_ok = row_in & (pos < L)
+        tl.store(kc_ptr + (b * kc_sb + h * kc_sh + pos * kc_ss)[:, None] + d[None, :], key,
+                 mask=row_ok[:, None] & (d < DK)[None, :])
+        tl.store(vc_ptr + (b * vc_sb + h * vc_sh + pos * vc_ss)[:, None] + d[None, :], value,
+                 mask=row_ok[:, None] & (d < DV)[None, :])
     tl.store(len_ptr, pos0 + S)
 
 
 KV_WRITE_MAX_ROWS = 2048  # (batch x heads x tokens) rows one program copies quickly; a longer write takes torch's ops
+KV_WRITE_BLOCK = 16384  # elements of keys (and as many of values) a block: batch 16's 8 heads of 128 in one round trip
 
 
 def kv_write_unsupported(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -369,14 +374,14 @@ def kv_write_unchecked(key: torch.Tensor, value: torch.Tensor, keys: torch.Tenso
     b, h, s, dk = key.shape
     dv = value.shape[3]
     block_d = next_power_of_2(max(dk, dv))
-    block_r = max(1, min(next_power_of_2(b * h * s), 4096 // block_d))
+    block_r = max(1, min(next_power_of_2(b * h * s), KV_WRITE_BLOCK // block_d))
     key_ = ((key.shape, key.stride(), value.shape, value.stride(), keys.shape, keys.stride(), values.stride(),
              key.dtype, value.dtype, length.dtype, key.device, key.data_ptr() % 16, value.data_ptr() % 16,
              keys.data_ptr() % 16, values.data_ptr() % 16, length.data_ptr() % 16) if launch_plans_enabled() else None)
     with on_device(key):
         _KV_WRITE(key_, (1, 1, 1), key, key, value, keys, values, length, h, s, keys.shape[2], b * h * s, dk, dv,
                   *key.stride()[:3], *value.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-                  BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+                  BLOCK_R=block_r, BLOCK_D=block_d, num_warps=8 if block_r * block_d > 4096 else 4)
 
 
 _KV_WRITE = KernelReplays(_kv_write_kernel)

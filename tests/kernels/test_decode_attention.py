@@ -84,6 +84,36 @@ def test_length_is_read_on_the_device_each_call():
     torch.testing.assert_close(second.double(), _reference(q, k, v, 41), rtol=1e-5, atol=1e-5)
 
 
+@needs_interpreter
+def test_one_split_walks_every_block_and_writes_the_output(poisoned_outputs, monkeypatch):
+    """splits=1: one launch, whose program per KV head walks every valid block and writes the output itself (no
+    partials, no combine kernel), at any length the cache holds."""
+    launched = []
+    real = da._decode_attention_combine_kernel
+    monkeypatch.setattr(da, "_decode_attention_combine_kernel",
+                        type("Counted", (), {"__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    q, k, v = _inputs(3, 4, 2, 2, 300, seed=2)
+    kv_len = torch.tensor(0)
+    for n in (290, 65, 2):
+        kv_len.fill_(n)
+        out = da.decode_attention(q, k, v, kv_len, splits=1)
+        torch.testing.assert_close(out.double(), _reference(q, k, v, n), rtol=1e-5, atol=1e-5)
+    assert not launched
+    da.decode_attention(q, k, v, kv_len, splits=2)
+    assert len(launched) == 1
+
+
+def test_default_splits():
+    """Enough programs to fill the GPU (8 off it), at most the cache's blocks; one split for a cache of at most four
+    blocks once the batch's heads alone give programs to half the GPU."""
+    cpu = torch.device("cpu")
+    assert da.default_splits(1, 1, 1000, cpu) == 8
+    assert da.default_splits(1, 1, 100, cpu) == 2  # (the cache's blocks)
+    assert da.default_splits(1, 1, 256, cpu) == 4
+    assert da.default_splits(2, 1, 256, cpu) == 1
+    assert da.default_splits(2, 1, 257, cpu) == 4
+
+
 def test_unsupported_inputs_say_why():
     q, k, v = _inputs(1, 6, 4, 1, 8)
     assert "multiple" in da.unsupported(q, k, v, torch.tensor(3))
@@ -99,7 +129,7 @@ def test_unsupported_inputs_say_why():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("b,q_len,kv_len,max_len", [(1, 1, 32768, 33024), (16, 1, 4100, 4352), (3, 4, 1000, 2048),
-                                                    (2, 1, 1, 256)])
+                                                    (2, 1, 1, 256), (16, 1, 200, 256)])
 def test_gpu_bf16_full_sizes(b, q_len, kv_len, max_len):
     """8B Llama's attention shape (32 query heads, 8 KV heads, head_dim 128) in bf16 against float64 math."""
     q, k, v = _inputs(b, 32, 8, q_len, max_len, dim=128, dtype=torch.bfloat16, device="cuda")
