@@ -12,9 +12,10 @@ over transformers' static cache attends over all ``max_cache_len`` positions (th
 
 The number of valid positions is read on the device (``kv_len``: transformers' ``StaticLayer.cumulative_length``
 after the step's update), and the grid depends only on the shapes, so a step runs the same launches whatever the
-context: capturable in a CUDA graph, no host sync. Each split's share is cut at run time from ``kv_len``, so at any
-context every split has work. Query ``i`` of ``q_len`` sees positions ``< kv_len - q_len + i + 1`` (causal within
-the new tokens), further restricted by a boolean ``mask`` where given (padding).
+context: capturable in a CUDA graph, no host sync. Each split's share is cut at run time from ``kv_len``, in whole
+blocks of ``BLOCK_N`` positions (splits past the last position have none). Query ``i`` of ``q_len`` sees
+positions ``< kv_len - q_len + i + 1`` (causal within the new tokens), further restricted by a boolean ``mask``
+where given (padding).
 """
 from __future__ import annotations
 
