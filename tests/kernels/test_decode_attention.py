@@ -126,6 +126,22 @@ def test_unsupported_inputs_say_why():
         assert "float32" in da.unsupported(*(t.bfloat16() for t in (q, k, v)), torch.tensor(3))
 
 
+def test_sm90_compile():
+    """The split kernel (one split and several, with and without a mask), the combine kernel and the KV write
+    compile for Hopper (sm_90) on this machine (tests/kernels/sm90_compile_decode.py); the split kernel's two
+    products run on tensor cores."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from sm90_compile import run_script  # tests/kernels/sm90_compile.py
+    from sm90_compile_decode import VARIANTS  # tests/kernels/sm90_compile_decode.py
+
+    for line in run_script("sm90_compile_decode.py", VARIANTS):
+        assert "error" not in line, line
+        assert line["cubin"] > 0
+        assert (line["mma"] > 0) == (line["variant"][0] == "split"), line
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("b,q_len,kv_len,max_len", [(1, 1, 32768, 33024), (16, 1, 4100, 4352), (3, 4, 1000, 2048),
