@@ -179,7 +179,8 @@ def default_splits(batch: int, kv_heads: int, max_len: int, device: torch.device
     (a single launch, no combine kernel) where a short cache's heads alone give programs to half the SMs."""
     wanted = _programs_wanted(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 8
-    if batch * kv_heads * 4 >= wanted and max_len <= SINGLE_SPLIT_MAX_LEN:
+    sms = wanted // 2  # (wanted: two programs an SM)
+    if 2 * batch * kv_heads >= sms and max_len <= SINGLE_SPLIT_MAX_LEN:
         return 1
     return max(1, min(cdiv(wanted, batch * kv_heads), cdiv(max_len, BLOCK_N), MAX_SPLITS))
 

@@ -223,8 +223,7 @@ def pdl_device(props: DeviceProps, flags: Flags) -> bool:
     while the kernel before it finishes, waiting only before it reads anything another kernel may write. Off unless
     QUANTPACK_PDL=1: on an H200 it made back-to-back M = 1 calls 8-17% faster, but M = 4/8 and 8-bit 4096^2 calls
     3-9% slower and 8B-shaped graph decode no faster."""
-    return (props.gpu and not flags.interpret and flags.pdl is True and props.capability is not None
-            and props.capability[0] >= 9)
+    return flags.pdl is True and _pdl_capable(props, flags)
 
 
 def experts_pdl(props: DeviceProps, flags: Flags) -> bool:
@@ -232,8 +231,12 @@ def experts_pdl(props: DeviceProps, flags: Flags) -> bool:
     PDL (Hopper and later): the activation's grid starts while gate_up finishes, down's loads its experts' weights
     while the activation runs. On unless QUANTPACK_PDL=0 (H200: Qwen3-30B-A3B's batch-1 block 17.0 -> 14.9 us, two
     tokens 22.3 -> 21.4; Mixtral's unchanged)."""
-    return (props.gpu and not flags.interpret and flags.pdl is not False and props.capability is not None
-            and props.capability[0] >= 9)
+    return flags.pdl is not False and _pdl_capable(props, flags)
+
+
+def _pdl_capable(props: DeviceProps, flags: Flags) -> bool:
+    """A GPU of compute capability 9.0 or later (Hopper, Blackwell), not Triton's interpreter: where PDL exists."""
+    return props.gpu and not flags.interpret and props.capability is not None and props.capability[0] >= 9
 
 
 # ----------------------------------------------------------------------------------------------

@@ -381,7 +381,12 @@ def kv_write_unchecked(key: torch.Tensor, value: torch.Tensor, keys: torch.Tenso
     with on_device(key):
         _KV_WRITE(key_, (1, 1, 1), key, key, value, keys, values, length, h, s, keys.shape[2], b * h * s, dk, dv,
                   *key.stride()[:3], *value.stride()[:3], *keys.stride()[:3], *values.stride()[:3],
-                  BLOCK_R=block_r, BLOCK_D=block_d, num_warps=8 if block_r * block_d > 4096 else 4)
+                  BLOCK_R=block_r, BLOCK_D=block_d, num_warps=kv_write_warps(block_r, block_d))
 
 
 _KV_WRITE = KernelReplays(_kv_write_kernel)
+
+
+def kv_write_warps(block_r: int, block_d: int) -> int:
+    """Warps of the KV write's program for blocks of ``block_r`` rows of ``block_d``: eight past 4096 elements."""
+    return 8 if block_r * block_d > 4096 else 4

@@ -49,7 +49,7 @@ def compile_variant(kernel, xname, group, splits, mask):
         const = dict(BLOCK_R=group, BLOCK_D=splits)
         fn = fused_ops._kv_write_kernel
     sig |= {name: "constexpr" for name in const}
-    warps = 8 if kernel == "kv_write" and group * splits > 4096 else 4  # (as the launchers choose)
+    warps = fused_ops.kv_write_warps(group, splits) if kernel == "kv_write" else 4  # (as the launchers choose)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps})
     ptx = compiled.asm["ptx"]
