@@ -4,7 +4,7 @@ them on a GPU, the mma layout) and each of its launches alone, under CUDA-graph 
 launches). Qwen3-30B-A3B's and Mixtral-8x7B's shapes at 1 and 16 tokens.
 
     python benchmarks/dev/moe_decode_parts.py [--tokens 1,16] [--models qwen3-moe,mixtral] [--sweep]
-        [--sweep-projections] [--fuse]
+        [--sweep-projections] [--fuse] [--without-activation]
 """
 import argparse
 import math
@@ -109,6 +109,28 @@ def fusions(calls, floor, tokens):
         mma_experts.SUMMED_BY_DOWN_MAX_TOKENS = saved
 
 
+def without_activation(calls, floor):
+    """The whole call with the activation kernel between the projections left out (down reads a stale h): what
+    making h in gate_up's own launch could save at most, alternating twice with the call as it is."""
+    original = mma_experts.activate
+    held = {}
+
+    def stale(gu, dtype, activation, alpha, limit, pdl=False):
+        key = (gu.shape, dtype)
+        if key not in held:
+            held[key] = original(gu, dtype, activation, alpha, limit, pdl=pdl)
+        return held[key]
+
+    for _ in range(2):
+        for label in ("as it is", "without the activation launch"):
+            mma_experts.activate = original if label == "as it is" else stale
+            try:
+                us = graph_time(calls, warmup=10, rep=60)[0] * 1e3
+            finally:
+                mma_experts.activate = original
+            print(f"    {label}: {us:7.1f} us ({floor / us:.1%})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,16")
@@ -118,6 +140,8 @@ def main():
                     help="also time each projection's grid alone over warps along N and K and programs per SM (down's "
                          "with the slots summed by its launch, then apart)")
     ap.add_argument("--fuse", action="store_true", help="also time the weighted sum by down's launch and apart")
+    ap.add_argument("--without-activation", action="store_true",
+                    help="also time the call with the activation launch left out (an upper bound on fusing it)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -162,6 +186,8 @@ def main():
                         mma_experts.SUMMED_BY_DOWN_MAX_TOKENS = saved
             if args.fuse:
                 fusions(calls, floor, tokens)
+            if args.without_activation:
+                without_activation(calls, floor)
             blocks = loaded = None  # (their memory, before the next count's)
             torch.cuda.empty_cache()
 
