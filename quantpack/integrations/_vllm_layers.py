@@ -34,6 +34,7 @@ from ..format import PackedExperts, PackedWeight
 from ..kernels.dequant import triton_usable
 from ..kernels.launch_plan import PlanCache
 from ..kernels.moe import fused_experts
+from ..kernels.moe.mma_experts import MmaExperts, mma_layout_usable
 from .vllm_sharding import partition
 
 
@@ -232,7 +233,8 @@ class QuantpackExpertsMethod(FusedMoEMethodBase):
     (:class:`~quantpack.format.PackedExperts`): ``w13_*`` holds each expert's gate and up matrices merged along N
     (gate rows first), ``w2_*`` its down matrix, as (E, K/2 or K, N) ``qweight`` and (E, K/g, N) ``scales``/
     ``zeros``. Tensor parallelism splits w13 along N and w2 along K (both the intermediate size), vLLM's loaders
-    placing each expert's checkpoint matrix in its slot and shard; expert parallelism keeps this rank's experts."""
+    placing each expert's checkpoint matrix in its slot and shard; expert parallelism keeps this rank's experts.
+    After loading, the qweights move into the tensor-core decode layout where it fits (``quantpack_mma``)."""
 
     def __init__(self, config: QuantpackConfig, prefix: str, moe):
         super().__init__(moe)
@@ -289,14 +291,25 @@ class QuantpackExpertsMethod(FusedMoEMethodBase):
             for name in ("qweight", "scales", "zeros"):
                 full = f"{stem}_{name}"
                 setattr(layer, full, torch.nn.Parameter(getattr(layer, full).data, requires_grad=False))
+        # where it fits, the experts' 4-bit weights move into the tensor-core decode layout (same bytes, one stack
+        # at a time), as quantpack.load keeps them on a GPU: decode runs the mma kernel per expert
+        stacks = [self._packed(layer, stem) for stem in ("w13", "w2")]
+        layer.quantpack_mma = mma_layout_usable(stacks, layer.w13_qweight.device,
+                                                weight_on_input=layer.apply_router_weight_on_input)
+        if layer.quantpack_mma:
+            for stem, pe in zip(("w13", "w2"), stacks):
+                setattr(layer, f"{stem}_qweight", torch.nn.Parameter(MmaExperts.from_packed(pe).words,
+                                                                     requires_grad=False))
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None  # (apply runs quantpack's own kernels, not vLLM's modular ones)
 
-    def _packed(self, layer: torch.nn.Module, stem: str) -> PackedExperts:
+    def _packed(self, layer: torch.nn.Module, stem: str) -> PackedExperts | MmaExperts:
         group_size, shape = getattr(layer, f"quantpack_{stem}")
-        return PackedExperts(getattr(layer, f"{stem}_qweight"), getattr(layer, f"{stem}_scales"),
-                             getattr(layer, f"{stem}_zeros"), self.bits[stem], group_size, shape)
+        tensors = (getattr(layer, f"{stem}_qweight"), getattr(layer, f"{stem}_scales"), getattr(layer, f"{stem}_zeros"))
+        if getattr(layer, "quantpack_mma", False):
+            return MmaExperts(*tensors, group_size, shape)
+        return PackedExperts(*tensors, self.bits[stem], group_size, shape)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:

@@ -400,17 +400,9 @@ class QuantExperts(nn.Module):
         TRITON_INTERPRET=1) where the kernel passed its self-check, QUANTPACK_MMA on, 4 bits, 16-bit scales, no
         bias, no input-side routing weight, and a group size the layout's 64-wide chunks divide (so gate, up and
         down are each whole 16-row tiles)."""
-        from ..env import switch
-        from ..kernels.caches import mma_self_check
-        from ..kernels.dequant import interpreting
-        from ..kernels.moe.mma_experts import mma_experts_fit
+        from ..kernels.moe.mma_experts import mma_layout_usable
 
-        device = torch.device(device)
-        on = device.type == "cuda" or (device.type == "cpu" and interpreting())
-        stacks = (self.gate_up, self.down)
-        return (on and not self.weight_on_input and switch("QUANTPACK_MMA")
-                and all(mma_experts_fit(pe, pe.scales.dtype) for pe in stacks)
-                and (device.type != "cuda" or mma_self_check(device)))
+        return mma_layout_usable((self.gate_up, self.down), device, weight_on_input=self.weight_on_input)
 
     @torch.no_grad()
     def use_mma_layout(self, device: torch.device | str | None = None) -> bool:

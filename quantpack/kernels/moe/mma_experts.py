@@ -27,11 +27,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ... import reference
+from ...env import switch
 from ...format import PackedExperts
 from .. import dequant
 from ..dequant import cdiv, interpreting, on_device, triton_usable
 from ..dispatch import launch_plans_enabled
-from ..caches import counter_slice
+from ..caches import counter_slice, mma_self_check
 from ..launch_plan import KernelReplays, tensor_key
 from ..mma_gemv import launch_mma_experts, mma_depth, mma_grid
 from ..mma_layout import CHUNK, mma_pack, mma_unpack
@@ -105,6 +106,18 @@ def mma_experts_fit(pe: PackedExperts, dtype: torch.dtype) -> bool:
     n, k = pe.shape
     return (pe.bits == 4 and pe.bias is None and pe.group_size % CHUNK == 0 and k % pe.group_size == 0
             and n % 16 == 0 and dtype in (torch.float16, torch.bfloat16) and pe.scales.dtype == dtype)
+
+
+def mma_layout_usable(stacks, device, weight_on_input: bool = False) -> bool:
+    """Whether a block's experts ``stacks`` (its :class:`~quantpack.format.PackedExperts`, gate_up and down) can be
+    held in the mma layout on ``device``: a GPU whose mma kernel passed its self-check (or the CPU under
+    TRITON_INTERPRET=1), QUANTPACK_MMA on, no input-side routing weight, and each stack fitting the layout
+    (:func:`mma_experts_fit`, at its scales' dtype)."""
+    device = torch.device(device)
+    on = device.type == "cuda" or (device.type == "cpu" and interpreting())
+    return (on and not weight_on_input and switch("QUANTPACK_MMA")
+            and all(mma_experts_fit(pe, pe.scales.dtype) for pe in stacks)
+            and (device.type != "cuda" or mma_self_check(device)))
 
 
 def mma_experts_grid(blocks: int, n: int, k: int, group_size: int, sms: int, sorted_blocks: bool = False,
